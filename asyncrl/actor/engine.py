@@ -1,0 +1,74 @@
+"""Building the vLLM engine for an actor, and reading per-token data out of its results."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class EngineSettings:
+    """vLLM engine settings (``actor.engine`` in config). Names follow vLLM's EngineArgs."""
+
+    dtype: str = "float32"  # fp32 on both sides makes actor and learner log-probs agree to ~0
+    max_model_len: int = 64
+    max_num_seqs: int = 64
+    kv_cache_memory_mb: int = 256  # CPU: an explicit KV budget, not a fraction of RAM
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = False  # never reuse KV across policy versions by accident
+    gpu_memory_utilization: float = 0.5
+    extra: dict[str, Any] | None = None  # any other EngineArgs field
+
+
+def make_engine(model_path: str, s: EngineSettings, seed: int = 0):
+    """Start a vLLM AsyncLLM whose workers carry asyncrl's worker extension."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        dtype=s.dtype,
+        max_model_len=s.max_model_len,
+        max_num_seqs=s.max_num_seqs,
+        enforce_eager=s.enforce_eager,
+        enable_prefix_caching=s.enable_prefix_caching,
+        # Log-probs of the distribution actually sampled from (after temperature,
+        # top-k/top-p): the importance ratios need exactly these.
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls="asyncrl.actor.worker_ext.AsyncRLWorkerExtension",
+        seed=seed,
+    )
+    if _on_cpu():
+        kwargs["kv_cache_memory_bytes"] = s.kv_cache_memory_mb << 20
+    else:
+        kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
+    kwargs.update(s.extra or {})
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+
+def _on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def completion_arrays(comp, version_fallback: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(token ids, behaviour log-probs, versions) of one vLLM CompletionOutput.
+
+    vLLM labels contiguous spans of output tokens with the weight version that was
+    current in the engine when each token was produced (set by
+    ``update_weight_version`` while generation is paused), so versions are exact
+    even when a sequence spans an update.
+    """
+    ids = np.asarray(comp.token_ids, dtype=np.int32)
+    if comp.logprobs is None or len(comp.logprobs) != len(ids):
+        raise RuntimeError("vLLM returned no per-token log-probs; SamplingParams.logprobs must be 0")
+    lps = np.asarray([step[int(t)].logprob for step, t in zip(comp.logprobs, ids)], dtype=np.float32)
+    versions = np.full(len(ids), version_fallback, dtype=np.int32)
+    for span in comp.weight_versions or []:
+        versions[span.start : span.end] = int(span.version)
+    return ids, lps, versions

@@ -1,0 +1,261 @@
+"""RolloutActor: one vLLM engine generating continuously into the replay queue.
+
+    loop:  queue.acquire()  ── waits while the queue applies backpressure or the
+             │                 staleness window is full (see replay/buffer.py)
+           prompt = sampler.next()
+           task: engine.generate(prompt, n samples) ─▶ score ─▶ ray.put(group) once
+                 ─▶ queue.put([ref], meta)
+    update_weights(): pause(mode) ─▶ reload in place ─▶ label version ─▶ resume
+                      (resume always runs: generation is never left paused)
+
+Up to ``max_inflight_groups`` prompts generate at once; the engine batches them.
+Under ``abort`` an in-flight group that lost samples is generated again from its
+prompt, so every trajectory is produced by complete generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from asyncrl.actor.engine import EngineSettings, completion_arrays, make_engine
+from asyncrl.replay.buffer import GroupMeta
+from asyncrl.tasks.base import Prompt, Task, TaskSampler, score
+from asyncrl.trajectory import Trajectory, TrajectoryGroup
+
+UPDATE_MODES = ("abort", "wait", "keep")
+
+
+@dataclass
+class SamplingSettings:
+    """``actor.sampling`` in config; the learner applies the same temperature/top-k/top-p."""
+
+    n: int = 8  # samples per prompt (one group)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 8
+
+
+@dataclass
+class ActorStats:
+    groups: int = 0
+    trajectories: int = 0
+    tokens: int = 0
+    reward_errors: int = 0
+    regenerated: int = 0
+    updates: int = 0
+    update_seconds: float = 0.0
+    idle_seconds: float = 0.0  # waiting on the queue with nothing generating
+    started: float = field(default_factory=time.time)
+
+
+class RolloutActor:
+    def __init__(
+        self,
+        name: str,
+        model_path: str,
+        task: Task,
+        queue: Any,
+        sampling: SamplingSettings,
+        engine: EngineSettings,
+        seed: int = 0,
+        max_inflight_groups: int = 16,
+        update_mode: str = "keep",
+    ):
+        if update_mode not in UPDATE_MODES:
+            raise ValueError(f"actor.update_mode must be one of {UPDATE_MODES}, got {update_mode!r}")
+        self.name = name
+        self.task = task
+        self.queue = queue
+        self.sampling = sampling
+        self.sampler = TaskSampler(task, seed)
+        self.update_mode = update_mode
+        self.version = 0
+        self.stats = ActorStats()
+        self._engine_settings = engine
+        self._model_path = model_path
+        self._seed = seed
+        self._inflight = asyncio.Semaphore(max_inflight_groups)
+        self._n_inflight = 0
+        self._running = False
+        self._loop_task: asyncio.Task | None = None
+        self._update_lock = asyncio.Lock()
+        self.engine = None
+        self.fatal: str = ""
+
+    # ---- lifecycle ----------------------------------------------------------------
+    async def start(self) -> None:
+        self.engine = make_engine(self._model_path, self._engine_settings, self._seed)
+        await self.engine.update_weight_version(str(self.version))
+        self._running = True
+        self._loop_task = asyncio.create_task(self._generate_forever())
+
+    async def stop(self) -> dict[str, Any]:
+        self._running = False
+        if self._loop_task:
+            await asyncio.wait({self._loop_task}, timeout=30)
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        return self.get_stats()
+
+    def get_stats(self) -> dict[str, Any]:
+        s = vars(self.stats).copy()
+        s.update(name=self.name, version=self.version, inflight=self._n_inflight, fatal=self.fatal)
+        return s
+
+    def ping(self) -> str:
+        return self.name
+
+    # ---- generation -----------------------------------------------------------------
+    async def _generate_forever(self) -> None:
+        pending: set[asyncio.Task] = set()
+        try:
+            while self._running:
+                await self._inflight.acquire()
+                t0 = time.time()
+                ok = await self.queue.acquire.remote(1.0)
+                if self._n_inflight == 0:
+                    self.stats.idle_seconds += time.time() - t0
+                if not ok:
+                    self._inflight.release()
+                    continue
+                t = asyncio.create_task(self._one_group(self.sampler.next()))
+                pending.add(t)
+                t.add_done_callback(pending.discard)
+        except Exception as e:  # the loop itself must not die silently
+            self.fatal = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            for t in pending:
+                t.cancel()
+
+    async def _one_group(self, prompt: Prompt) -> None:
+        self._n_inflight += 1
+        try:
+            group = await self._generate_group(prompt)
+            ref = _ray().put(group)
+            await self.queue.put.remote([ref], _meta(group, self.name))
+        except Exception as e:
+            await self.queue.abandon.remote()
+            if not isinstance(e, asyncio.CancelledError):
+                self.fatal = f"group generation failed: {type(e).__name__}: {e}"
+        finally:
+            self._n_inflight -= 1
+            self._inflight.release()
+
+    async def _generate_group(self, prompt: Prompt) -> TrajectoryGroup:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = self.sampling
+        params = SamplingParams(
+            n=s.n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else -1,
+            max_tokens=s.max_tokens,
+            logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        gid = uuid.uuid4().hex[:16]
+        while True:
+            t_start = time.time()
+            final = None
+            async for out in self.engine.generate({"prompt": prompt.text}, params, request_id=gid + "-" + uuid.uuid4().hex[:6]):
+                final = out
+            comps = final.outputs if final is not None else []
+            if len(comps) == s.n and all(c.finish_reason != "abort" for c in comps):
+                break
+            self.stats.regenerated += 1  # aborted by a weight update: generate anew
+        trajs = []
+        for i, c in enumerate(comps):
+            ids, lps, versions = completion_arrays(c, self.version)
+            reward, breakdown, err = score(self.task, prompt, c.text)
+            self.stats.reward_errors += bool(err)
+            trajs.append(
+                Trajectory(
+                    traj_id=f"{gid}-{i}",
+                    group_id=gid,
+                    prompt_ids=np.asarray(final.prompt_token_ids, dtype=np.int32),
+                    response_ids=ids,
+                    behaviour_logprobs=lps,
+                    versions=versions,
+                    loss_mask=np.ones(len(ids), dtype=bool),
+                    reward=reward,
+                    reward_breakdown=breakdown,
+                    finish_reason=str(c.finish_reason),
+                    error=err,
+                    prompt_text=prompt.text,
+                    response_text=c.text,
+                    t_start=t_start,
+                    t_end=time.time(),
+                )
+            )
+            self.stats.tokens += len(ids)
+        self.stats.groups += 1
+        self.stats.trajectories += len(trajs)
+        return TrajectoryGroup(gid, trajs)
+
+    # ---- weights ---------------------------------------------------------------------
+    async def update_weights(self, ref_list: list, version: int) -> dict[str, float]:
+        """Load the state dict behind ``ref_list[0]`` (name -> tensor) as ``version``."""
+        state = await ref_list[0]
+        return await self.apply_state_dict(state, version)
+
+    async def apply_state_dict(self, state: dict, version: int) -> dict[str, float]:
+        from safetensors.torch import save_file
+
+        async with self._update_lock:
+            t0 = time.time()
+            fd, path = tempfile.mkstemp(prefix=f"asyncrl-{self.name}-", suffix=".safetensors", dir=_shm_dir())
+            os.close(fd)
+            try:
+                save_file({k: v.contiguous() for k, v in state.items()}, path)
+                await self.engine.pause_generation(mode=self.update_mode, clear_cache=self.update_mode != "keep")
+                try:
+                    await self.engine.collective_rpc("asyncrl_load_file", args=(path,))
+                    # Every token the engine produces from here on is labelled `version`.
+                    await self.engine.update_weight_version(str(version))
+                    self.version = version
+                finally:
+                    await self.engine.resume_generation()
+            finally:
+                os.unlink(path)
+            dt = time.time() - t0
+            self.stats.updates += 1
+            self.stats.update_seconds += dt
+            return {"seconds": dt, "version": version}
+
+    async def checksums(self) -> dict[str, str]:
+        return (await self.engine.collective_rpc("asyncrl_checksums"))[0]
+
+
+def _meta(group: TrajectoryGroup, actor: str) -> GroupMeta:
+    ts = group.trajectories
+    return GroupMeta(
+        group_id=group.group_id,
+        traj_ids=[t.traj_id for t in ts],
+        min_versions=[t.min_version for t in ts],
+        num_tokens=[t.num_tokens for t in ts],
+        rewards=[t.reward for t in ts],
+        actor=actor,
+    )
+
+
+def _shm_dir() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+def _ray():
+    import ray
+
+    return ray

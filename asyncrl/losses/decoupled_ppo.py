@@ -1,0 +1,65 @@
+"""Decoupled PPO (Hilton et al. 2022; AReaL's asynchronous objective).
+
+Three policies: the behaviour policy ``mu`` that sampled (vLLM, possibly several
+versions old), the proximal policy ``pi_prox`` (the learner's weights at the start of
+this step, recomputed without gradient) and the current policy ``pi`` being trained.
+The trust region is measured against ``pi_prox``, not the stale ``mu``; the
+off-policyness of the data is corrected by a separate, truncated, constant weight::
+
+    r   = pi / pi_prox                                   (with gradient)
+    s   = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)
+    loss = sum_{b,t} w[b,t] * stopgrad(min(pi_prox / mu, behaviour_cap)) * s[b,t]
+
+With ``pi_prox == mu`` this is ``ClippedISLoss``; on-policy its gradient is the plain
+policy gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncrl.losses.base import LossBatch, LossOutput, ModelOutputs, masked_mean, weighted_sum
+from asyncrl.losses.diagnostics import is_diagnostics
+from asyncrl.losses.ratios import LOG_RATIO_CAP, log_ratio, safe_log, truncated_exp
+
+
+class DecoupledPPOLoss:
+    """Metrics: ``is/*``, ``is/clip_frac`` (tokens where the clipped term is active),
+    ``is/behaviour_clip_frac`` (tokens whose ``pi_prox/mu`` was truncated)."""
+
+    needs_proximal = True
+    needs_values = False
+
+    def __init__(self, clip_low: float = 0.2, clip_high: float = 0.2, behaviour_cap: float = 5.0):
+        if not 0 <= clip_low < 1 or clip_high < 0:
+            raise ValueError(
+                f"loss.clip_low must be in [0, 1) and loss.clip_high >= 0, got {clip_low}, {clip_high}"
+            )
+        if not behaviour_cap > 0:
+            raise ValueError(f"loss.behaviour_cap must be > 0, got {behaviour_cap}")
+        self.clip_low = float(clip_low)
+        self.clip_high = float(clip_high)
+        self.behaviour_cap = float(behaviour_cap)
+
+    def __call__(self, batch: LossBatch, outputs: ModelOutputs) -> LossOutput:
+        if batch.proximal_logprobs is None:
+            raise ValueError("DecoupledPPOLoss needs batch.proximal_logprobs (needs_proximal=True)")
+        mask = batch.mask
+        with torch.no_grad():
+            behaviour_lr = log_ratio(batch.proximal_logprobs, batch.behaviour_logprobs, mask)
+            behaviour_w = truncated_exp(behaviour_lr, self.behaviour_cap)
+        ratio = (
+            log_ratio(outputs.logprobs, batch.proximal_logprobs, mask)
+            .clamp(max=LOG_RATIO_CAP)
+            .exp()
+        )
+        adv = batch.advantages.to(ratio.dtype)
+        unclipped = ratio * adv
+        clipped = ratio.clamp(1 - self.clip_low, 1 + self.clip_high) * adv
+        per_token = -torch.minimum(unclipped, clipped) * behaviour_w
+        metrics = is_diagnostics(batch, outputs)
+        with torch.no_grad():
+            metrics["is/clip_frac"] = float(masked_mean((clipped < unclipped).float(), mask))
+            over = behaviour_lr > safe_log(self.behaviour_cap)
+            metrics["is/behaviour_clip_frac"] = float(masked_mean(over.float(), mask))
+        return LossOutput(loss=weighted_sum(per_token, batch), metrics=metrics)

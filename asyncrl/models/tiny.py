@@ -1,0 +1,180 @@
+"""Build the tiny model offline: an HF-format Qwen2-style causal LM with a character
+tokenizer for the task's alphabet, seeded, warm-started on task demonstrations and
+cached on disk. Nothing is downloaded.
+
+``python -m asyncrl.models.tiny --out DIR`` (or ``asyncrl-tiny-model``) builds one.
+The cache key is a hash of every build setting, so a changed setting builds anew and
+two processes asking for the same model at once build it once (file lock).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from asyncrl.tasks.base import Task
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+
+
+@dataclass
+class TinyModelSpec:
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4  # head_dim = hidden/heads = 32: vLLM-CPU's attention needs >= 32
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    max_positions: int = 64
+    seed: int = 0
+    warm_start_steps: int = 150
+    warm_start_batch: int = 64
+    warm_start_lr: float = 3e-3
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads < 32:
+            raise ValueError(
+                f"model.tiny: hidden_size/num_heads must be an integer >= 32 (vLLM-CPU attention), "
+                f"got {self.hidden_size}/{self.num_heads}"
+            )
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("ASYNCRL_CACHE", Path.home() / ".cache" / "asyncrl"))
+
+
+def build_tokenizer(alphabet: str):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate([PAD, BOS, EOS, *sorted(set(alphabet))])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=PAD
+    )
+
+
+def _build_model(spec: TinyModelSpec, vocab_size: int, tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=True,
+        torch_dtype="float32",
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(spec.seed)
+    return Qwen2ForCausalLM(cfg)
+
+
+def warm_start(model, tokenizer, task: Task, spec: TinyModelSpec) -> list[float]:
+    """Short supervised fine-tuning on task demonstrations (loss on the answer only),
+    so that RL starts from a policy that sometimes succeeds."""
+    rng = random.Random(spec.seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.warm_start_lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    for _ in range(spec.warm_start_steps):
+        rows, masks = [], []
+        for _ in range(spec.warm_start_batch):
+            p = task.sample(rng)
+            prompt = tokenizer(p.text, add_special_tokens=False)["input_ids"]
+            ans = tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            rows.append(prompt + ans)
+            masks.append([0] * len(prompt) + [1] * len(ans))
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+        labels = torch.full((len(rows), width), -100)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (r, m) in enumerate(zip(rows, masks)):
+            ids[i, : len(r)] = torch.tensor(r)
+            attn[i, : len(r)] = 1
+            labels[i, : len(r)] = torch.tensor([t if k else -100 for t, k in zip(r, m)])
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def build_tiny_model(out_dir: Path, task: Task, spec: TinyModelSpec) -> Path:
+    tokenizer = build_tokenizer(task.alphabet)
+    model = _build_model(spec, len(tokenizer), tokenizer)
+    t0 = time.time()
+    losses = warm_start(model, tokenizer, task, spec)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    meta = {
+        "spec": asdict(spec),
+        "task": type(task).__name__,
+        "params": sum(p.numel() for p in model.parameters()),
+        "warm_start_loss_first": losses[0] if losses else None,
+        "warm_start_loss_last": losses[-1] if losses else None,
+        "warm_start_seconds": round(time.time() - t0, 2),
+    }
+    (tmp / "asyncrl_build.json").write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, out_dir)  # atomic: a reader never sees a half-written model
+    return out_dir
+
+
+def _task_key(task: Task) -> str:
+    attrs = {k: v for k, v in sorted(vars(task).items()) if isinstance(v, int | float | str | bool)}
+    return f"{type(task).__module__}.{type(task).__qualname__}{attrs}"
+
+
+def ensure_tiny_model(task: Task, spec: TinyModelSpec, cache_dir: Path | None = None) -> Path:
+    """Path to the cached tiny model for (task, spec); builds it once if missing."""
+    cache_dir = Path(cache_dir or default_cache_dir())
+    key = hashlib.sha256(json.dumps([asdict(spec), _task_key(task)]).encode()).hexdigest()[:12]
+    out = cache_dir / f"tiny-{key}"
+    if (out / "config.json").exists():
+        return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f".tiny-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").exists():
+            torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+            build_tiny_model(out, task, spec)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    from asyncrl.tasks.arithmetic import AdditionTask
+
+    ap = argparse.ArgumentParser(description="Build the tiny offline model for the addition task.")
+    ap.add_argument("--out", type=Path, default=None, help="cache dir (default $ASYNCRL_CACHE)")
+    ap.add_argument("--max-operand", type=int, default=99)
+    ap.add_argument("--warm-start-steps", type=int, default=TinyModelSpec.warm_start_steps)
+    args = ap.parse_args(argv)
+    path = ensure_tiny_model(
+        AdditionTask(max_operand=args.max_operand),
+        TinyModelSpec(warm_start_steps=args.warm_start_steps),
+        args.out,
+    )
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Replay buffer logic (no Ray here, so it is unit-testable): staleness policy,
+group-complete batches, IMPALA-style reuse and exact accounting.
+
+Invariant, at every moment, counted in trajectories:
+
+    produced == trained + dropped_stale + in_queue
+
+``trained`` counts a trajectory once, the first time the learner takes it; reuse
+(``max_reuse > 1``) is counted separately in ``samples_trained``.
+
+Staleness of a trajectory seen by a learner at version ``V`` is
+``V - min(token versions)``; one with staleness ``> max_staleness`` is never handed
+out: it is dropped and counted. With ``policy="throttle"`` actors are also held back
+before they start a prompt (AReaL's rule: at most ``(V + max_staleness + 1) *
+batch_groups`` groups may have been started by learner version ``V``), so drops
+become rare; with ``policy="drop"`` actors run free and stale samples are dropped.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+POLICIES = ("throttle", "drop")
+
+
+@dataclass
+class GroupMeta:
+    """Small metadata travelling beside the ObjectRef of one TrajectoryGroup."""
+
+    group_id: str
+    traj_ids: list[str]
+    min_versions: list[int]  # per trajectory
+    num_tokens: list[int]  # per trajectory, prompt + response
+    rewards: list[float]  # per trajectory
+    actor: str = ""
+
+
+@dataclass
+class _Entry:
+    ref: Any
+    meta: GroupMeta
+    alive: list[bool]  # per trajectory: not yet dropped as stale
+    uses: int = 0
+
+
+@dataclass
+class BatchItem:
+    ref: Any
+    group_id: str
+    traj_ids: list[str]  # the members to train on (stale members already removed)
+    staleness: list[int]
+    use: int  # 1 the first time this group is trained on, 2 the second, ...
+
+
+@dataclass
+class Accounting:
+    produced: int = 0
+    trained: int = 0
+    dropped_stale: int = 0
+    samples_trained: int = 0  # counts reuse
+    groups_started: int = 0
+    groups_running: int = 0
+    groups_dropped: int = 0  # evicted whole before any use: they free their throttle slot
+    max_staleness_trained: int = 0
+    staleness_hist: dict[int, int] = field(default_factory=dict)
+
+
+class ReplayBuffer:
+    def __init__(
+        self,
+        max_staleness: int,
+        batch_groups: int,
+        policy: str = "throttle",
+        max_reuse: int = 1,
+        capacity_groups: int = 0,
+        delay_versions: int = 0,
+    ):
+        if max_staleness < 0:
+            raise ValueError(f"replay.max_staleness must be >= 0, got {max_staleness}")
+        if policy not in POLICIES:
+            raise ValueError(f"replay.policy must be one of {POLICIES}, got {policy!r}")
+        if max_reuse < 1:
+            raise ValueError(f"replay.max_reuse must be >= 1, got {max_reuse}")
+        if delay_versions > max_staleness:
+            raise ValueError(
+                f"replay.delay_versions={delay_versions} exceeds replay.max_staleness={max_staleness}:"
+                " every sample would be dropped"
+            )
+        self.max_staleness = max_staleness
+        self.batch_groups = batch_groups
+        self.policy = policy
+        self.max_reuse = max_reuse
+        # Backpressure: queued + running groups stay under this. Default: enough for the
+        # staleness window, so throttling (not the queue) is what bounds the actors.
+        self.capacity_groups = capacity_groups or (max_staleness + 2) * batch_groups
+        self.delay_versions = delay_versions
+        self.learner_version = 0
+        self._queue: OrderedDict[str, _Entry] = OrderedDict()
+        self.acc = Accounting()
+
+    # ---- actor side -------------------------------------------------------------
+    def can_start(self) -> bool:
+        """May an actor start generating one more group now?"""
+        if len(self._queue) + self.acc.groups_running >= self.capacity_groups:
+            return False
+        if self.policy == "throttle":
+            window = (self.learner_version + self.max_staleness + 1) * self.batch_groups
+            return self.acc.groups_started - self.acc.groups_dropped < window
+        return True
+
+    def start(self) -> None:
+        self.acc.groups_started += 1
+        self.acc.groups_running += 1
+
+    def abandon(self) -> None:
+        """A started group will never be put (its generation failed)."""
+        self.acc.groups_running = max(0, self.acc.groups_running - 1)
+        self.acc.groups_started = max(0, self.acc.groups_started - 1)
+
+    def put(self, ref: Any, meta: GroupMeta) -> None:
+        if meta.group_id in self._queue:
+            raise ValueError(f"group {meta.group_id} was put twice")
+        self.acc.groups_running = max(0, self.acc.groups_running - 1)
+        self.acc.produced += len(meta.traj_ids)
+        self._queue[meta.group_id] = _Entry(ref, meta, [True] * len(meta.traj_ids))
+
+    # ---- learner side -----------------------------------------------------------
+    def set_learner_version(self, version: int) -> None:
+        self.learner_version = max(self.learner_version, version)
+
+    def evict_stale(self) -> int:
+        """Drop every trajectory older than the bound; returns how many were dropped."""
+        dropped = 0
+        for gid in list(self._queue):
+            e = self._queue[gid]
+            for i, v in enumerate(e.meta.min_versions):
+                if e.alive[i] and self.learner_version - v > self.max_staleness:
+                    e.alive[i] = False
+                    dropped += 1
+                    if e.uses == 0:
+                        self.acc.dropped_stale += 1
+            if not any(e.alive):
+                del self._queue[gid]
+                if e.uses == 0:
+                    self.acc.groups_dropped += 1
+        return dropped
+
+    def _ready(self, e: _Entry) -> bool:
+        # delay mode (benchmarks): a group only becomes visible once the learner is
+        # exactly `delay_versions` past its oldest token, so staleness is controlled.
+        if not self.delay_versions:
+            return True
+        return self.learner_version - min(e.meta.min_versions) >= self.delay_versions
+
+    def ready_groups(self) -> int:
+        return sum(self._ready(e) for e in self._queue.values())
+
+    def take(self, num_groups: int) -> list[BatchItem]:
+        """Oldest-first, whole groups; [] unless ``num_groups`` groups are ready."""
+        self.evict_stale()
+        ready = [gid for gid, e in self._queue.items() if self._ready(e)]
+        if len(ready) < num_groups:
+            return []
+        out = []
+        for gid in ready[:num_groups]:
+            e = self._queue[gid]
+            idx = [i for i, a in enumerate(e.alive) if a]
+            stale = [self.learner_version - e.meta.min_versions[i] for i in idx]
+            e.uses += 1
+            if e.uses == 1:
+                self.acc.trained += len(idx)
+            self.acc.samples_trained += len(idx)
+            for s in stale:
+                self.acc.staleness_hist[s] = self.acc.staleness_hist.get(s, 0) + 1
+                self.acc.max_staleness_trained = max(self.acc.max_staleness_trained, s)
+            out.append(BatchItem(e.ref, gid, [e.meta.traj_ids[i] for i in idx], stale, e.uses))
+            del self._queue[gid]
+            if e.uses < self.max_reuse:
+                self._queue[gid] = e  # back of the line for its next use
+        return out
+
+    # ---- accounting -------------------------------------------------------------
+    @property
+    def in_queue(self) -> int:
+        """Trajectories produced and neither trained nor dropped yet."""
+        return sum(sum(e.alive) for e in self._queue.values() if e.uses == 0)
+
+    def stats(self) -> dict[str, Any]:
+        a = self.acc
+        return {
+            "produced": a.produced,
+            "trained": a.trained,
+            "dropped_stale": a.dropped_stale,
+            "in_flight": self.in_queue,
+            "samples_trained": a.samples_trained,
+            "groups_running": a.groups_running,
+            "depth_groups": len(self._queue),
+            "max_staleness_trained": a.max_staleness_trained,
+            "staleness_hist": dict(a.staleness_hist),
+            "learner_version": self.learner_version,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Accounting only: queued ObjectRefs die with the run, so a resumed run
+        counts what was queued at the checkpoint as dropped (see load_state_dict)."""
+        return {"acc": vars(self.acc).copy(), "learner_version": self.learner_version}
+
+    def load_state_dict(self, state: dict[str, Any], lost_in_queue: int = 0) -> None:
+        self.acc = Accounting(**state["acc"])
+        self.acc.groups_running = 0
+        self.acc.staleness_hist = {int(k): v for k, v in self.acc.staleness_hist.items()}
+        self.learner_version = state["learner_version"]
+        self.acc.dropped_stale += lost_in_queue

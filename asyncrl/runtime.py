@@ -1,0 +1,69 @@
+"""Starting and stopping the parts: Ray, the queue, actors, learner, broker."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.config import ConfigError, check_ray_address
+
+log = logging.getLogger(__name__)
+
+
+def init_ray(ray_cfg: Any) -> bool:
+    """Join ``ray.address`` or start a local Ray on loopback; True if we started it."""
+    import ray
+
+    env = {
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        # Ray workers do not inherit the driver's sys.path: a user's loss or task module
+        # next to where they launched must import there too.
+        "PYTHONPATH": os.pathsep.join(
+            p for p in [os.getcwd(), os.environ.get("PYTHONPATH", ""), *sys.path[:3]] if p
+        ),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if ray.is_initialized():
+        return False
+    if ray_cfg.address:
+        check_ray_address(str(ray_cfg.address), ray_cfg.connect_timeout_s)
+        try:
+            ray.init(address=ray_cfg.address, runtime_env={"env_vars": env}, logging_level=logging.WARNING)
+        except ConnectionError as e:
+            raise ConfigError(f"ray.address={ray_cfg.address}: cannot join ({e})") from e
+        return True
+    ray.init(
+        _node_ip_address=ray_cfg.node_ip,
+        num_cpus=ray_cfg.num_cpus,
+        include_dashboard=False,
+        runtime_env={"env_vars": env},
+        logging_level=logging.WARNING,
+        log_to_driver=True,
+    )
+    return True
+
+
+def check_resources(needed: dict[str, float]) -> None:
+    """Fail at start-up, with the numbers, when the cluster cannot hold the parts."""
+    import ray
+
+    have = ray.cluster_resources().get("CPU", 0.0)
+    want = sum(needed.values())
+    if want > have:
+        parts = ", ".join(f"{k}: {v:g}" for k, v in needed.items())
+        raise ConfigError(
+            f"the run needs {want:g} Ray CPUs ({parts}) but the cluster has {have:g}; lower "
+            f"actor.num_actors / learner.world_size or their num_cpus, or add nodes"
+        )
+
+
+@dataclass
+class Parts:
+    queue: Any
+    actors: dict[str, Any]
+    learner: Any
+    broker: Any
+    started_ray: bool

@@ -1,0 +1,3 @@
+from asyncrl.tasks.base import Prompt, Task, TaskSampler, score
+
+__all__ = ["Prompt", "Task", "TaskSampler", "score"]

@@ -1,0 +1,64 @@
+"""Tasks: where prompts come from and how completions are scored.
+
+A task is any object with ``sample(rng) -> Prompt`` and
+``reward(prompt, completion) -> float | dict[str, float]`` (a dict must hold the key
+``"reward"``; the other keys are logged as ``reward/<key>``). Built from ``_target_``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass
+class Prompt:
+    text: str
+    answer: str = ""  # reference answer, if the task has one (used for the warm start)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Task(Protocol):
+    def sample(self, rng: random.Random) -> Prompt: ...
+
+    def reward(self, prompt: Prompt, completion: str) -> float | dict[str, float]: ...
+
+
+class TaskSampler:
+    """Seeded, resumable stream of prompts: ``state_dict`` / ``load_state_dict`` restore
+    exactly the same continuation."""
+
+    def __init__(self, task: Task, seed: int = 0):
+        self.task = task
+        self.seed = seed
+        self._rng = random.Random(seed)
+        self.drawn = 0
+
+    def next(self) -> Prompt:
+        self.drawn += 1
+        return self.task.sample(self._rng)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "drawn": self.drawn, "rng": self._rng.getstate()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seed, self.drawn = state["seed"], state["drawn"]
+        self._rng.setstate(_as_tuple(state["rng"]))
+
+
+def _as_tuple(x):
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, list | tuple) else x
+
+
+def score(task: Task, prompt: Prompt, completion: str) -> tuple[float, dict[str, float], str]:
+    """Run the task's reward; a crash is recorded (reward 0, error text), never raised."""
+    try:
+        out = task.reward(prompt, completion)
+        if isinstance(out, dict):
+            breakdown = {k: float(v) for k, v in out.items()}
+            return breakdown.pop("reward"), breakdown, ""
+        return float(out), {}, ""
+    except Exception as e:  # noqa: BLE001 - a user's reward must not kill the actor
+        return 0.0, {}, f"{type(e).__name__}: {e}"

@@ -1,0 +1,108 @@
+"""The trajectory: one completion of one prompt, with everything the learner needs.
+
+Per-token arrays are numpy and all have the response length ``R``:
+
+* ``response_ids``     int32 [R]  sampled tokens
+* ``behaviour_logprobs`` float32 [R]  log-prob of each sampled token under the
+  distribution vLLM sampled from (processed: after temperature / top-k / top-p)
+* ``versions``         int32 [R]  policy version that produced each token (a sequence
+  may span versions when weights change in flight)
+* ``loss_mask``        bool  [R]  True for tokens the learner trains on (env/tool tokens False)
+
+A group (all samples of one prompt) travels as one object: the actor ``ray.put``s
+it once and only the reference moves through the queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import msgpack
+import numpy as np
+
+_ARRAY_FIELDS = {
+    "prompt_ids": np.int32,
+    "response_ids": np.int32,
+    "behaviour_logprobs": np.float32,
+    "versions": np.int32,
+    "loss_mask": np.bool_,
+}
+
+
+@dataclass
+class Trajectory:
+    traj_id: str  # unique across the run, for accounting
+    group_id: str  # shared by the samples of one prompt
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    behaviour_logprobs: np.ndarray
+    versions: np.ndarray
+    loss_mask: np.ndarray
+    reward: float
+    reward_breakdown: dict[str, float] = field(default_factory=dict)
+    finish_reason: str = ""
+    error: str = ""  # set when the reward function raised; the reward is then 0
+    prompt_text: str = ""
+    response_text: str = ""
+    t_start: float = 0.0  # wall-clock seconds (time.time) when generation started
+    t_end: float = 0.0  # ... when the completion was scored
+
+    def __post_init__(self) -> None:
+        for name, dtype in _ARRAY_FIELDS.items():
+            setattr(self, name, np.asarray(getattr(self, name), dtype=dtype))
+        r = len(self.response_ids)
+        for name in ("behaviour_logprobs", "versions", "loss_mask"):
+            if len(getattr(self, name)) != r:
+                raise ValueError(f"{name} has length {len(getattr(self, name))}, response has {r}")
+
+    @property
+    def min_version(self) -> int:
+        """Oldest version among the tokens (the one staleness is measured from)."""
+        return int(self.versions.min()) if len(self.versions) else 0
+
+    @property
+    def max_version(self) -> int:
+        return int(self.versions.max()) if len(self.versions) else 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def _pack(obj):
+    if isinstance(obj, np.ndarray):
+        return {"__nd__": True, "d": obj.dtype.str, "s": list(obj.shape), "b": obj.tobytes()}
+    raise TypeError(f"cannot serialise {type(obj)}")
+
+
+def _unpack(obj):
+    if obj.get("__nd__"):
+        return np.frombuffer(obj["b"], dtype=np.dtype(obj["d"])).reshape(obj["s"]).copy()
+    return obj
+
+
+def to_bytes(trajs: list[Trajectory]) -> bytes:
+    """msgpack of the trajectories; arrays travel as raw bytes, never lists of floats."""
+    rows = [{f.name: getattr(t, f.name) for f in fields(Trajectory)} for t in trajs]
+    return msgpack.packb(rows, default=_pack, use_bin_type=True)
+
+
+def from_bytes(data: bytes) -> list[Trajectory]:
+    rows = msgpack.unpackb(data, object_hook=_unpack, raw=False)
+    return [Trajectory(**row) for row in rows]
+
+
+@dataclass
+class TrajectoryGroup:
+    """All samples of one prompt. What the actor puts into the object store, once."""
+
+    group_id: str
+    trajectories: list[Trajectory]
+
+    def __reduce__(self):
+        # Ray pickles objects it stores; route through msgpack so arrays go as raw bytes.
+        return (_group_from_bytes, (self.group_id, to_bytes(self.trajectories)))
+
+
+def _group_from_bytes(group_id: str, data: bytes) -> TrajectoryGroup:
+    return TrajectoryGroup(group_id, from_bytes(data))

@@ -1,0 +1,151 @@
+"""Build every part from config: ``prepare`` checks and builds what is cheap (in the
+driver, before Ray starts, so config errors surface at once); ``start_parts`` starts
+the Ray actors; ``stop_parts`` stops them without losing the accounting."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from asyncrl.config import ConfigError, build, check_model_dir
+from asyncrl.runtime import Parts
+
+log = logging.getLogger(__name__)
+
+BROKERS = ("objectstore",)
+
+
+@dataclass
+class Setup:
+    model_path: str
+    task: Any
+    loss: Any
+    advantage: Any
+    resources: dict[str, float] = field(default_factory=dict)
+
+
+def resolve_model(cfg: DictConfig, task: Any) -> str:
+    if cfg.model.path:
+        return str(check_model_dir(cfg.model.path))
+    from asyncrl.models.tiny import TinyModelSpec, ensure_tiny_model
+
+    if not hasattr(task, "alphabet"):
+        raise ConfigError("model.path is null (tiny model) but the task has no `alphabet` to build a tokenizer from")
+    try:
+        spec = TinyModelSpec(**OmegaConf.to_container(cfg.model.tiny, resolve=True))
+    except TypeError as e:
+        raise ConfigError(f"model.tiny: {e}") from e
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return str(ensure_tiny_model(task, spec, cfg.model.cache_dir))
+
+
+def prepare(cfg: DictConfig) -> Setup:
+    task = build("task", cfg.task)
+    try:
+        from asyncrl.tasks.base import TaskSampler
+
+        first = TaskSampler(task, cfg.seed).next()
+        if not getattr(first, "text", None):
+            raise ValueError(f"the task's first prompt is empty: {first!r}")
+    except Exception as e:
+        raise ConfigError(f"task ({cfg.task.get('_target_')}): cannot draw a prompt: {type(e).__name__}: {e}") from e
+    loss = build("loss", cfg.loss)
+    if not callable(loss):
+        raise ConfigError(f"loss._target_={cfg.loss._target_} is not callable as loss(batch, outputs)")
+    advantage = build("learner.advantage", cfg.learner.advantage)
+    if cfg.broker.kind not in BROKERS:
+        raise ConfigError(f"broker.kind={cfg.broker.kind!r}: expected one of {BROKERS}")
+    if cfg.learner.world_size != 1:
+        raise ConfigError("learner.world_size > 1 needs the FSDP learner, which is not built yet (issue 3)")
+    if cfg.resume:
+        raise ConfigError("resume= is not supported yet (issue 3 brings sharded checkpoints and exact resume)")
+    for key in ("max_steps", "learner.batch_groups", "actor.num_actors", "actor.sampling.n"):
+        if OmegaConf.select(cfg, key) < 1:
+            raise ConfigError(f"{key} must be >= 1, got {OmegaConf.select(cfg, key)}")
+    model_path = resolve_model(cfg, task)
+    resources = {
+        "actors": cfg.actor.num_actors * cfg.actor.num_cpus,
+        "learner": cfg.learner.world_size * cfg.learner.num_cpus,
+    }
+    return Setup(model_path, task, loss, advantage, resources)
+
+
+def start_parts(cfg: DictConfig, setup: Setup, out_dir: Path, started_ray: bool) -> Parts:
+    import ray
+
+    from asyncrl.actor.engine import EngineSettings
+    from asyncrl.actor.rollout import RolloutActor, SamplingSettings
+    from asyncrl.broker.objectstore import ObjectStoreBroker
+    from asyncrl.learner.learner import Learner, OptimSettings
+    from asyncrl.replay.queue import remote_queue
+
+    rp = cfg.replay
+    queue = remote_queue(
+        max_staleness=rp.max_staleness,
+        batch_groups=cfg.learner.batch_groups,
+        policy=rp.policy,
+        max_reuse=rp.max_reuse,
+        capacity_groups=rp.capacity_groups,
+        delay_versions=rp.delay_versions,
+    )
+    sampling = SamplingSettings(**OmegaConf.to_container(cfg.actor.sampling, resolve=True))
+    engine = EngineSettings(**OmegaConf.to_container(cfg.actor.engine, resolve=True))
+    actor_cls = ray.remote(RolloutActor).options(num_cpus=cfg.actor.num_cpus, max_concurrency=1000)
+    actors = {
+        f"actor{i}": actor_cls.remote(
+            f"actor{i}", setup.model_path, setup.task, queue, sampling, engine,
+            seed=cfg.seed + 1000 * i, max_inflight_groups=cfg.actor.max_inflight_groups,
+            update_mode=cfg.actor.update_mode,
+        )
+        for i in range(cfg.actor.num_actors)
+    }
+    lc = cfg.learner
+    learner = ray.remote(Learner).options(num_cpus=lc.num_cpus).remote(
+        setup.model_path, setup.loss, setup.advantage,
+        OptimSettings(**OmegaConf.to_container(lc.optim, resolve=True)),
+        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+        micro_batch_tokens=lc.micro_batch_tokens, normalisation=lc.normalisation,
+        seed=cfg.seed, num_threads=lc.num_threads,
+        trajectory_log=str(out_dir / "trajectories.parquet"),
+    )
+    ray.get([a.start.remote() for a in actors.values()])  # engines up (~25 s each on a CPU)
+    ray.get(learner.ping.remote())
+    broker = ObjectStoreBroker(actors, timeout_s=cfg.broker.timeout_s)
+    return Parts(queue, actors, learner, broker, started_ray)
+
+
+def stop_parts(parts: Parts, checkpoint_dir: Path | None, quiet: bool = False) -> tuple[dict, dict]:
+    """Stop actors first (nothing new is produced), then read the final accounting."""
+    import ray
+
+    actor_stats: dict[str, Any] = {}
+    for name, a in list(parts.actors.items()):
+        try:
+            actor_stats[name] = ray.get(a.stop.remote(), timeout=60)
+        except Exception as e:
+            actor_stats[name] = f"stop failed: {type(e).__name__}: {e}"
+            if not quiet:
+                log.warning("actor %s did not stop cleanly: %s", name, e)
+    parts.actors.clear()
+    queue_stats: dict[str, Any] = {}
+    try:
+        ray.get(parts.queue.close.remote(), timeout=10)
+        queue_stats = ray.get(parts.queue.stats.remote(), timeout=10)
+    except Exception as e:
+        if not quiet:
+            raise
+        log.warning("queue unreachable at shutdown: %s", e)
+    try:
+        if checkpoint_dir is not None:
+            ray.get(parts.learner.save.remote(str(checkpoint_dir)), timeout=300)
+        ray.get(parts.learner.close.remote(), timeout=60)
+    except Exception as e:
+        if not quiet:
+            raise
+        log.warning("learner unreachable at shutdown: %s", e)
+    return queue_stats, actor_stats

