@@ -51,7 +51,9 @@ def _locate(key: str, target: str) -> Any:
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
-        raise ConfigError(f"{key}._target_={target!r}: cannot import module {mod_name!r} ({e})") from e
+        raise ConfigError(
+            f"{key}._target_={target!r}: cannot import module {mod_name!r} ({e})"
+        ) from e
     if not hasattr(mod, attr):
         raise ConfigError(f"{key}._target_={target!r}: module {mod_name!r} has no {attr!r}")
     return getattr(mod, attr)
@@ -65,7 +67,9 @@ def _accepted(cls: Any) -> set[str] | None:
         return None
     if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
         return None
-    return {n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {
+        n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
 
 
 def check_model_dir(path: str) -> Path:
@@ -85,11 +89,15 @@ def check_model_dir(path: str) -> Path:
     if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
         raise ConfigError(f"model.path={path}: no weights (*.safetensors or *.bin)")
     if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
-        raise ConfigError(f"model.path={path}: no tokenizer (tokenizer.json / tokenizer_config.json)")
+        raise ConfigError(
+            f"model.path={path}: no tokenizer (tokenizer.json / tokenizer_config.json)"
+        )
     heads, hidden = conf.get("num_attention_heads"), conf.get("hidden_size")
     head_dim = conf.get("head_dim") or (hidden // heads if heads and hidden else None)
     if head_dim is not None and head_dim < 32:
-        raise ConfigError(f"model.path={path}: head_dim {head_dim} < 32, which vLLM-CPU's attention cannot run")
+        raise ConfigError(
+            f"model.path={path}: head_dim {head_dim} < 32, which vLLM-CPU's attention cannot run"
+        )
     return p
 
 

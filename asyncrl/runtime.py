@@ -31,7 +31,11 @@ def init_ray(ray_cfg: Any) -> bool:
     if ray_cfg.address:
         check_ray_address(str(ray_cfg.address), ray_cfg.connect_timeout_s)
         try:
-            ray.init(address=ray_cfg.address, runtime_env={"env_vars": env}, logging_level=logging.WARNING)
+            ray.init(
+                address=ray_cfg.address,
+                runtime_env={"env_vars": env},
+                logging_level=logging.WARNING,
+            )
         except ConnectionError as e:
             raise ConfigError(f"ray.address={ray_cfg.address}: cannot join ({e})") from e
         return True

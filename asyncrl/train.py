@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,8 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from asyncrl.config import ConfigError
 from asyncrl.runtime import Parts, check_resources, init_ray
-from asyncrl.wiring import Setup, prepare, start_parts, stop_parts
 from asyncrl.utils.runlog import Scalars
+from asyncrl.wiring import Setup, prepare, start_parts, stop_parts
 
 log = logging.getLogger("asyncrl")
 
@@ -45,7 +44,11 @@ def wait_batch(parts: Parts, cfg: DictConfig, version: int) -> list:
         states = actor_states(parts)
         alive = [n for n, s in states.items() if isinstance(s, dict) and not s.get("fatal")]
         if not alive or time.time() > deadline:
-            why = "no actor is alive" if not alive else f"no batch within replay.wait_timeout_s={cfg.replay.wait_timeout_s}"
+            why = (
+                "no actor is alive"
+                if not alive
+                else f"no batch within replay.wait_timeout_s={cfg.replay.wait_timeout_s}"
+            )
             raise RunError(f"{why}; queue: {ray.get(parts.queue.stats.remote())}; actors: {states}")
 
 
@@ -70,7 +73,7 @@ def train_loop(cfg: DictConfig, parts: Parts, scalars: Scalars) -> dict[str, Any
     tokens_trained = 0
     wait_s = train_s = 0.0
     bar = tqdm(total=cfg.max_steps, disable=not cfg.progress, dynamic_ncols=True, file=sys.stderr)
-    for step in range(cfg.max_steps):
+    for _ in range(cfg.max_steps):
         t = time.time()
         items = wait_batch(parts, cfg, version)
         wait_s += time.time() - t
@@ -92,10 +95,17 @@ def train_loop(cfg: DictConfig, parts: Parts, scalars: Scalars) -> dict[str, Any
         )
     bar.close()
     parts.broker.wait()
-    return {"steps": len(per_step), "policy_version": version, "per_step": per_step, "tokens_trained": tokens_trained}
+    return {
+        "steps": len(per_step),
+        "policy_version": version,
+        "per_step": per_step,
+        "tokens_trained": tokens_trained,
+    }
 
 
-def progress_metrics(parts: Parts, version: int, t0: float, tokens_trained: int, wait_s: float, train_s: float) -> dict[str, float]:
+def progress_metrics(
+    parts: Parts, version: int, t0: float, tokens_trained: int, wait_s: float, train_s: float
+) -> dict[str, float]:
     import ray
 
     q = ray.get(parts.queue.stats.remote())
@@ -117,7 +127,9 @@ def progress_metrics(parts: Parts, version: int, t0: float, tokens_trained: int,
     }
 
 
-def summarise(cfg: DictConfig, loop: dict[str, Any], queue_stats: dict, actor_stats: dict, wall: float) -> dict[str, Any]:
+def summarise(
+    cfg: DictConfig, loop: dict[str, Any], queue_stats: dict, actor_stats: dict, wall: float
+) -> dict[str, Any]:
     per = loop["per_step"]
     k = max(1, len(per) // 10)
 
@@ -136,8 +148,12 @@ def summarise(cfg: DictConfig, loop: dict[str, Any], queue_stats: dict, actor_st
         "trajectories_in_flight": queue_stats["in_flight"],
         "max_staleness_trained": queue_stats["max_staleness_trained"],
         "max_staleness_bound": cfg.replay.max_staleness,
-        "staleness_histogram": {str(k): v for k, v in sorted(queue_stats["staleness_hist"].items())},
-        "tokens_generated": sum(s.get("tokens", 0) for s in actor_stats.values() if isinstance(s, dict)),
+        "staleness_histogram": {
+            str(k): v for k, v in sorted(queue_stats["staleness_hist"].items())
+        },
+        "tokens_generated": sum(
+            s.get("tokens", 0) for s in actor_stats.values() if isinstance(s, dict)
+        ),
         "tokens_trained": loop["tokens_trained"],
         "wall_seconds": round(wall, 2),
         "actors": actor_stats,

@@ -34,7 +34,9 @@ def resolve_model(cfg: DictConfig, task: Any) -> str:
     from asyncrl.models.tiny import TinyModelSpec, ensure_tiny_model
 
     if not hasattr(task, "alphabet"):
-        raise ConfigError("model.path is null (tiny model) but the task has no `alphabet` to build a tokenizer from")
+        raise ConfigError(
+            "model.path is null (tiny model) but the task has no `alphabet` to build a tokenizer from"
+        )
     try:
         spec = TinyModelSpec(**OmegaConf.to_container(cfg.model.tiny, resolve=True))
     except TypeError as e:
@@ -53,17 +55,25 @@ def prepare(cfg: DictConfig) -> Setup:
         if not getattr(first, "text", None):
             raise ValueError(f"the task's first prompt is empty: {first!r}")
     except Exception as e:
-        raise ConfigError(f"task ({cfg.task.get('_target_')}): cannot draw a prompt: {type(e).__name__}: {e}") from e
+        raise ConfigError(
+            f"task ({cfg.task.get('_target_')}): cannot draw a prompt: {type(e).__name__}: {e}"
+        ) from e
     loss = build("loss", cfg.loss)
     if not callable(loss):
-        raise ConfigError(f"loss._target_={cfg.loss._target_} is not callable as loss(batch, outputs)")
+        raise ConfigError(
+            f"loss._target_={cfg.loss._target_} is not callable as loss(batch, outputs)"
+        )
     advantage = build("learner.advantage", cfg.learner.advantage)
     if cfg.broker.kind not in BROKERS:
         raise ConfigError(f"broker.kind={cfg.broker.kind!r}: expected one of {BROKERS}")
     if cfg.learner.world_size != 1:
-        raise ConfigError("learner.world_size > 1 needs the FSDP learner, which is not built yet (issue 3)")
+        raise ConfigError(
+            "learner.world_size > 1 needs the FSDP learner, which is not built yet (issue 3)"
+        )
     if cfg.resume:
-        raise ConfigError("resume= is not supported yet (issue 3 brings sharded checkpoints and exact resume)")
+        raise ConfigError(
+            "resume= is not supported yet (issue 3 brings sharded checkpoints and exact resume)"
+        )
     for key in ("max_steps", "learner.batch_groups", "actor.num_actors", "actor.sampling.n"):
         if OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"{key} must be >= 1, got {OmegaConf.select(cfg, key)}")
@@ -98,20 +108,36 @@ def start_parts(cfg: DictConfig, setup: Setup, out_dir: Path, started_ray: bool)
     actor_cls = ray.remote(RolloutActor).options(num_cpus=cfg.actor.num_cpus, max_concurrency=1000)
     actors = {
         f"actor{i}": actor_cls.remote(
-            f"actor{i}", setup.model_path, setup.task, queue, sampling, engine,
-            seed=cfg.seed + 1000 * i, max_inflight_groups=cfg.actor.max_inflight_groups,
+            f"actor{i}",
+            setup.model_path,
+            setup.task,
+            queue,
+            sampling,
+            engine,
+            seed=cfg.seed + 1000 * i,
+            max_inflight_groups=cfg.actor.max_inflight_groups,
             update_mode=cfg.actor.update_mode,
         )
         for i in range(cfg.actor.num_actors)
     }
     lc = cfg.learner
-    learner = ray.remote(Learner).options(num_cpus=lc.num_cpus).remote(
-        setup.model_path, setup.loss, setup.advantage,
-        OptimSettings(**OmegaConf.to_container(lc.optim, resolve=True)),
-        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-        micro_batch_tokens=lc.micro_batch_tokens, normalisation=lc.normalisation,
-        seed=cfg.seed, num_threads=lc.num_threads,
-        trajectory_log=str(out_dir / "trajectories.parquet"),
+    learner = (
+        ray.remote(Learner)
+        .options(num_cpus=lc.num_cpus)
+        .remote(
+            setup.model_path,
+            setup.loss,
+            setup.advantage,
+            OptimSettings(**OmegaConf.to_container(lc.optim, resolve=True)),
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            micro_batch_tokens=lc.micro_batch_tokens,
+            normalisation=lc.normalisation,
+            seed=cfg.seed,
+            num_threads=lc.num_threads,
+            trajectory_log=str(out_dir / "trajectories.parquet"),
+        )
     )
     ray.get([a.start.remote() for a in actors.values()])  # engines up (~25 s each on a CPU)
     ray.get(learner.ping.remote())

@@ -57,7 +57,9 @@ def ray_local():
             _node_ip_address="127.0.0.2",
             num_cpus=4,
             include_dashboard=False,
-            runtime_env={"env_vars": {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}},
+            runtime_env={
+                "env_vars": {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+            },
         )
     yield ray
     ray.shutdown()

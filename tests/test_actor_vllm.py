@@ -27,9 +27,14 @@ FP32_LOGP_TOL = 2e-4
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def actor(tiny_model, task):
     a = RolloutActor(
-        "t0", str(tiny_model), task, queue=None,
+        "t0",
+        str(tiny_model),
+        task,
+        queue=None,
         sampling=SamplingSettings(n=4, temperature=1.0, max_tokens=6),
-        engine=EngineSettings(), seed=0, update_mode="keep",
+        engine=EngineSettings(),
+        seed=0,
+        update_mode="keep",
     )
     # start the engine without the generate loop (no queue in this test)
     from asyncrl.actor.engine import make_engine
@@ -44,7 +49,9 @@ async def actor(tiny_model, task):
 @pytest.fixture(scope="module")
 def learner(tiny_model):
     torch.set_num_threads(1)
-    return Learner(str(tiny_model), ClippedISLoss(), GroupNormalized(), OptimSettings(lr=1e-2), temperature=1.0)
+    return Learner(
+        str(tiny_model), ClippedISLoss(), GroupNormalized(), OptimSettings(lr=1e-2), temperature=1.0
+    )
 
 
 def _perturbed_state(learner: Learner, seed: int) -> dict[str, torch.Tensor]:
@@ -77,7 +84,10 @@ async def test_update_changes_engine_weights(actor, learner):
         assert (t.versions == 1).all()
         np.testing.assert_allclose(t.behaviour_logprobs, lp, atol=FP32_LOGP_TOL)
     # the old samples no longer match the learner: the weights really moved
-    moved = max(np.abs(t.behaviour_logprobs - lp).max() for t, lp in zip(before.trajectories, learner.logprobs_of(before.trajectories)))
+    moved = max(
+        np.abs(t.behaviour_logprobs - lp).max()
+        for t, lp in zip(before.trajectories, learner.logprobs_of(before.trajectories))
+    )
     assert moved > 10 * FP32_LOGP_TOL, moved
     assert old_lp is not None
 
@@ -94,7 +104,9 @@ async def test_versions_exact_across_inflight_update(actor, learner, tiny_model)
 
     async def gen(i):
         final = None
-        async for out in actor.engine.generate({"prompt": f"{i}+1="}, params, request_id=f"span-{i}"):
+        async for out in actor.engine.generate(
+            {"prompt": f"{i}+1="}, params, request_id=f"span-{i}"
+        ):
             final = out
         return final
 
@@ -109,7 +121,9 @@ async def test_versions_exact_across_inflight_update(actor, learner, tiny_model)
     spanned = 0
     for o in outs:
         ids, lps, vers = completion_arrays(o.outputs[0], 2)
-        t = Trajectory("x", "g", np.asarray(o.prompt_token_ids), ids, lps, vers, np.ones(len(ids), bool), 0.0)
+        t = Trajectory(
+            "x", "g", np.asarray(o.prompt_token_ids), ids, lps, vers, np.ones(len(ids), bool), 0.0
+        )
         spanned += len(set(vers.tolist())) > 1
         lp_new = learner.logprobs_of([t])[0]
         learner_old = Learner.__new__(Learner)

@@ -66,8 +66,12 @@ def completion_arrays(comp, version_fallback: int) -> tuple[np.ndarray, np.ndarr
     """
     ids = np.asarray(comp.token_ids, dtype=np.int32)
     if comp.logprobs is None or len(comp.logprobs) != len(ids):
-        raise RuntimeError("vLLM returned no per-token log-probs; SamplingParams.logprobs must be 0")
-    lps = np.asarray([step[int(t)].logprob for step, t in zip(comp.logprobs, ids)], dtype=np.float32)
+        raise RuntimeError(
+            "vLLM returned no per-token log-probs; SamplingParams.logprobs must be 0"
+        )
+    lps = np.asarray(
+        [step[int(t)].logprob for step, t in zip(comp.logprobs, ids)], dtype=np.float32
+    )
     versions = np.full(len(ids), version_fallback, dtype=np.int32)
     for span in comp.weight_versions or []:
         versions[span.start : span.end] = int(span.version)

@@ -71,7 +71,9 @@ class RolloutActor:
         update_mode: str = "keep",
     ):
         if update_mode not in UPDATE_MODES:
-            raise ValueError(f"actor.update_mode must be one of {UPDATE_MODES}, got {update_mode!r}")
+            raise ValueError(
+                f"actor.update_mode must be one of {UPDATE_MODES}, got {update_mode!r}"
+            )
         self.name = name
         self.task = task
         self.queue = queue
@@ -170,7 +172,9 @@ class RolloutActor:
         while True:
             t_start = time.time()
             final = None
-            async for out in self.engine.generate({"prompt": prompt.text}, params, request_id=gid + "-" + uuid.uuid4().hex[:6]):
+            async for out in self.engine.generate(
+                {"prompt": prompt.text}, params, request_id=gid + "-" + uuid.uuid4().hex[:6]
+            ):
                 final = out
             comps = final.outputs if final is not None else []
             if len(comps) == s.n and all(c.finish_reason != "abort" for c in comps):
@@ -216,11 +220,15 @@ class RolloutActor:
 
         async with self._update_lock:
             t0 = time.time()
-            fd, path = tempfile.mkstemp(prefix=f"asyncrl-{self.name}-", suffix=".safetensors", dir=_shm_dir())
+            fd, path = tempfile.mkstemp(
+                prefix=f"asyncrl-{self.name}-", suffix=".safetensors", dir=_shm_dir()
+            )
             os.close(fd)
             try:
                 save_file({k: v.contiguous() for k, v in state.items()}, path)
-                await self.engine.pause_generation(mode=self.update_mode, clear_cache=self.update_mode != "keep")
+                await self.engine.pause_generation(
+                    mode=self.update_mode, clear_cache=self.update_mode != "keep"
+                )
                 try:
                     await self.engine.collective_rpc("asyncrl_load_file", args=(path,))
                     # Every token the engine produces from here on is labelled `version`.

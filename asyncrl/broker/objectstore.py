@@ -42,7 +42,9 @@ class ObjectStoreBroker:
         self._pending_version = version
         self._t_publish = time.time()
         self._bytes = nbytes
-        self._pending = {n: a.update_weights.remote(weights_ref, version) for n, a in self.actors.items()}
+        self._pending = {
+            n: a.update_weights.remote(weights_ref, version) for n, a in self.actors.items()
+        }
         return metrics
 
     def wait(self) -> dict[str, float]:
@@ -68,7 +70,9 @@ class ObjectStoreBroker:
                 self._drop(name, f"died during the sync of version {self._pending_version}: {e}")
         self._pending = {}
         dt = time.time() - self._t_publish
-        n_ok = sum(self.actor_versions[n] == self._pending_version for n in names if n in self.actors)
+        n_ok = sum(
+            self.actor_versions[n] == self._pending_version for n in names if n in self.actors
+        )
         sent = float(self._bytes * n_ok)
         self.totals["broker/syncs"] += 1
         self.totals["broker/bytes_sent"] += sent

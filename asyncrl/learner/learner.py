@@ -36,7 +36,9 @@ class OptimSettings:
     warmup_steps: int = 0
 
 
-def loss_weights(mb_mask: torch.Tensor, norm: str, total_tokens: int, total_seqs: int) -> torch.Tensor:
+def loss_weights(
+    mb_mask: torch.Tensor, norm: str, total_tokens: int, total_seqs: int
+) -> torch.Tensor:
     """Per-token weights of a micro-batch under the global normalisation."""
     m = mb_mask.float()
     if norm == "token":
@@ -64,7 +66,9 @@ class Learner:
         from transformers import AutoModelForCausalLM
 
         if normalisation not in NORMALISATIONS:
-            raise ValueError(f"learner.normalisation must be one of {NORMALISATIONS}, got {normalisation!r}")
+            raise ValueError(
+                f"learner.normalisation must be one of {NORMALISATIONS}, got {normalisation!r}"
+            )
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
@@ -74,7 +78,10 @@ class Learner:
         self.advantage = advantage
         self.optim_cfg = optim
         self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
+            self.model.parameters(),
+            lr=optim.lr,
+            weight_decay=optim.weight_decay,
+            betas=tuple(optim.betas),
         )
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.micro_batch_tokens = micro_batch_tokens
@@ -108,7 +115,9 @@ class Learner:
 
     def step_on_batch(self, batch: TrainBatch, version: int) -> dict[str, float]:
         if version != self.version:
-            raise RuntimeError(f"learner holds version {self.version}, driver asked to train version {version}")
+            raise RuntimeError(
+                f"learner holds version {self.version}, driver asked to train version {version}"
+            )
         adv_seq = self.advantage(batch.rewards.double(), batch.group_ids).float()
         needs_prox = getattr(self.loss, "needs_proximal", False)
         total_tokens = int(batch.mask.sum())
@@ -136,28 +145,39 @@ class Learner:
             w = len(idx) / len(batch)  # micro-batch metrics are averaged by row share
             for k, v in out.metrics.items():
                 sums[k] = sums.get(k, 0.0) + w * float(v)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.optim_cfg.grad_clip
+        )
         self._set_lr()
         before = [p.detach().clone() for p in self.model.parameters()]
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        upd = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(self.model.parameters(), before)))
+        upd = math.sqrt(
+            sum(
+                float((p.detach() - b).pow(2).sum())
+                for p, b in zip(self.model.parameters(), before)
+            )
+        )
         self.version += 1
-        sums.update({
-            "loss/total": total,
-            "learner/grad_norm": float(grad_norm),
-            "learner/update_norm": upd,
-            "learner/lr": self.opt.param_groups[0]["lr"],
-            "learner/batch_trajectories": len(batch),
-            "learner/batch_tokens": int(batch.attention_mask.sum()),
-            "learner/micro_batches": len(chunks),
-        })
+        sums.update(
+            {
+                "loss/total": total,
+                "learner/grad_norm": float(grad_norm),
+                "learner/update_norm": upd,
+                "learner/lr": self.opt.param_groups[0]["lr"],
+                "learner/batch_trajectories": len(batch),
+                "learner/batch_tokens": int(batch.attention_mask.sum()),
+                "learner/micro_batches": len(chunks),
+            }
+        )
         return sums
 
     @torch.no_grad()
     def _proximal(self, batch: TrainBatch, chunks: list[list[int]]) -> dict[int, torch.Tensor]:
         return {
-            ci: response_logprobs(self.model, batch.rows(idx), self.temperature, self.top_k, self.top_p)
+            ci: response_logprobs(
+                self.model, batch.rows(idx), self.temperature, self.top_k, self.top_p
+            )
             for ci, idx in enumerate(chunks)
         }
 
@@ -197,7 +217,9 @@ class Learner:
 
     def save(self, path: str) -> str:
         self.model.save_pretrained(path, safe_serialization=True)
-        torch.save({"optim": self.opt.state_dict(), "version": self.version}, f"{path}/learner_state.pt")
+        torch.save(
+            {"optim": self.opt.state_dict(), "version": self.version}, f"{path}/learner_state.pt"
+        )
         return path
 
 

@@ -12,10 +12,14 @@ import torch
 from asyncrl.learner.batch import TrainBatch
 
 
-def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
     """``[..., V]`` logits -> log-probs of the sampling distribution."""
     if temperature <= 0:
-        raise ValueError("greedy sampling (temperature 0) has no log-probs to correct with; use temperature > 0")
+        raise ValueError(
+            "greedy sampling (temperature 0) has no log-probs to correct with; use temperature > 0"
+        )
     logits = logits.float() / temperature
     if top_k and top_k > 0 and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
@@ -31,7 +35,11 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top
 
 
 def response_logprobs(
-    model: torch.nn.Module, mb: TrainBatch, temperature: float, top_k: int = 0, top_p: float = 1.0,
+    model: torch.nn.Module,
+    mb: TrainBatch,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
     return_hidden: bool = False,
 ):
     """``[B, T]`` log-probs of ``mb.response_ids`` (0 at padding); with ``return_hidden``
@@ -45,7 +53,9 @@ def response_logprobs(
     )
     B, T = mb.response_ids.shape
     # logits at position p predict token p+1: response token j sits at resp_start+j.
-    pos = (mb.resp_start[:, None] + torch.arange(T)[None, :] - 1).clamp(min=0, max=mb.input_ids.shape[1] - 1)
+    pos = (mb.resp_start[:, None] + torch.arange(T)[None, :] - 1).clamp(
+        min=0, max=mb.input_ids.shape[1] - 1
+    )
     logits = out.logits.gather(1, pos[:, :, None].expand(B, T, out.logits.shape[-1]))
     logp = process_logits(logits, temperature, top_k, top_p)
     tok = logp.gather(-1, mb.response_ids[:, :, None]).squeeze(-1)

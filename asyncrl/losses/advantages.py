@@ -13,7 +13,9 @@ def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor):
     _, inv, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     sums = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inv, rewards)
     means = sums / counts
-    sq = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inv, (rewards - means[inv]) ** 2)
+    sq = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(
+        0, inv, (rewards - means[inv]) ** 2
+    )
     return inv, counts, sums, means, sq
 
 

@@ -34,15 +34,21 @@ class LossBatch:
     Shapes: ``[B, T]`` unless stated.
     """
 
-    behaviour_logprobs: torch.Tensor  # float; log-prob of each token under the sampling policy (vLLM, processed)
+    behaviour_logprobs: (
+        torch.Tensor
+    )  # float; log-prob of each token under the sampling policy (vLLM, processed)
     versions: torch.Tensor  # int64; policy version that generated each token
     mask: torch.Tensor  # bool; tokens that are trained on (response tokens, not env/tool tokens)
-    advantages: torch.Tensor  # float; per-token advantages (sequence advantages broadcast over tokens)
+    advantages: (
+        torch.Tensor
+    )  # float; per-token advantages (sequence advantages broadcast over tokens)
     loss_weights: torch.Tensor  # float; sums to 1 over the global batch; 0 where mask is False
     rewards: torch.Tensor  # [B] float; scalar reward of each trajectory
     group_ids: torch.Tensor  # [B] int64; trajectories sampled from one prompt share a group id
     learner_version: int  # version of the weights the learner holds at the start of this step
-    proximal_logprobs: torch.Tensor | None = None  # float; learner's policy at step start (if needed)
+    proximal_logprobs: torch.Tensor | None = (
+        None  # float; learner's policy at step start (if needed)
+    )
 
     @property
     def staleness(self) -> torch.Tensor:
@@ -59,7 +65,9 @@ class ModelOutputs:
     """What the learner's forward pass produced (with gradient)."""
 
     logprobs: torch.Tensor  # [B, T] float; current policy log-prob of each sampled token
-    values: torch.Tensor | None = None  # [B, T] float; value-head estimate at each response position
+    values: torch.Tensor | None = (
+        None  # [B, T] float; value-head estimate at each response position
+    )
 
 
 @dataclass

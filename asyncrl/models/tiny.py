@@ -97,7 +97,9 @@ def warm_start(model, tokenizer, task: Task, spec: TinyModelSpec) -> list[float]
         for _ in range(spec.warm_start_batch):
             p = task.sample(rng)
             prompt = tokenizer(p.text, add_special_tokens=False)["input_ids"]
-            ans = tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            ans = tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [
+                tokenizer.eos_token_id
+            ]
             rows.append(prompt + ans)
             masks.append([0] * len(prompt) + [1] * len(ans))
         width = max(map(len, rows))

@@ -52,7 +52,9 @@ class ReplayQueueCore:
         self.buf.put(ref_list[0], meta)
         await self._notify()
 
-    async def get_batch(self, num_groups: int, learner_version: int, timeout_s: float) -> list[BatchItem] | None:
+    async def get_batch(
+        self, num_groups: int, learner_version: int, timeout_s: float
+    ) -> list[BatchItem] | None:
         """``num_groups`` whole groups, oldest first, none staler than the bound;
         ``None`` if they did not arrive within ``timeout_s``."""
         self.buf.set_learner_version(learner_version)
@@ -61,7 +63,9 @@ class ReplayQueueCore:
             try:
                 await asyncio.wait_for(
                     self._changed.wait_for(
-                        lambda: self.buf.evict_stale() >= 0 and self.buf.ready_groups() >= num_groups
+                        lambda: (
+                            self.buf.evict_stale() >= 0 and self.buf.ready_groups() >= num_groups
+                        )
                     ),
                     timeout_s,
                 )

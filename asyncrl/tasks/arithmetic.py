@@ -16,7 +16,9 @@ ALPHABET = "0123456789+="
 class AdditionTask:
     def __init__(self, max_operand: int = 99, num_operands: int = 2, partial_credit: float = 0.0):
         if max_operand < 1:
-            raise ValueError(f"task.max_operand must be >= 1 (there would be no prompts), got {max_operand}")
+            raise ValueError(
+                f"task.max_operand must be >= 1 (there would be no prompts), got {max_operand}"
+            )
         if num_operands < 2:
             raise ValueError(f"task.num_operands must be >= 2, got {num_operands}")
         self.max_operand = max_operand

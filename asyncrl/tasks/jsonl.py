@@ -21,12 +21,18 @@ class JsonlTask:
                 continue
             try:
                 row = json.loads(line)
-                self.items.append(Prompt(text=str(row["prompt"]), answer=str(row.get("answer", ""))))
+                self.items.append(
+                    Prompt(text=str(row["prompt"]), answer=str(row.get("answer", "")))
+                )
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"task.path={path} line {i}: expected a JSON object with a 'prompt' key ({e})") from e
+                raise ValueError(
+                    f"task.path={path} line {i}: expected a JSON object with a 'prompt' key ({e})"
+                ) from e
         if not self.items:
             raise ValueError(f"task.path={path} holds no prompts")
-        self.alphabet = alphabet or "".join(sorted({c for it in self.items for c in it.text + it.answer}))
+        self.alphabet = alphabet or "".join(
+            sorted({c for it in self.items for c in it.text + it.answer})
+        )
 
     def sample(self, rng: random.Random) -> Prompt:
         return rng.choice(self.items)

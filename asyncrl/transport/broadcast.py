@@ -123,8 +123,9 @@ class _Sync:
     def _wait(self, work: dist.Work) -> None:
         wait_work(self.group, work, time.monotonic() + self.group.timeout_s)
 
-    def _header(self, header: dict | None) -> dict:
-        """Broadcast ``[magic, nbytes]`` then ``nbytes`` of JSON; returns the header everywhere."""
+    def _header(self, header: dict | None) -> tuple[dict, int]:
+        """Broadcast ``[magic, nbytes]`` then ``nbytes`` of JSON; returns the header
+        (on every rank) and its size on the wire."""
         g = self.group
         data = json.dumps(header, separators=(",", ":")).encode() if header is not None else b""
         meta = torch.tensor([_MAGIC, len(data)], dtype=torch.int64, device=g.device)
@@ -137,7 +138,9 @@ class _Sync:
         else:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=g.device)
         self._wait(self._bcast(buf))
-        return header if header is not None else json.loads(bytes(buf.cpu().numpy()).decode())
+        if header is None:
+            header = json.loads(bytes(buf.cpu().numpy()).decode())
+        return header, meta.numel() * meta.element_size() + nbytes
 
     def _failure(
         self, seq: int, version: int | None, bucket: int, exc: BaseException
@@ -227,28 +230,20 @@ class WeightSender(_Sync):
             t2 = time.perf_counter()
             abort = self._version_mismatch(held, receiver_version)
             base_version = next(iter(held.values()))
-            base = self.shadows.get(base_version) if base_version != NO_VERSION else None
-            if base is not None and base.manifest != packed.manifest:
-                base = None  # layout changed: nothing to diff against
-            used = mode if base is not None else Mode.FULL
-            plans = [
-                plan_bucket(used, new, base.buckets[i] if base is not None else None)
-                for i, new in enumerate(packed.buckets)
-            ]
+            used, plans = (
+                self._plan(packed, base_version, mode) if abort is None else (Mode.FULL, [])
+            )
             header = self._make_header(version, base_version, used, packed.manifest, plans, abort)
-            header_bytes = 16 + len(
-                json.dumps(header, separators=(",", ":"))
-            )  # [magic, len] + json
-            progress = {"bucket": HEADER_BUCKET}
             try:
-                self._header(header)
+                header_bytes = self._header(header)[1]
             except Exception as e:  # noqa: BLE001 - any collective failure is reported the same way
                 raise self._failure(seq, version, HEADER_BUCKET, e) from e
             if abort is not None:  # receivers saw the reason too; the group stays usable
                 raise TransferError(abort[0], abort[1], HEADER_BUCKET, version)
             self._peer_manifest = packed.manifest.fingerprint
+            progress = {"bucket": HEADER_BUCKET}
             try:
-                self._payloads(packed, base, plans, progress)
+                self._payloads(packed, self.shadows.get(base_version), plans, progress)
             except Exception as e:  # noqa: BLE001
                 raise self._failure(seq, version, progress["bucket"], e) from e
             g.store.set(g.key("done", seq, 0), "1")
@@ -270,6 +265,18 @@ class WeightSender(_Sync):
             seconds=t3 - t2,
             gbps=sent / max(t3 - t2, 1e-9) / 1e9,
         )
+
+    def _plan(
+        self, packed: PackedModel, base_version: int, mode: Mode
+    ) -> tuple[Mode, list[BucketPlan]]:
+        """Per-bucket plan against the receivers' version; ``full`` when there is no usable base."""
+        base = self.shadows.get(base_version) if base_version != NO_VERSION else None
+        if base is None or base.manifest != packed.manifest:  # evicted, or the layout changed
+            return Mode.FULL, [plan_bucket(Mode.FULL, new, None) for new in packed.buckets]
+        return mode, [
+            plan_bucket(mode, new, old)
+            for new, old in zip(packed.buckets, base.buckets, strict=True)
+        ]
 
     def _arrivals(self, seq: int, version: int) -> dict[int, int]:
         """Wait (store only, no collective) until every receiver entered sync ``seq``."""
@@ -410,7 +417,7 @@ class WeightReceiver(_Sync):
                     g.key("arrive", seq, g.rank),
                     str(self.version if self.hold_copy else NO_VERSION),
                 )
-                header = self._header(None)
+                header = self._header(None)[0]
             except Exception as e:  # noqa: BLE001 - store or collective: reported the same way
                 raise self._failure(seq, None, HEADER_BUCKET, e) from e
             version = int(header["v"])

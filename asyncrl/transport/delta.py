@@ -124,7 +124,9 @@ class ShadowStore:
     the newest stored version (so ``same_bits`` hits the ``is`` fast path for
     frozen buckets). At most ``max_versions`` are kept; the oldest go first. One
     store may serve several senders (one per receiver group) on the same rank.
-    Memory: ``nbytes()`` = unique bucket bytes across retained versions.
+    Memory: ``nbytes()`` = unique bucket bytes across retained versions, i.e.
+    about ``model_bytes * (1 + versions that differ)``; ``put`` briefly holds one
+    more copy (the fresh pack) until identical buckets are folded into old ones.
     """
 
     def __init__(self, max_versions: int = 4):

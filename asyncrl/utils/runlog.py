@@ -11,27 +11,29 @@ import pyarrow.parquet as pq
 
 from asyncrl.trajectory import Trajectory
 
-_SCHEMA = pa.schema([
-    ("step", pa.int32()),
-    ("traj_id", pa.string()),
-    ("group_id", pa.string()),
-    ("prompt", pa.string()),
-    ("response", pa.string()),
-    ("reward", pa.float32()),
-    ("reward_breakdown", pa.string()),
-    ("error", pa.string()),
-    ("finish_reason", pa.string()),
-    ("min_version", pa.int32()),
-    ("max_version", pa.int32()),
-    ("staleness", pa.int32()),
-    ("prompt_tokens", pa.int32()),
-    ("response_tokens", pa.int32()),
-    ("response_ids", pa.list_(pa.int32())),
-    ("behaviour_logprobs", pa.list_(pa.float32())),
-    ("versions", pa.list_(pa.int32())),
-    ("t_start", pa.float64()),
-    ("t_end", pa.float64()),
-])
+_SCHEMA = pa.schema(
+    [
+        ("step", pa.int32()),
+        ("traj_id", pa.string()),
+        ("group_id", pa.string()),
+        ("prompt", pa.string()),
+        ("response", pa.string()),
+        ("reward", pa.float32()),
+        ("reward_breakdown", pa.string()),
+        ("error", pa.string()),
+        ("finish_reason", pa.string()),
+        ("min_version", pa.int32()),
+        ("max_version", pa.int32()),
+        ("staleness", pa.int32()),
+        ("prompt_tokens", pa.int32()),
+        ("response_tokens", pa.int32()),
+        ("response_ids", pa.list_(pa.int32())),
+        ("behaviour_logprobs", pa.list_(pa.float32())),
+        ("versions", pa.list_(pa.int32())),
+        ("t_start", pa.float64()),
+        ("t_end", pa.float64()),
+    ]
+)
 
 
 class TrajectoryLog:

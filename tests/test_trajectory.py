@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from asyncrl.trajectory import Trajectory, TrajectoryGroup, from_bytes, to_bytes
+
+
+def make(i: int, r: int = 5) -> Trajectory:
+    rng = np.random.default_rng(i)
+    return Trajectory(
+        traj_id=f"t{i}",
+        group_id="g",
+        prompt_ids=rng.integers(0, 50, 7),
+        response_ids=rng.integers(0, 50, r),
+        behaviour_logprobs=-rng.random(r),
+        versions=np.array([3] * (r - 2) + [4, 4][: min(2, r)])[:r],
+        loss_mask=np.ones(r, bool),
+        reward=0.5,
+        reward_breakdown={"exact": 1.0},
+        response_text="12",
+    )
+
+
+def test_roundtrip_exact_and_typed():
+    trajs = [make(0), make(1, r=1)]
+    back = from_bytes(to_bytes(trajs))
+    for a, b in zip(trajs, back):
+        for name in ("prompt_ids", "response_ids", "behaviour_logprobs", "versions", "loss_mask"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert x.dtype == y.dtype and np.array_equal(x, y)
+        assert (a.reward, a.reward_breakdown, a.traj_id) == (
+            b.reward,
+            b.reward_breakdown,
+            b.traj_id,
+        )
+
+
+def test_group_pickles_through_msgpack_compactly():
+    g = TrajectoryGroup("g", [make(i, r=200) for i in range(4)])
+    data = pickle.dumps(g)
+    back = pickle.loads(data)
+    assert [t.traj_id for t in back.trajectories] == ["t0", "t1", "t2", "t3"]
+    assert np.array_equal(
+        back.trajectories[2].behaviour_logprobs, g.trajectories[2].behaviour_logprobs
+    )
+    # arrays travel as raw bytes: ~4 bytes per float, not a Python list repr
+    assert len(data) < 4 * (200 * (4 + 4 + 4 + 1) + 7 * 4) + 2000
+
+
+def test_versions_and_lengths_checked():
+    t = make(0)
+    assert (t.min_version, t.max_version) == (3, 4)
+    with pytest.raises(ValueError, match="behaviour_logprobs"):
+        Trajectory("x", "g", [1], [1, 2], [0.0], [0, 0], [True, True], 0.0)
