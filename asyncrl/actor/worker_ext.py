@@ -4,13 +4,33 @@ vLLM mixes this class into its Worker (``worker_extension_cls``), so ``self`` is
 worker and ``self.model_runner`` its model runner. Tensors cannot travel as
 ``collective_rpc`` arguments (they arrive mangled), so weights come by another road:
 a safetensors file (the object-store transport) or a side process group (the broker).
+
+Process-group receive, as the actor drives it (each line one ``collective_rpc``)::
+
+    asyncrl_receive_start(...)   returns at once; a thread joins the group and
+                                 receives into the held copy while the engine
+                                 keeps generating
+    asyncrl_receive_poll()       running | done | failed (never blocks)
+    -- actor pauses generation --
+    asyncrl_apply()              reload_weights in place from the received
+                                 tensors, then re-tie the LM head
+    -- actor labels the version, resumes --
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+from typing import Any
 
 import torch
+
+from asyncrl.transport.endpoint import ReceiverEndpoint
+
+# vLLM warns "Failed to load weights" on every reload for layers that have none in
+# the checkpoint: the rotary embedding (no weights at all) and a tied LM head, which
+# _asyncrl_retie fixes. Keep real errors, drop that per-update noise.
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
 
 class AsyncRLWorkerExtension:
@@ -22,6 +42,68 @@ class AsyncRLWorkerExtension:
         self.model_runner.reload_weights(weights_iterator=iter(state.items()))
         self._asyncrl_retie()
         return len(state)
+
+    # ---- process-group receive (the weight broker) -------------------------------------
+    def _asyncrl_rx(self) -> ReceiverEndpoint:
+        rx = self.__dict__.get("_asyncrl_endpoint")
+        if rx is None:
+            rx = self.__dict__["_asyncrl_endpoint"] = ReceiverEndpoint()
+        return rx
+
+    def asyncrl_receive_start(
+        self,
+        key: str,
+        host: str,
+        port: int,
+        rank_offset: int,
+        world_size: int,
+        timeout_s: float,
+        join_timeout_s: float,
+        backend: str = "auto",
+        hold_copy: bool = True,
+    ) -> int:
+        """Start receiving the next sync of group ``key`` in the background; returns
+        this worker's rank in the group (``rank_offset`` + its rank in the engine)."""
+        rank = rank_offset + int(getattr(self, "rank", 0))
+        self._asyncrl_rx().start(
+            key, host, port, rank, world_size, timeout_s, join_timeout_s, backend, hold_copy
+        )
+        return rank
+
+    def asyncrl_receive_poll(self) -> dict[str, Any]:
+        return self._asyncrl_rx().poll()
+
+    def asyncrl_apply(self, with_digests: bool = False) -> dict[str, Any]:
+        """Reload the received version in place (generation must be paused)."""
+        return self._asyncrl_rx().apply(self._asyncrl_load, with_digests)
+
+    def _asyncrl_load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.model_runner.reload_weights(weights_iterator=iter(tensors))
+        self._asyncrl_retie()
+
+    def asyncrl_loaded_digests(self) -> dict[str, Any]:
+        """Per-tensor digests of exactly what the last ``asyncrl_apply`` loaded
+        (taken at load time when it was asked ``with_digests``)."""
+        return self._asyncrl_rx().loaded_digests()
+
+    def asyncrl_weight_state(self) -> dict[str, Any]:
+        rx = self._asyncrl_rx()
+        return {"held": rx.held_version, "loaded": rx.loaded_version}
+
+    def asyncrl_close_groups(self, keys: list[str] | None = None) -> None:
+        rx = self._asyncrl_rx()
+        if keys is None:
+            rx.close_all()
+        for key in keys or []:
+            rx.close(key)
+
+    def asyncrl_inject_fault(self, kind: str, bucket: int, seconds: float = 0.0) -> int:
+        """Test hook: ``kill`` this worker process or ``stall`` it at payload
+        ``bucket`` of the next receive. Returns the worker's pid."""
+        import os
+
+        self._asyncrl_rx().inject_fault(kind, bucket, seconds)
+        return os.getpid()
 
     def _asyncrl_retie(self) -> None:
         """vLLM's in-place reload puts the *old* tensor back on a layer it loaded
