@@ -21,6 +21,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from asyncrl.config import ConfigError
+from asyncrl.learner.resume import resume, save_checkpoint
 from asyncrl.runtime import Parts, check_resources, init_ray
 from asyncrl.utils.runlog import Scalars
 from asyncrl.wiring import Setup, prepare, start_parts, stop_parts
@@ -64,16 +65,21 @@ def actor_states(parts: Parts) -> dict[str, Any]:
     return out
 
 
-def train_loop(cfg: DictConfig, parts: Parts, scalars: Scalars) -> dict[str, Any]:
+def train_loop(
+    cfg: DictConfig, parts: Parts, scalars: Scalars, version: int = 0, ckpt: Path | None = None
+) -> dict[str, Any]:
     import ray
     from tqdm import tqdm
 
-    version, t0 = 0, time.time()
+    t0, first = time.time(), version
     per_step: list[tuple[float, float]] = []  # (reward sum, count) per step
     tokens_trained = 0
     wait_s = train_s = 0.0
-    bar = tqdm(total=cfg.max_steps, disable=not cfg.progress, dynamic_ncols=True, file=sys.stderr)
-    for _ in range(cfg.max_steps):
+    bar = tqdm(
+        total=cfg.max_steps, initial=first, disable=not cfg.progress, dynamic_ncols=True,
+        file=sys.stderr,
+    )  # fmt: skip
+    for _ in range(cfg.max_steps - first):  # a resumed run continues up to max_steps
         t = time.time()
         items = wait_batch(parts, cfg, version)
         wait_s += time.time() - t
@@ -81,13 +87,18 @@ def train_loop(cfg: DictConfig, parts: Parts, scalars: Scalars) -> dict[str, Any
         m = ray.get(parts.learner.train_step.remote(items, version))
         train_s += time.time() - t
         version += 1
-        weights = ray.get(parts.learner.state_dict_ref.remote())
+        # the object-store broker ships a ray.put copy; the process-group broker streams
+        # the weights out of learner rank 0 itself, so nothing is fetched here
+        weights = ray.get(parts.learner.state_dict_ref.remote()) if cfg.broker.kind == "objectstore" else None
         m.update(parts.broker.publish(version, weights, nbytes=m.pop("weights_bytes", 0)))
         parts.queue.set_learner_version.remote(version)
         per_step.append((m["reward/sum"], m["reward/count"]))
         tokens_trained += int(m["tokens/trained"])
         m.update(progress_metrics(parts, version, t0, tokens_trained, wait_s, train_s))
         scalars.log(version, m)
+        every = cfg.learner.checkpoint_every
+        if ckpt is not None and every and version % every == 0:
+            save_checkpoint(parts, ckpt)
         bar.update(1)
         bar.set_postfix_str(
             f"reward {m['reward/mean']:.3f} stale {m['staleness/mean']:.2f}/{int(m['staleness/max'])} "
@@ -171,8 +182,10 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     try:
         check_resources(setup.resources)
         parts = start_parts(cfg, setup, out_dir, started)
-        loop = train_loop(cfg, parts, scalars)
-        queue_stats, actor_stats = stop_parts(parts, out_dir / "checkpoint")
+        version = resume(parts, cfg.resume) if cfg.resume else 0
+        loop = train_loop(cfg, parts, scalars, version, out_dir / "checkpoint")
+        save_checkpoint(parts, out_dir / "checkpoint")  # with the queue and sampler state
+        queue_stats, actor_stats = stop_parts(parts, None)
         parts = None
         summary = summarise(cfg, loop, queue_stats, actor_stats, time.time() - t0)
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -11,12 +11,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from asyncrl.broker.settings import BROKERS, check_broker_config  # noqa: F401 (BROKERS: re-export)
 from asyncrl.config import ConfigError, build, check_model_dir
 from asyncrl.runtime import Parts
 
 log = logging.getLogger(__name__)
-
-BROKERS = ("objectstore",)
 
 
 @dataclass
@@ -64,16 +63,12 @@ def prepare(cfg: DictConfig) -> Setup:
             f"loss._target_={cfg.loss._target_} is not callable as loss(batch, outputs)"
         )
     advantage = build("learner.advantage", cfg.learner.advantage)
-    if cfg.broker.kind not in BROKERS:
-        raise ConfigError(f"broker.kind={cfg.broker.kind!r}: expected one of {BROKERS}")
-    if cfg.learner.world_size != 1:
-        raise ConfigError(
-            "learner.world_size > 1 needs the FSDP learner, which is not built yet (issue 3)"
-        )
+    check_broker_config(cfg.broker)  # broker.kind in BROKERS, and every broker.* setting
+    from asyncrl.learner.config import check_learner_config, check_resume
+
+    check_learner_config(cfg.learner, loss, cfg.max_steps)  # world size, budgets, value head
     if cfg.resume:
-        raise ConfigError(
-            "resume= is not supported yet (issue 3 brings sharded checkpoints and exact resume)"
-        )
+        check_resume(cfg.resume)
     for key in ("max_steps", "learner.batch_groups", "actor.num_actors", "actor.sampling.n"):
         if OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"{key} must be >= 1, got {OmegaConf.select(cfg, key)}")
@@ -90,8 +85,8 @@ def start_parts(cfg: DictConfig, setup: Setup, out_dir: Path, started_ray: bool)
 
     from asyncrl.actor.engine import EngineSettings
     from asyncrl.actor.rollout import RolloutActor, SamplingSettings
-    from asyncrl.broker.objectstore import ObjectStoreBroker
-    from asyncrl.learner.learner import Learner, OptimSettings
+    from asyncrl.broker.client import make_broker
+    from asyncrl.learner.config import start_learner
     from asyncrl.replay.queue import remote_queue
 
     rp = cfg.replay
@@ -120,28 +115,13 @@ def start_parts(cfg: DictConfig, setup: Setup, out_dir: Path, started_ray: bool)
         )
         for i in range(cfg.actor.num_actors)
     }
-    lc = cfg.learner
-    learner = (
-        ray.remote(Learner)
-        .options(num_cpus=lc.num_cpus)
-        .remote(
-            setup.model_path,
-            setup.loss,
-            setup.advantage,
-            OptimSettings(**OmegaConf.to_container(lc.optim, resolve=True)),
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            micro_batch_tokens=lc.micro_batch_tokens,
-            normalisation=lc.normalisation,
-            seed=cfg.seed,
-            num_threads=lc.num_threads,
-            trajectory_log=str(out_dir / "trajectories.parquet"),
-        )
-    )
+    learner = start_learner(  # a LearnerGroup: N ranks, same methods as one Learner actor
+        cfg.learner, setup.model_path, setup.loss, setup.advantage, sampling, cfg.seed,
+        cfg.max_steps, trajectory_log=str(out_dir / "trajectories.parquet"),
+    )  # fmt: skip
     ray.get([a.start.remote() for a in actors.values()])  # engines up (~25 s each on a CPU)
     ray.get(learner.ping.remote())
-    broker = ObjectStoreBroker(actors, timeout_s=cfg.broker.timeout_s)
+    broker = make_broker(cfg.broker, actors, learner)  # objectstore | gloo (process group)
     return Parts(queue, actors, learner, broker, started_ray)
 
 
@@ -157,6 +137,8 @@ def stop_parts(parts: Parts, checkpoint_dir: Path | None, quiet: bool = False) -
             actor_stats[name] = f"stop failed: {type(e).__name__}: {e}"
             if not quiet:
                 log.warning("actor %s did not stop cleanly: %s", name, e)
+        # free its CPUs now: a second run in the same Ray (benchmarks) must fit
+        ray.kill(a, no_restart=True)
     parts.actors.clear()
     queue_stats: dict[str, Any] = {}
     try:

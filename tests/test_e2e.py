@@ -64,4 +64,4 @@ def test_outputs_written(short_run):
     for tag in ("reward/mean", "staleness/mean", "staleness/max", "is/ratio_mean", "is/ess", "is/mismatch_kl",
                 "is/clip_frac", "perf/tokens_per_s_generated", "replay/depth", "broker/sync_seconds", "loss/total"):
         assert tag in tags, tag
-    assert (short_run / "checkpoint" / "config.json").exists()
+    assert (short_run / "checkpoint" / "hf" / "config.json").exists()

@@ -15,11 +15,11 @@ from asyncrl.losses.clipped import ClippedISLoss
 from asyncrl.trajectory import Trajectory
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def build_tiny_qwen(d, tie: bool = True):
+    """A random Qwen2 (hidden 64, 2 layers, 2 heads, vocab 20) saved in HF format at ``d``
+    (the learner tests share it)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    d = tmp_path_factory.mktemp("m")
     torch.manual_seed(0)
     cfg = Qwen2Config(
         vocab_size=20,
@@ -29,18 +29,23 @@ def model_dir(tmp_path_factory):
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=64,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie,
         pad_token_id=0,
     )
     Qwen2ForCausalLM(cfg).save_pretrained(d)
     return d
 
 
-def trajs(n: int, seed: int = 0) -> list[Trajectory]:
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_qwen(tmp_path_factory.mktemp("m"))
+
+
+def trajs(n: int, seed: int = 0, max_prompt: int = 6, max_response: int = 7) -> list[Trajectory]:
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
-        p, r = int(rng.integers(2, 6)), int(rng.integers(1, 7))
+        p, r = int(rng.integers(2, max_prompt)), int(rng.integers(1, max_response))
         out.append(
             Trajectory(
                 f"t{i}",

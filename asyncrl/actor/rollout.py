@@ -7,6 +7,8 @@
                  ─▶ queue.put([ref], meta)
     update_weights(): pause(mode) ─▶ reload in place ─▶ label version ─▶ resume
                       (resume always runs: generation is never left paused)
+    receive_weights(): workers receive in the background (generation goes on)
+                      ─▶ pause(mode) ─▶ reload ─▶ label ─▶ resume  (actor/weights.py)
 
 Up to ``max_inflight_groups`` prompts generate at once; the engine batches them.
 Under ``abort`` an in-flight group that lost samples is generated again from its
@@ -25,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.actor import weights
 from asyncrl.actor.engine import EngineSettings, completion_arrays, make_engine
 from asyncrl.replay.buffer import GroupMeta
 from asyncrl.tasks.base import Prompt, Task, TaskSampler, score
@@ -146,10 +149,13 @@ class RolloutActor:
             group = await self._generate_group(prompt)
             ref = _ray().put(group)
             await self.queue.put.remote([ref], _meta(group, self.name))
-        except Exception as e:
-            await self.queue.abandon.remote()
-            if not isinstance(e, asyncio.CancelledError):
-                self.fatal = f"group generation failed: {type(e).__name__}: {e}"
+        except (Exception, asyncio.CancelledError) as e:
+            # Free the queue slot either way; not awaited, since a cancelled task must not
+            # block on it. A real error is recorded (the driver reports it), not raised.
+            self.queue.abandon.remote()
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            self.fatal = f"group generation failed: {type(e).__name__}: {e}"
         finally:
             self._n_inflight -= 1
             self._inflight.release()
@@ -226,22 +232,98 @@ class RolloutActor:
             os.close(fd)
             try:
                 save_file({k: v.contiguous() for k, v in state.items()}, path)
-                await self.engine.pause_generation(
-                    mode=self.update_mode, clear_cache=self.update_mode != "keep"
+                await self._paused_update(
+                    version, lambda: self.engine.collective_rpc("asyncrl_load_file", args=(path,))
                 )
-                try:
-                    await self.engine.collective_rpc("asyncrl_load_file", args=(path,))
-                    # Every token the engine produces from here on is labelled `version`.
-                    await self.engine.update_weight_version(str(version))
-                    self.version = version
-                finally:
-                    await self.engine.resume_generation()
             finally:
                 os.unlink(path)
             dt = time.time() - t0
             self.stats.updates += 1
             self.stats.update_seconds += dt
             return {"seconds": dt, "version": version}
+
+    async def _paused_update(self, version: int, load, pause_timeout_s: float = 600.0):
+        result, paused = await weights.paused_update(
+            self.engine,
+            self.update_mode,
+            version,
+            load,
+            self._engine_settings.enable_prefix_caching,
+            pause_timeout_s,
+            labelled=lambda v: setattr(self, "version", v),
+        )
+        return result, paused
+
+    async def receive_weights(self, order: dict[str, Any]) -> dict[str, Any]:
+        """Take part in one process-group sync (``order`` from the WeightBroker):
+        the workers receive in the background while generation goes on, then
+        generation pauses (per ``update_mode``) only for the in-place reload.
+        Never raises: the result says ``ok``, or the error and whether the engine
+        is ``dead``; ``held`` is the version the workers keep for deltas."""
+        version = order["version"]
+        out: dict[str, Any] = {"name": self.name, "version": version, "ok": False}
+        async with self._update_lock:
+            t0 = time.monotonic()
+            try:
+                states = await weights.receive_to_workers(self.engine, order)
+                out["held"] = min(s["held"] for s in states)
+                failed = [s for s in states if s["state"] != "done"]
+                if failed:
+                    out.update(error=failed[0]["error"], bucket=failed[0].get("bucket"))
+                    return out
+                out["transfer_seconds"] = time.monotonic() - t0
+                out["bytes"] = states[0]["bytes"]
+                _, out["pause_seconds"] = await self._paused_update(
+                    version,
+                    lambda: weights.rpc(
+                        self.engine,
+                        "asyncrl_apply",
+                        {"with_digests": order["with_digests"]},
+                        order["apply_timeout_s"],
+                    ),
+                    order["pause_timeout_s"],
+                )
+                if order["with_digests"]:
+                    loaded = await weights.rpc(self.engine, "asyncrl_loaded_digests")
+                    out["digests"] = [d["digests"] for d in loaded]
+            except Exception as e:  # noqa: BLE001 - reported to the broker, which decides
+                dead = weights.engine_dead(self.engine, e)
+                out.update(error=f"{type(e).__name__}: {e}", dead=dead)
+                return out
+            out["ok"] = True
+            out["seconds"] = time.monotonic() - t0
+            self.stats.updates += 1
+            self.stats.update_seconds += out["seconds"]
+            return out
+
+    async def weight_state(self) -> dict[str, Any]:
+        """Loaded version, held version (min over workers) and worker count."""
+        states = await weights.rpc(self.engine, "asyncrl_weight_state")
+        return {
+            "name": self.name,
+            "version": self.version,
+            "held": min(s["held"] for s in states),
+            "workers": len(states),
+            "update_mode": self.update_mode,
+            "fatal": self.fatal,
+        }
+
+    async def close_weight_groups(self, keys: list[str] | None = None) -> None:
+        await weights.rpc(self.engine, "asyncrl_close_groups", {"keys": keys})
+
+    async def inject_weight_fault(self, kind: str, bucket: int, seconds: float = 0.0) -> list:
+        """Test hook: the workers ``kill`` themselves or ``stall`` at payload ``bucket``
+        of the next receive. Returns the worker pids."""
+        args = {"kind": kind, "bucket": bucket, "seconds": seconds}
+        return await weights.rpc(self.engine, "asyncrl_inject_fault", args)
+
+    async def loaded_digests(self) -> list[dict[str, Any]]:
+        return await weights.rpc(self.engine, "asyncrl_loaded_digests")
+
+    def set_update_mode(self, mode: str) -> None:
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"actor.update_mode must be one of {UPDATE_MODES}, got {mode!r}")
+        self.update_mode = mode
 
     async def checksums(self) -> dict[str, str]:
         return (await self.engine.collective_rpc("asyncrl_checksums"))[0]

@@ -1,46 +1,56 @@
-"""The learner: turns batches of trajectory references into optimizer steps.
+"""One learner rank: turns a global batch into an optimizer step.
 
-    driver ── train_step(items, V) ──▶ ray.get(group refs) ─▶ advantages (whole batch)
-          ─▶ proximal log-probs (if the loss asks) ─▶ micro-batches by token budget:
-             forward, loss(batch, outputs), backward ─▶ clip, AdamW step ─▶ version V+1
-    driver ── named_parameters_stream() / state_dict_ref() ──▶ weights for the broker
+    train_step(items, V) ─▶ ray.get(every group) ─▶ collate ─▶ advantages, loss weights
+        (whole batch, on every rank) ─▶ plan: ranks by tokens, packed rows, micro-batches
+        ─▶ [proximal log-probs, no grad] ─▶ per micro-batch: forward, loss, backward
+           (gradients accumulate; FSDP sums them across ranks on the last one)
+        ─▶ clip, AdamW, LR schedule ─▶ version V+1 ─▶ metrics gathered on rank 0
+    named_parameters_stream() / state_dict_ref() ─▶ weights for the broker
 
-One rank in this module; ranks of an FSDP group wrap the same step (learner/fsdp.py).
-Normalisation is decided here, once per global batch: ``loss_weights`` sum to one
-over all tokens (``token``) or give every sequence equal weight (``sequence``), so
-micro-batching never changes the loss.
+Ranks never exchange data: each fetches the same groups and computes the same plan,
+then trains on its share. Ranks with fewer micro-batches run empty ones so that
+FSDP's collectives line up. Normalisation is fixed once per global batch:
+``loss_weights`` sum to one over all tokens (``token``) or give every sequence equal
+weight (``sequence``), so neither micro-batching nor world size changes the loss.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncrl.learner.batch import TrainBatch, collate, token_budget_chunks
-from asyncrl.learner.logprobs import response_logprobs
+from asyncrl.learner import checkpoint
+from asyncrl.learner.batch import TrainBatch, collate
+from asyncrl.learner.dist import (
+    all_reduce_sum,
+    gather_to_rank0,
+    init_group,
+    local,
+    pick_device,
+    shard,
+    stream_parameters,
+    value_param,
+)  # fmt: skip
+from asyncrl.learner.logprobs import to_rows, token_logprobs
+from asyncrl.learner.metrics import MetricSums, trajectory_metrics
+from asyncrl.learner.model import PolicyModel, load_lm, policy_forward
+from asyncrl.learner.optim import OptimSettings, build_optimizer, clip_grad_norm
+from asyncrl.learner.packing import PackedRows, build_packed, plan
 from asyncrl.losses.base import LossBatch, ModelOutputs
+
+__all__ = ["Learner", "OptimSettings", "loss_weights", "trajectory_metrics"]
 
 NORMALISATIONS = ("token", "sequence")
 
 
-@dataclass
-class OptimSettings:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
-
-
-def loss_weights(
-    mb_mask: torch.Tensor, norm: str, total_tokens: int, total_seqs: int
-) -> torch.Tensor:
-    """Per-token weights of a micro-batch under the global normalisation."""
-    m = mb_mask.float()
+def loss_weights(mask: torch.Tensor, norm: str, total_tokens: int, total_seqs: int) -> torch.Tensor:
+    """``[B, T]`` per-token weights under the global normalisation (0 off the mask)."""
+    m = mask.float()
     if norm == "token":
         return m / max(total_tokens, 1)
     lens = m.sum(1, keepdim=True).clamp(min=1)
@@ -62,41 +72,61 @@ class Learner:
         seed: int = 0,
         num_threads: int = 0,
         trajectory_log: str | None = None,
+        pack_row_tokens: int | None = None,
+        value_head: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        rendezvous: str | None = None,
+        collective_timeout_s: float = 600.0,
+        attn_implementation: str = "sdpa",
     ):
-        from transformers import AutoModelForCausalLM
-
         if normalisation not in NORMALISATIONS:
             raise ValueError(
                 f"learner.normalisation must be one of {NORMALISATIONS}, got {normalisation!r}"
             )
+        check_value_head(loss, value_head)
         if num_threads:
             torch.set_num_threads(num_threads)
-        torch.manual_seed(seed)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        self.model.train()
-        self.loss = loss
-        self.advantage = advantage
-        self.optim_cfg = optim
-        self.opt = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=optim.lr,
-            weight_decay=optim.weight_decay,
-            betas=tuple(optim.betas),
+        self.rank, self.world_size = rank, world_size
+        self.device = pick_device()
+        # FSDP whenever there is a group to shard over; on one GPU too (bf16 mixed precision)
+        self.sharded = world_size > 1 or (self.device.type == "cuda" and rendezvous is not None)
+        if self.sharded:
+            if rendezvous is None:
+                raise ValueError("world_size > 1 needs a rendezvous address (LearnerGroup sets it)")
+            init_group(rank, world_size, rendezvous, collective_timeout_s, self.device)
+        torch.manual_seed(seed)  # the value head starts identical on every rank
+        self.policy = PolicyModel(load_lm(model_path, attn_implementation), value_head)
+        if self.sharded:
+            shard(self.policy, world_size, self.device)
+        else:
+            self.policy.to(self.device)
+        self.model = self.policy.lm  # the HF model (HF parameter names)
+        self.value_head = self.policy.value_head
+        named = list(self.policy.named_parameters())
+        self.opt, self.sched = build_optimizer(
+            (p for n, p in named if not value_param(n)),
+            (p for n, p in named if value_param(n)),
+            optim,
         )
+        self.optim_cfg = optim
+        self.loss, self.advantage = loss, advantage
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.micro_batch_tokens = micro_batch_tokens
+        self.pack_row_tokens = pack_row_tokens
         self.normalisation = normalisation
+        self.model_path = model_path
         self.version = 0
         self.pad_id = self.model.config.pad_token_id or 0
         self.traj_log = None
-        if trajectory_log:
+        if trajectory_log and rank == 0:
             from asyncrl.utils.runlog import TrajectoryLog
 
             self.traj_log = TrajectoryLog(trajectory_log)
 
     # ---- one step -----------------------------------------------------------------
     def train_step(self, items: list, version: int) -> dict[str, float]:
-        """``items``: BatchItems from the queue (refs resolved here, not by the driver)."""
+        """``items``: BatchItems from the queue; every rank resolves the refs itself."""
         import ray
 
         t0 = time.time()
@@ -104,8 +134,9 @@ class Learner:
         keep = [set(it.traj_ids) for it in items]
         trajs = [t for g, k in zip(groups, keep) for t in g.trajectories if t.traj_id in k]
         t_fetch = time.time() - t0
-        batch = collate(trajs, self.pad_id)
-        metrics = self.step_on_batch(batch, version)
+        metrics = self.step_on_batch(collate(trajs, self.pad_id), version)
+        if self.rank != 0:
+            return {}
         metrics.update(trajectory_metrics(trajs, version))
         if self.traj_log is not None:
             self.traj_log.write(version, trajs, version)
@@ -114,132 +145,234 @@ class Learner:
         return metrics
 
     def step_on_batch(self, batch: TrainBatch, version: int) -> dict[str, float]:
+        """One optimizer step on the global ``batch`` (every rank gets the same one).
+        Returns the metrics on rank 0, ``{}`` elsewhere."""
         if version != self.version:
             raise RuntimeError(
                 f"learner holds version {self.version}, driver asked to train version {version}"
             )
-        adv_seq = self.advantage(batch.rewards.double(), batch.group_ids).float()
-        needs_prox = getattr(self.loss, "needs_proximal", False)
-        total_tokens = int(batch.mask.sum())
-        chunks = token_budget_chunks(batch.attention_mask.sum(1).tolist(), self.micro_batch_tokens)
-        prox = self._proximal(batch, chunks) if needs_prox else {}
-        sums: dict[str, float] = {}
-        total = 0.0
-        for ci, idx in enumerate(chunks):
-            mb = batch.rows(idx)
-            logp = response_logprobs(self.model, mb, self.temperature, self.top_k, self.top_p)
-            lb = LossBatch(
-                behaviour_logprobs=mb.behaviour_logprobs,
-                versions=mb.versions,
-                mask=mb.mask,
-                advantages=adv_seq[idx][:, None].expand_as(mb.behaviour_logprobs).contiguous(),
-                loss_weights=loss_weights(mb.mask, self.normalisation, total_tokens, len(batch)),
-                rewards=mb.rewards,
-                group_ids=mb.group_ids,
-                learner_version=version,
-                proximal_logprobs=prox.get(ci),
-            )
-            out = self.loss(lb, ModelOutputs(logprobs=logp))
+        t0 = time.time()
+        B = len(batch)
+        adv = self.advantage(batch.rewards.double(), batch.group_ids).float()
+        n_tokens = max(float(batch.mask.sum()), 1.0)
+        weights = loss_weights(batch.mask, self.normalisation, int(batch.mask.sum()), B)
+        pl = self._plan(batch)
+        mine = pl.ranks[self.rank]
+        packs = [
+            build_packed(batch, mine[m] if m < len(mine) else [], self.pad_id)
+            for m in range(pl.num_micro)
+        ]
+        prox = self._proximal(packs, batch) if getattr(self.loss, "needs_proximal", False) else {}
+        sums, loss_sum = MetricSums(), 0.0
+        for m, pk in enumerate(packs):
+            self._sync_grads(m == len(packs) - 1)
+            logits, values = self._forward(pk)
+            if not pk.seqs:  # an empty micro-batch: zero gradients, same collectives
+                loss = 0.0 * logits.sum() + (0.0 * values.sum() if values is not None else 0.0)
+                loss.backward()
+                continue
+            idx = torch.tensor(pk.seqs)
+            lb = self._loss_batch(batch.rows(idx), adv[idx], weights[idx], version, prox.get(m))
+            logp, vals = self._rows(pk, logits, values, tuple(lb.mask.shape))
+            out = self.loss(lb, ModelOutputs(logprobs=logp, values=vals))
             out.loss.backward()
-            total += float(out.loss.detach())
-            w = len(idx) / len(batch)  # micro-batch metrics are averaged by row share
-            for k, v in out.metrics.items():
-                sums[k] = sums.get(k, 0.0) + w * float(v)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.optim_cfg.grad_clip
-        )
-        self._set_lr()
-        before = [p.detach().clone() for p in self.model.parameters()]
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        upd = math.sqrt(
-            sum(
-                float((p.detach() - b).pow(2).sum())
-                for p, b in zip(self.model.parameters(), before)
-            )
-        )
+            loss_sum += float(out.loss.detach())
+            sums.add(out.metrics, share=float(lb.mask.sum()) / n_tokens)
+        t_fb = time.time() - t0
+        metrics = self._optimizer_step()
+        metrics["perf/learner_fwd_bwd_seconds"] = t_fb
+        metrics["perf/learner_optim_seconds"] = time.time() - t0 - t_fb
         self.version += 1
-        sums.update(
+        parts = gather_to_rank0((sums, loss_sum))
+        if parts is None:
+            return {}
+        metrics.update(MetricSums.merge([s for s, _ in parts]))
+        metrics.update(
             {
-                "loss/total": total,
-                "learner/grad_norm": float(grad_norm),
-                "learner/update_norm": upd,
-                "learner/lr": self.opt.param_groups[0]["lr"],
-                "learner/batch_trajectories": len(batch),
-                "learner/batch_tokens": int(batch.attention_mask.sum()),
-                "learner/micro_batches": len(chunks),
+                "loss/total": sum(x for _, x in parts),
+                "learner/batch_trajectories": B,
+                "learner/batch_tokens": sum(pl.lengths),
+                "learner/micro_batches": pl.num_micro,
+                "perf/packing_efficiency": pl.efficiency(),
             }
         )
-        return sums
+        return metrics
 
-    @torch.no_grad()
-    def _proximal(self, batch: TrainBatch, chunks: list[list[int]]) -> dict[int, torch.Tensor]:
+    def _loss_batch(
+        self, mb: TrainBatch, adv: torch.Tensor, weights: torch.Tensor, version: int, prox
+    ) -> LossBatch:
+        """``mb``'s rows as the loss sees them; ``adv`` ``[b]``, ``weights`` ``[b, T_global]``."""
+        dev = self.device
+        return LossBatch(
+            behaviour_logprobs=mb.behaviour_logprobs.to(dev),
+            versions=mb.versions.to(dev),
+            mask=mb.mask.to(dev),
+            advantages=adv[:, None].expand_as(mb.behaviour_logprobs).contiguous().to(dev),
+            loss_weights=weights[:, : mb.mask.shape[1]].to(dev),
+            rewards=mb.rewards.to(dev),
+            group_ids=mb.group_ids.to(dev),
+            learner_version=version,
+            proximal_logprobs=prox,
+        )
+
+    def _optimizer_step(self) -> dict[str, float]:
+        params = [p for g in self.opt.param_groups for p in g["params"]]
+        grad_norm = clip_grad_norm(params, self.optim_cfg.grad_clip)
+        lr = self.opt.param_groups[0]["lr"]  # the LR this step uses
+        with torch.no_grad():  # this rank's shards only: 1/N of the parameters
+            before = torch._foreach_mul([local(p) for p in params], 1.0)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            torch._foreach_sub_(before, [local(p) for p in params])
+            upd = torch.stack(torch._foreach_norm(before)).float().pow(2).sum()
+        upd = all_reduce_sum(upd.to(self.device))
         return {
-            ci: response_logprobs(
-                self.model, batch.rows(idx), self.temperature, self.top_k, self.top_p
-            )
-            for ci, idx in enumerate(chunks)
+            "learner/grad_norm": float(grad_norm),
+            "learner/update_norm": math.sqrt(float(upd)),
+            "learner/lr": float(lr),
         }
 
-    def _set_lr(self) -> None:
-        w = self.optim_cfg.warmup_steps
-        scale = min(1.0, (self.version + 1) / w) if w > 0 else 1.0
-        for g in self.opt.param_groups:
-            g["lr"] = self.optim_cfg.lr * scale
+    def _plan(self, batch: TrainBatch):
+        lengths = (batch.resp_start + batch.resp_len).tolist()
+        return plan(lengths, self.world_size, self.micro_batch_tokens, self.pack_row_tokens)
 
-    # ---- weights out ----------------------------------------------------------------
-    def state_dict_ref(self) -> list:
-        """The current weights in the object store (one ``ray.put``), wrapped in a list
-        so the reference itself travels."""
-        import ray
+    def _sync_grads(self, last: bool) -> None:
+        """FSDP: reduce-scatter only after the last micro-batch (accumulate locally before)."""
+        if self.sharded:
+            self.policy.set_requires_gradient_sync(last)
 
-        sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        if getattr(self.model.config, "tie_word_embeddings", False):
-            sd.pop("lm_head.weight", None)  # vLLM ties it to the embedding itself
-        return [ray.put(sd)]
+    def _forward(self, pk: PackedRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[N, V]`` logits and ``[N]`` values (or None) at the response positions."""
+        ids, pos, flat = (t.to(self.device) for t in (pk.input_ids, pk.position_ids, pk.flat_pos))
+        if self.sharded:  # through the FSDP root, whose hooks unshard the root params
+            return self.policy(ids, pos, flat)
+        return policy_forward(self.model, self.value_head, ids, pos, flat)
+
+    def _rows(self, pk: PackedRows, logits, values, shape: tuple[int, int]):
+        dev = self.device
+        seq, tok = pk.seq.to(dev), pk.tok.to(dev)
+        lp = token_logprobs(logits, pk.targets.to(dev), self.temperature, self.top_k, self.top_p)
+        vals = to_rows(values, seq, tok, shape) if values is not None else None
+        return to_rows(lp, seq, tok, shape), vals
 
     @torch.no_grad()
-    def logprobs_of(self, trajs: list, version_check: bool = False) -> list:
-        """Current log-probs of trajectories' response tokens (for fidelity checks)."""
+    def _proximal(self, packs: list[PackedRows], batch: TrainBatch) -> dict[int, torch.Tensor]:
+        """The policy at the start of the step, per micro-batch (``[b, T]``, no grad)."""
+        out = {}
+        for m, pk in enumerate(packs):
+            logits, values = self._forward(pk)
+            if pk.seqs:
+                T = int(batch.resp_len[torch.tensor(pk.seqs)].max())
+                out[m] = self._rows(pk, logits, values, (len(pk.seqs), T))[0]
+        return out
+
+    # ---- weights out ----------------------------------------------------------------
+    def named_parameters_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(HF name, full tensor)`` one FSDP unit at a time (see ``dist.stream_parameters``:
+        valid until the next item; collective, so every rank iterates)."""
+        return stream_parameters(self.policy, self.sharded)
+
+    def stream_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stream as CPU copies, for a Ray streaming call (``LearnerGroup``); ranks
+        other than 0 take part in the unsharding and yield nothing."""
+        for name, t in self.named_parameters_stream():
+            if self.rank == 0:
+                yield name, t.detach().to("cpu", copy=True)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named full weights on rank 0 (CPU copies), ``{}`` elsewhere."""
+        sd = {}
+        for name, t in self.named_parameters_stream():
+            if self.rank == 0:
+                sd[name] = t.detach().to("cpu", copy=True)
+        return sd
+
+    def state_dict_ref(self) -> list | None:
+        """The current weights in the object store (one ``ray.put``) wrapped in a list so
+        the reference itself travels; None on ranks other than 0."""
+        import ray
+
+        sd = self.full_state_dict()
+        return [ray.put(sd)] if self.rank == 0 else None
+
+    @torch.no_grad()
+    def logprobs_of(self, trajs: list, version_check: bool = False) -> list | None:
+        """Current log-probs of trajectories' response tokens (for fidelity checks),
+        computed on packed rows split across ranks; the list on rank 0."""
         import numpy as np
 
         batch = collate(trajs, self.pad_id)
-        lp = response_logprobs(self.model, batch, self.temperature, self.top_k, self.top_p)
-        return [np.asarray(lp[b, : int(batch.resp_len[b])]) for b in range(len(trajs))]
+        pl = self._plan(batch)
+        mine = pl.ranks[self.rank]
+        found: dict[int, np.ndarray] = {}
+        for m in range(pl.num_micro):
+            pk = build_packed(batch, mine[m] if m < len(mine) else [], self.pad_id)
+            logits, _ = self._forward(pk)
+            if not pk.seqs:
+                continue
+            lp, _ = self._rows(pk, logits, None, (len(pk.seqs), int(batch.resp_len.max())))
+            for b, i in enumerate(pk.seqs):
+                found[i] = lp[b, : int(batch.resp_len[i])].float().cpu().numpy()
+        parts = gather_to_rank0(found)
+        if parts is None:
+            return None
+        merged = {i: a for p in parts for i, a in p.items()}
+        return [merged[i] for i in range(len(trajs))]
+
+    # ---- checkpoints ----------------------------------------------------------------
+    def save(self, path: str, driver_state: dict | None = None, export_hf: bool = True) -> str:
+        """Sharded checkpoint (collective); with ``export_hf`` also ``PATH/hf``, an HF model
+        directory of the current weights (what vLLM or ``model.path`` can load)."""
+        meta = {
+            "version": self.version,
+            "world_size": self.world_size,
+            "normalisation": self.normalisation,
+            "value_head": self.value_head is not None,
+        }
+        out = checkpoint.save(
+            path, self.policy, self.opt, self.sched, meta, self.rank, driver_state
+        )
+        if export_hf:
+            sd = self.full_state_dict()
+            if self.rank == 0:
+                checkpoint.export_hf(Path(path) / "hf", self.model, sd, self.model_path)
+        return out
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Restore a checkpoint (collective). Returns ``{"version", "driver_state", ...}``."""
+        meta = checkpoint.load(path, self.policy, self.opt, self.sched, self.rank)
+        if meta.get("value_head", False) != (self.value_head is not None):
+            raise checkpoint.CheckpointError(
+                f"{path}: saved with learner.value_head={meta.get('value_head')}, "
+                f"this run has {self.value_head is not None}"
+            )
+        self.version = int(meta["version"])
+        return meta
 
     def ping(self) -> bool:
         return True
 
     def close(self) -> None:
+        import torch.distributed as dist
+
         if self.traj_log is not None:
             self.traj_log.close()
             self.traj_log = None
+        if self.sharded and dist.is_initialized():
+            dist.destroy_process_group()
 
-    def save(self, path: str) -> str:
-        self.model.save_pretrained(path, safe_serialization=True)
-        torch.save(
-            {"optim": self.opt.state_dict(), "version": self.version}, f"{path}/learner_state.pt"
+
+def check_value_head(loss: Any, value_head: bool) -> None:
+    needs = bool(getattr(loss, "needs_values", False))
+    if needs and not value_head:
+        raise ValueError(
+            f"the loss ({type(loss).__name__}) needs values (needs_values=True): set "
+            f"learner.value_head=true"
         )
-        return path
-
-
-def trajectory_metrics(trajs: list, learner_version: int) -> dict[str, float]:
-    """``reward/*`` and ``staleness/*`` of the trajectories one step trained on."""
-    import numpy as np
-
-    rewards = np.array([t.reward for t in trajs], dtype=np.float64)
-    stale = np.array([learner_version - t.min_version for t in trajs], dtype=np.int64)
-    out = {
-        "reward/mean": float(rewards.mean()),
-        "reward/sum": float(rewards.sum()),
-        "reward/count": float(len(rewards)),
-        "reward/errors": float(sum(bool(t.error) for t in trajs)),
-        "staleness/mean": float(stale.mean()),
-        "staleness/max": float(stale.max()),
-        "tokens/trained": float(sum(len(t.response_ids) for t in trajs)),
-        "tokens/trained_with_prompt": float(sum(t.num_tokens for t in trajs)),
-    }
-    keys = {k for t in trajs for k in t.reward_breakdown}
-    for k in sorted(keys):
-        out[f"reward/{k}"] = float(np.mean([t.reward_breakdown.get(k, 0.0) for t in trajs]))
-    return out
+    if value_head and not needs:
+        raise ValueError(
+            f"learner.value_head=true but the loss ({type(loss).__name__}) does not use values "
+            f"(needs_values=False): set learner.value_head=false"
+        )

@@ -65,3 +65,23 @@ def response_logprobs(
         return tok
     h = out.hidden_states[-1]
     return tok, h.gather(1, pos[:, :, None].expand(B, T, h.shape[-1]))
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> torch.Tensor:
+    """``[N, V]`` logits, ``[N]`` token ids -> ``[N]`` fp32 log-probs under the sampling
+    distribution."""
+    logp = process_logits(logits, temperature, top_k, top_p)
+    return logp.gather(-1, targets[:, None]).squeeze(-1)
+
+
+def to_rows(x: torch.Tensor, seq: torch.Tensor, tok: torch.Tensor, shape: tuple[int, int]):
+    """Scatter ``[N]`` per-token values into a zero ``[B, T]`` response layout
+    (differentiable)."""
+    out = torch.zeros(shape, dtype=x.dtype, device=x.device)
+    return out.index_put((seq, tok), x)

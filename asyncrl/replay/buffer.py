@@ -150,9 +150,13 @@ class ReplayBuffer:
     def _ready(self, e: _Entry) -> bool:
         # delay mode (benchmarks): a group only becomes visible once the learner is
         # exactly `delay_versions` past its oldest token, so staleness is controlled.
+        # The first `delay_versions` versions have no data that old: there the delay
+        # ramps up (staleness = learner_version, version-0 data), else the learner
+        # would wait at version 0 forever.
         if not self.delay_versions:
             return True
-        return self.learner_version - min(e.meta.min_versions) >= self.delay_versions
+        delay = min(self.delay_versions, self.learner_version)
+        return self.learner_version - min(e.meta.min_versions) >= delay
 
     def ready_groups(self) -> int:
         return sum(self._ready(e) for e in self._queue.values())

@@ -27,7 +27,7 @@ import datetime
 import json
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +49,7 @@ from asyncrl.transport.group import (
     Heartbeat,
     TransferError,
     TransferGroup,
-    silent_ranks,
+    diagnose,
     wait_work,
 )
 
@@ -116,12 +116,20 @@ class _Sync:
         self.group = group
         self._seq = 0
         self._opts = _bcast_opts(group.timeout_s)
+        self._hb: Heartbeat | None = None  # set while a sync runs
 
     def _bcast(self, buf: torch.Tensor) -> dist.Work:
         return self.group.pg.broadcast([buf], self._opts)
 
     def _wait(self, work: dist.Work) -> None:
-        wait_work(self.group, work, time.monotonic() + self.group.timeout_s)
+        hb = self._hb
+        if hb is not None:
+            hb.enter("wait")
+        try:
+            wait_work(self.group, work, time.monotonic() + self.group.timeout_s)
+        finally:
+            if hb is not None:
+                hb.enter("work")
 
     def _header(self, header: dict | None) -> tuple[dict, int]:
         """Broadcast ``[magic, nbytes]`` then ``nbytes`` of JSON; returns the header
@@ -150,12 +158,15 @@ class _Sync:
         try:
             g.store.set(g.key("fail", seq, g.rank), repr(exc)[:500])
             others = [r for r in range(g.world_size) if r != g.rank]
-            silent = silent_ranks(g, seq, others)
+            silent, stuck = diagnose(g, seq, others)
         except Exception:  # noqa: BLE001 - the store lives on rank 0: if it is gone, so is rank 0
-            silent = [0] if g.rank != 0 else []
+            silent, stuck = ([0] if g.rank != 0 else []), []
         if silent:
-            reason = f"peer went silent (dead or stuck): {exc}"
+            reason = f"peer went silent (dead or frozen): {exc}"
             peers = silent
+        elif stuck:
+            reason = f"peer is alive but stuck outside the transfer: {exc}"
+            peers = stuck
         else:
             reason = f"collective failed with every peer alive: {exc}"
             peers = (
@@ -225,11 +236,12 @@ class WeightSender(_Sync):
         t1 = time.perf_counter()
         self._seq += 1
         seq = self._seq
-        with Heartbeat(g):
+        with Heartbeat(g) as self._hb:
             held = self._arrivals(seq, version)
             t2 = time.perf_counter()
             abort = self._version_mismatch(held, receiver_version)
-            base_version = next(iter(held.values()))
+            # No receivers (a group of one, for smoke tests): the caller says what they hold.
+            base_version = next(iter(held.values()), _or_none(receiver_version))
             used, plans = (
                 self._plan(packed, base_version, mode) if abort is None else (Mode.FULL, [])
             )
@@ -282,6 +294,8 @@ class WeightSender(_Sync):
         """Wait (store only, no collective) until every receiver entered sync ``seq``."""
         g = self.group
         keys = {r: g.key("arrive", seq, r) for r in range(1, g.world_size)}
+        if self._hb is not None:
+            self._hb.enter("wait")
         try:
             g.store.wait(list(keys.values()), datetime.timedelta(seconds=g.timeout_s))
         except Exception as e:  # noqa: BLE001 - DistStoreError on timeout, others if the store broke
@@ -295,6 +309,8 @@ class WeightSender(_Sync):
                 HEADER_BUCKET,
                 version,
             ) from e
+        if self._hb is not None:
+            self._hb.enter("work")
         held = {r: int(g.store.get(k)) for r, k in keys.items()}
         for r in range(g.world_size):  # everyone is past seq-1 now: its keys can go
             for kind in ("arrive", "done", "fail"):
@@ -305,6 +321,8 @@ class WeightSender(_Sync):
     def _version_mismatch(
         held: dict[int, int], expected: int | None
     ) -> tuple[str, list[int]] | None:
+        if not held:
+            return None
         first = next(iter(held.values()))
         want = first if expected is None else expected
         wrong = sorted(r for r, v in held.items() if v != want)
@@ -368,6 +386,17 @@ class WeightSender(_Sync):
         self._wait(work)
 
 
+@dataclass
+class HeldCopy:
+    """What a receiver holds between syncs. A worker that belongs to several
+    groups (one per sync set) hands one copy from receiver to receiver
+    (:meth:`WeightReceiver.adopt`), so deltas apply whichever group brings them."""
+
+    version: int = NO_VERSION
+    manifest: Manifest | None = None
+    buckets: list[torch.Tensor] | None = None
+
+
 class WeightReceiver(_Sync):
     """A vLLM worker's end: receives syncs and keeps (optionally) its own copy.
 
@@ -376,18 +405,34 @@ class WeightReceiver(_Sync):
     ``changed_buckets`` and ``sparse_delta`` can be applied onto it; without it
     the receiver reports ``NO_VERSION`` and always gets ``full`` syncs. After a
     failed sync the held copy is dropped (it may be half-written), so the next
-    sync is ``full``.
+    sync is ``full``. ``on_bucket(i)`` runs just before payload ``i`` is posted
+    (progress reporting; fault injection in tests).
     """
 
-    def __init__(self, group: TransferGroup, hold_copy: bool = True):
+    def __init__(
+        self,
+        group: TransferGroup,
+        hold_copy: bool = True,
+        on_bucket: Callable[[int], None] | None = None,
+    ):
         if group.rank == 0:
             raise ValueError("rank 0 is the sender; receivers are ranks 1..N-1")
         super().__init__(group)
         self.hold_copy = hold_copy
+        self.on_bucket = on_bucket
         self.version = NO_VERSION
         self.manifest: Manifest | None = None
         self._buckets: list[torch.Tensor] | None = None
         self.last_stats: ReceiveStats | None = None
+
+    def held(self) -> HeldCopy:
+        return HeldCopy(self.version, self.manifest, self._buckets)
+
+    def adopt(self, held: HeldCopy) -> None:
+        """Continue from another receiver's copy (same worker, another group)."""
+        if not self.hold_copy:
+            return
+        self.version, self.manifest, self._buckets = held.version, held.manifest, held.buckets
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Views of the held copy (empty when nothing is held)."""
@@ -411,7 +456,7 @@ class WeightReceiver(_Sync):
         self._seq += 1
         seq = self._seq
         t0 = time.perf_counter()
-        with Heartbeat(g):
+        with Heartbeat(g) as self._hb:
             try:
                 g.store.set(
                     g.key("arrive", seq, g.rank),
@@ -521,6 +566,8 @@ class WeightReceiver(_Sync):
             else:
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
             progress["bucket"] = i
+            if self.on_bucket is not None:
+                self.on_bucket(i)
             pending.append((i, self._bcast(buf), buf))
             if len(pending) >= INFLIGHT:
                 finish()
@@ -530,6 +577,10 @@ class WeightReceiver(_Sync):
 
     def _drop(self) -> None:
         self.version, self._buckets = NO_VERSION, None
+
+
+def _or_none(version: int | None) -> int:
+    return NO_VERSION if version is None else version
 
 
 def _nbytes(manifest: Manifest, i: int, plan: BucketPlan) -> int:

@@ -117,15 +117,24 @@ class BucketPacker:
     ``bucket_bytes`` per dtype), then copies the bucket's tensors into one
     exact-size flat buffer on ``device``: one copy per byte, no over-allocation.
     So a tensor handed to ``add`` must not be modified in place before
-    :meth:`finish` returns. ``finish`` closes the open buckets in the order their
-    dtypes first appeared; the result depends only on the stream's metadata.
+    :meth:`finish` returns, unless ``copy_inputs`` is set: then each tensor is
+    copied to ``device`` as it arrives (for streams whose tensors are only valid
+    until the next item, like an FSDP unshard; costs a second copy per byte).
+    ``finish`` closes the open buckets in the order their dtypes first appeared;
+    the result depends only on the stream's metadata.
     """
 
-    def __init__(self, bucket_mb: float = DEFAULT_BUCKET_MB, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        bucket_mb: float = DEFAULT_BUCKET_MB,
+        device: torch.device | str = "cpu",
+        copy_inputs: bool = False,
+    ):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         self.bucket_bytes = int(bucket_mb * _MB)
         self.device = torch.device(device)
+        self.copy_inputs = copy_inputs
         self._open: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
         self._open_numel: dict[torch.dtype, int] = {}
         self._specs: list[BucketSpec] = []
@@ -137,6 +146,8 @@ class BucketPacker:
             raise ValueError(f"tensor {name!r} appears twice in the weight stream")
         self._names.add(name)
         tensor = tensor.detach()
+        if self.copy_inputs:
+            tensor = tensor.to(self.device, copy=True)
         dtype = tensor.dtype
         capacity = max(1, self.bucket_bytes // dtype.itemsize)
         if tensor.numel() > capacity:
@@ -171,9 +182,10 @@ def pack(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     bucket_mb: float = DEFAULT_BUCKET_MB,
     device: torch.device | str = "cpu",
+    copy_inputs: bool = False,
 ) -> PackedModel:
     """Consume a ``(name, tensor)`` stream (a generator is fine) into flat buckets."""
-    packer = BucketPacker(bucket_mb, device)
+    packer = BucketPacker(bucket_mb, device, copy_inputs)
     for name, tensor in named_tensors:
         packer.add(name, tensor)
     return packer.finish()

@@ -9,9 +9,12 @@ traffic that lets a failure name its culprit instead of hanging:
   holds). The sender waits for every arrival *before* any collective, so a
   receiver that never calls ``receive`` is named after ``timeout_s`` and no
   collective is left dangling.
-* ``hb/<rank>``: a counter a :class:`Heartbeat` thread bumps every
-  ``HEARTBEAT_S`` while its rank is inside a sync. After a collective fails, the
-  silent ranks (heartbeat frozen, no ``done``/``fail`` report) are the dead ones.
+* ``hb/<rank>``: ``"<beat>|<phase>|<seconds in phase>"``, written by a
+  :class:`Heartbeat` thread every ``HEARTBEAT_S`` while its rank is inside a
+  sync; the phase is ``wait`` while the rank sits in a collective and ``work``
+  otherwise. After a collective fails, the ranks with no ``done``/``fail``
+  report are judged: a frozen beat means dead (or frozen); a live beat stuck in
+  ``work`` for ``SILENCE_S`` means alive but not taking part (stuck).
 * ``done/<seq>/<rank>``, ``fail/<seq>/<rank>``: a rank finished or gave up.
 
 Every collective is waited on with a deadline (:func:`wait_work`). After a
@@ -25,7 +28,7 @@ import datetime
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +80,7 @@ class TransferGroup:
     timeout_s: float
     device: torch.device
     backend: str  # "gloo" or "nccl"
+    port: int = 0  # the store's port on the sender's host
     _side_store: dist.Store | None = None
 
     def side_store(self) -> dist.Store:
@@ -126,6 +130,7 @@ def make_group(
     backend: str = "auto",
     *,
     join_timeout_s: float | None = None,
+    on_listening: Callable[[int], None] | None = None,
 ) -> TransferGroup:
     """Join the weight-transfer group at ``host:port`` as ``rank`` of ``world_size``.
 
@@ -134,6 +139,11 @@ def make_group(
     still starting up may need longer) passes, then raises
     :class:`TransferError`. ``timeout_s`` bounds every later store wait and
     collective.
+
+    Rank 0 may pass ``port=0``: the store binds a free port (no race with other
+    processes picking the same one) and ``on_listening(port)`` is called with it
+    before the rendezvous blocks, so the caller can tell the other ranks where to
+    connect. The port is also kept in :attr:`TransferGroup.port`.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world_size {world_size}")
@@ -142,10 +152,15 @@ def make_group(
     join_s = timeout_s if join_timeout_s is None else join_timeout_s
     join = datetime.timedelta(seconds=join_s)
     others = [r for r in range(world_size) if r != rank]
+    if port == 0 and rank != 0:
+        raise ValueError("only rank 0 (which hosts the store) may ask for port 0")
     try:
         store = dist.TCPStore(
             host, port, world_size, rank == 0, timeout=join, wait_for_workers=False
         )
+        port = store.port
+        if on_listening is not None:
+            on_listening(port)
         pg_store = dist.PrefixStore("pg", store)
         if kind == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
@@ -163,7 +178,7 @@ def make_group(
             f"within {join_s:.1f}s: {e}",
             peer_ranks=others if rank == 0 else (0,),
         ) from e
-    return TransferGroup(pg, store, rank, world_size, timeout_s, device, kind)
+    return TransferGroup(pg, store, rank, world_size, timeout_s, device, kind, port=port)
 
 
 def wait_work(group: TransferGroup, work: dist.Work, deadline_s: float) -> None:
@@ -181,32 +196,48 @@ def wait_work(group: TransferGroup, work: dist.Work, deadline_s: float) -> None:
     work.wait()
 
 
-def _beat(store: dist.Store, key: str) -> str | None:
-    return store.get(key).decode() if store.check([key]) else None
+def _beat(store: dist.Store, key: str) -> tuple[str, str, float] | None:
+    """(beat, phase, seconds in phase) of a heartbeat key, or None if never written."""
+    if not store.check([key]):
+        return None
+    beat, phase, age = store.get(key).decode().split("|")
+    return beat, phase, float(age)
 
 
-def silent_ranks(group: TransferGroup, seq: int, ranks: Iterable[int]) -> list[int]:
-    """Ranks among ``ranks`` that neither finished nor reported a failure of sync ``seq``
-    and whose heartbeat stayed frozen for ``SILENCE_S``: the likely dead or stuck peers."""
+def diagnose(group: TransferGroup, seq: int, ranks: Iterable[int]) -> tuple[list[int], list[int]]:
+    """Among ``ranks`` that neither finished nor reported a failure of sync ``seq``:
+    ``(silent, stuck)``. Silent: the heartbeat stayed frozen for ``SILENCE_S`` (dead
+    or frozen process). Stuck: alive, but outside any collective (phase ``work``)
+    for at least ``SILENCE_S`` while the others wait on it."""
     ranks = list(ranks)
     first = {r: _beat(group.store, group.key("hb", rank=r)) for r in ranks}
     time.sleep(SILENCE_S)
-    silent = []
+    silent, stuck = [], []
     for r in ranks:
         if group.has(group.key("done", seq, r)) or group.has(group.key("fail", seq, r)):
             continue
-        if _beat(group.store, group.key("hb", rank=r)) == first[r]:
+        now = _beat(group.store, group.key("hb", rank=r))
+        if now is None or first[r] is None or now[0] == first[r][0]:
             silent.append(r)
-    return silent
+        elif now[1] == "work" and now[2] >= SILENCE_S:
+            stuck.append(r)
+    return silent, stuck
+
+
+def silent_ranks(group: TransferGroup, seq: int, ranks: Iterable[int]) -> list[int]:
+    """Ranks that are dead or frozen (see :func:`diagnose`)."""
+    return diagnose(group, seq, ranks)[0]
 
 
 class Heartbeat:
-    """Context manager: a daemon thread bumps ``hb/<rank>`` every ``HEARTBEAT_S``.
+    """Context manager: a daemon thread writes ``hb/<rank>`` every ``HEARTBEAT_S``.
 
-    Loop: sleep on a stop event for ``HEARTBEAT_S`` → ``store.add(hb/<rank>, 1)``
-    on its own store connection (so it never queues behind the caller) → repeat
-    until ``__exit__`` sets the event. A store error ends the thread quietly: the
-    main thread's collectives will report the real failure.
+    Loop: sleep on a stop event for ``HEARTBEAT_S`` → ``store.set(hb/<rank>,
+    "<beat>|<phase>|<seconds in phase>")`` on its own store connection (so it
+    never queues behind the caller) → repeat until ``__exit__`` sets the event.
+    The caller marks its phase with :meth:`enter` (``wait`` inside a collective,
+    ``work`` otherwise). A store error ends the thread quietly: the main
+    thread's collectives will report the real failure.
     """
 
     def __init__(self, group: TransferGroup):
@@ -214,17 +245,29 @@ class Heartbeat:
         self._key = group.key("hb", rank=group.rank)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"hb-rank{group.rank}", daemon=True)
+        self._beats = 0
+        self.phase = "work"
+        self._since = time.monotonic()
+
+    def enter(self, phase: str) -> None:
+        """Mark the caller's phase (plain assignments: safe without a lock)."""
+        self.phase, self._since = phase, time.monotonic()
+
+    def _write(self) -> None:
+        self._beats += 1
+        age = time.monotonic() - self._since
+        self._store.set(self._key, f"{self._beats}|{self.phase}|{age:.3f}")
 
     def _run(self) -> None:
         try:
             while not self._stop.wait(HEARTBEAT_S):
-                self._store.add(self._key, 1)
+                self._write()
         except Exception:  # noqa: BLE001 - see class docstring
             return
 
     def __enter__(self) -> Heartbeat:
         try:
-            self._store.add(self._key, 1)  # beat once now: a peer that checks early sees us alive
+            self._write()  # beat once now: a peer that checks early sees us alive
         except Exception:  # noqa: BLE001 - see class docstring
             return self
         self._thread.start()

@@ -1,0 +1,126 @@
+"""Weight updates on a running vLLM engine: the pause/reload/resume step and the
+process-group receive, as async helpers over an ``AsyncLLM`` (or a fake with
+the same methods).
+
+    receive_to_workers(order):  rpc start ──▶ poll every POLL_S (engine keeps
+                                generating) ──▶ all workers done | failed | deadline
+    paused_update(load, V):     pause(mode) ──▶ load() ──▶ label V ──▶ (reset prefix
+                                cache) ──▶ resume   (resume runs in `finally`)
+
+Update modes (what happens to requests in flight when weights change):
+``abort`` drops them (the rollout loop generates the group again) and clears
+the KV/prefix cache; ``wait`` lets them finish first and clears the cache;
+``keep`` freezes them with their KV and continues them on the new weights
+(tokens are labelled with the version that sampled them, so a sequence spans
+versions). With prefix caching on, ``keep`` preempts the kept requests when it
+resets the prefix cache (vLLM cannot drop cached blocks that requests hold):
+their tokens are kept, their KV is recomputed with the new weights, and no
+request ever reads a cached prefix of an older version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+# How often the actor asks its workers whether the transfer finished: a cheap
+# engine utility call, frequent enough to add little to a sync.
+POLL_S = 0.02
+# Bound on one small control RPC (start, poll, digests); a live engine answers in ms.
+RPC_TIMEOUT_S = 60.0
+
+
+# How often a pending RPC checks whether the engine died (a dead engine core may
+# never answer the call; vLLM's monitor thread flags it within moments).
+DEAD_CHECK_S = 0.1
+
+
+class EngineGone(RuntimeError):
+    """The engine's core process died while we were talking to it."""
+
+
+async def rpc(
+    engine: Any, method: str, kwargs: dict[str, Any] | None = None, timeout_s: float = RPC_TIMEOUT_S
+) -> list:
+    """``collective_rpc`` with a client-side deadline (one result per worker); raises
+    :class:`EngineGone` as soon as the engine is known dead."""
+    task = asyncio.ensure_future(
+        engine.collective_rpc(method, timeout=timeout_s, kwargs=kwargs or {})
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DEAD_CHECK_S)
+            if done:
+                return task.result()
+            if engine_dead(engine):
+                raise EngineGone(f"the vLLM engine died during {method}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{method} got no answer within {timeout_s:.0f}s")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def receive_to_workers(engine: Any, order: dict[str, Any]) -> list[dict[str, Any]]:
+    """Start the receive on every worker and wait (polling) until all finished.
+    Raises TimeoutError naming the workers' last state after ``order['deadline_s']``."""
+    keys = ("key", "host", "port", "rank_offset", "world_size", "timeout_s", "join_timeout_s")
+    await rpc(
+        engine,
+        "asyncrl_receive_start",
+        {
+            **{k: order[k] for k in keys},
+            "backend": order["backend"],
+            "hold_copy": order["hold_copy"],
+        },
+    )
+    deadline = time.monotonic() + order["deadline_s"]
+    while True:
+        states = await rpc(engine, "asyncrl_receive_poll")
+        if all(s["state"] in ("done", "failed") for s in states):
+            return states
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"receive of version {order['version']} still running after "
+                f"{order['deadline_s']:.0f}s: {states}"
+            )
+        await asyncio.sleep(POLL_S)
+
+
+async def paused_update(
+    engine: Any,
+    mode: str,
+    version: int,
+    load: Callable[[], Awaitable[Any]],
+    prefix_caching: bool,
+    pause_timeout_s: float,
+    labelled: Callable[[int], None] | None = None,
+) -> tuple[Any, float]:
+    """Pause per ``mode``, ``await load()``, label ``version`` (then ``labelled(version)``),
+    resume. Returns (load's result, seconds paused). Generation is resumed even when
+    anything fails."""
+    t0 = time.monotonic()
+    try:
+        await asyncio.wait_for(
+            engine.pause_generation(mode=mode, clear_cache=mode != "keep"), pause_timeout_s
+        )
+        result = await load()
+        # Every token the engine produces from here on is labelled `version`.
+        await engine.update_weight_version(str(version))
+        if labelled is not None:
+            labelled(version)
+        if mode == "keep" and prefix_caching:
+            await engine.reset_prefix_cache(reset_running_requests=True)
+    finally:
+        await asyncio.wait_for(engine.resume_generation(), RPC_TIMEOUT_S)
+    return result, time.monotonic() - t0
+
+
+def engine_dead(engine: Any, exc: BaseException | None = None) -> bool:
+    """True when the engine can never serve again (its core process died)."""
+    if engine is None or getattr(engine, "errored", False):
+        return True
+    return isinstance(exc, EngineGone) or type(exc).__name__ == "EngineDeadError"

@@ -1,0 +1,214 @@
+"""Sharded checkpoints with exact resume.
+
+    PATH/
+      state/              torch.distributed.checkpoint: model + optimizer, one file per
+                          rank (reshardable: a checkpoint of N ranks loads on M)
+      rng/rank{r}.pt      torch / CUDA / numpy / python RNG states of rank r
+      learner.json        policy version, world size, LR scheduler state
+      driver_state.json   the driver's opaque state (queue accounting, task samplers)
+      manifest.json       size and CRC32 of every file above; written last
+
+Every rank writes its shard into ``PATH.tmp``; rank 0 writes the rest and renames, so
+``PATH`` is always either the previous or the new complete checkpoint. Loading checks
+the manifest first: a missing, truncated or altered file fails with its name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import warnings
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncrl.learner.dist import barrier, broadcast_from_rank0, is_distributed
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+META = "learner.json"
+DRIVER = "driver_state.json"
+STATE_DIR = "state"
+CRC_CHUNK = 1 << 22  # bytes read at a time when checksumming
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process; with one rank that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _crc(path: Path) -> int:
+    c = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CRC_CHUNK):
+            c = zlib.crc32(chunk, c)
+    return c
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(root: Path) -> None:
+    entries = {
+        str(p.relative_to(root)): {"bytes": p.stat().st_size, "crc32": _crc(p)}
+        for p in _files(root)
+    }
+    (root / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": entries}, indent=1))
+
+
+def verify(path: str | Path, full: bool = True) -> dict[str, Any]:
+    """Check every file against the manifest (sizes; CRCs too when ``full``) and return
+    ``learner.json``. Raises :class:`CheckpointError` naming the first bad file."""
+    root = Path(path)
+    man = root / MANIFEST
+    if not man.is_file():
+        raise CheckpointError(
+            f"{man} is missing: {root} is not a complete asyncrl checkpoint "
+            f"(interrupted save, or not a checkpoint directory)"
+        )
+    try:
+        files = json.loads(man.read_text())["files"]
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint file {man} is corrupted: {e}") from e
+    for rel, want in files.items():
+        f = root / rel
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} is missing")
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(
+                f"checkpoint file {f} is corrupted: {size} bytes, the manifest says {want['bytes']}"
+            )
+        if full and _crc(f) != want["crc32"]:
+            raise CheckpointError(f"checkpoint file {f} is corrupted: CRC32 mismatch")
+    meta = json.loads((root / META).read_text())
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(
+            f"checkpoint file {root / META}: format {meta.get('format')}, expected {FORMAT}"
+        )
+    return meta
+
+
+def rng_state() -> dict[str, Any]:
+    s = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def set_rng_state(s: dict[str, Any]) -> None:
+    torch.set_rng_state(s["torch"])
+    np.random.set_state(s["numpy"])
+    random.setstate(s["python"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def save(
+    path: str | Path,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    meta: dict[str, Any],
+    rank: int,
+    driver_state: dict[str, Any] | None = None,
+) -> str:
+    """Collective: every rank calls it. ``meta`` goes to ``learner.json``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = Path(path)
+    tmp = root.with_name(root.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    barrier()
+    msd, osd = get_state_dict(model, opt)
+    with _single_process_quiet():
+        dcp.save(
+            {"model": msd, "optim": osd},
+            checkpoint_id=str(tmp / STATE_DIR),
+            no_dist=not is_distributed(),
+        )
+    torch.save(rng_state(), tmp / "rng" / f"rank{rank}.pt")
+    barrier()
+    if rank == 0:
+        full = {"format": FORMAT, **meta, "scheduler": sched.state_dict()}
+        (tmp / META).write_text(json.dumps(full, indent=1))
+        (tmp / DRIVER).write_text(json.dumps(driver_state or {}))
+        write_manifest(tmp)
+        if root.exists():
+            shutil.rmtree(root)
+        os.replace(tmp, root)
+    barrier()
+    return str(root)
+
+
+def load(
+    path: str | Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, rank: int
+) -> dict[str, Any]:
+    """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns
+    ``learner.json`` plus ``driver_state``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    root = Path(path)
+    err = None
+    if rank == 0:
+        try:
+            verify(root, full=True)
+        except (CheckpointError, OSError, ValueError) as e:
+            err = str(e)
+    err = broadcast_from_rank0(err)
+    if err:
+        raise CheckpointError(err)
+    meta = json.loads((root / META).read_text())
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(root / STATE_DIR), no_dist=not is_distributed())
+    except Exception as e:
+        raise CheckpointError(f"cannot load {root / STATE_DIR}: {type(e).__name__}: {e}") from e
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    sched.load_state_dict(meta["scheduler"])
+    rng = root / "rng" / f"rank{rank}.pt"
+    if rng.is_file():  # absent when resuming on more ranks than were saved
+        set_rng_state(torch.load(rng, weights_only=False))
+    meta["driver_state"] = json.loads((root / DRIVER).read_text())
+    return meta
+
+
+def export_hf(out: Path, lm: torch.nn.Module, sd: dict[str, torch.Tensor], src: str) -> None:
+    """An HF model directory: our weights, the source's config-adjacent files (tokenizer)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(src).iterdir():
+        if (
+            f.is_file()
+            and f.suffix not in (".safetensors", ".bin", ".pt")
+            and "index" not in f.name
+        ):
+            shutil.copy2(f, out / f.name)
+    lm.config.save_pretrained(out)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"))

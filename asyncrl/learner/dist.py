@@ -1,0 +1,142 @@
+"""The learner ranks' process group and FSDP2 sharding.
+
+One torch.distributed group over all learner ranks: NCCL on CUDA, gloo on CPU. FSDP2
+``fully_shard`` wraps every decoder layer and then the root :class:`PolicyModel`
+(embeddings, final norm, LM head, value head). bf16 compute with fp32 reduction on
+CUDA; plain fp32 on CPU. Gradients are *summed* across ranks (not averaged): each
+rank's loss already carries its share of the global normalisation.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from asyncrl.learner.model import LM_PREFIX, VALUE_PREFIX, PolicyModel, decoder_layers
+
+LOOPBACK = "127.0.0.1"
+
+
+def pick_device() -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)  # Ray gives each rank its own GPU as cuda:0
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def init_group(rank: int, world_size: int, rendezvous: str, timeout_s: float, device) -> None:
+    """Join the learners' default process group at ``host:port`` (rank 0 hosts the store)."""
+    host, _, _ = rendezvous.rpartition(":")
+    if host == LOOPBACK and device.type == "cpu":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on loopback
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{rendezvous}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def shard(policy: PolicyModel, world_size: int, device: torch.device) -> None:
+    """``fully_shard`` each decoder layer, then the root; sum-reduce gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if device.type == "cuda"
+        else MixedPrecisionPolicy()
+    )
+    for layer in decoder_layers(policy.lm):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(policy, mesh=mesh, mp_policy=mp)
+    for m in policy.modules():
+        if hasattr(m, "set_gradient_divide_factor"):
+            m.set_gradient_divide_factor(1.0)
+            # a plain SUM (gloo has no PREMUL_SUM); with factor 1 nothing is rescaled
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def fsdp_units(policy: PolicyModel) -> list[tuple[nn.Module, list[str]]]:
+    """``(module, names of the parameters it owns)`` per FSDP unit, root first; names are
+    :class:`PolicyModel` FQNs (``named_parameters`` drops the tied LM head)."""
+    layers = decoder_layers(policy.lm)
+    module_names = {id(m): n for n, m in policy.named_modules()}
+    prefix = {id(layer): module_names[id(layer)] + "." for layer in layers}
+    names = [n for n, _ in policy.named_parameters()]
+    owned = {id(layer): [n for n in names if n.startswith(prefix[id(layer)])] for layer in layers}
+    in_layers = {n for ns in owned.values() for n in ns}
+    units = [(policy, [n for n in names if n not in in_layers])]
+    units += [(layer, owned[id(layer)]) for layer in layers]
+    return units
+
+
+def stream_parameters(policy: PolicyModel, sharded: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, full tensor)``, one FSDP unit unsharded at a time. A yielded tensor is
+    only valid until the next item is requested (the unit is resharded): copy to keep.
+    Every rank must iterate in step (unsharding is a collective). Skips the value head
+    and, when embeddings are tied, ``lm_head.weight`` (the receiver ties it itself)."""
+    if not sharded:
+        for n, p in policy.named_parameters():
+            if n.startswith(LM_PREFIX):
+                yield n[len(LM_PREFIX) :], p.detach()
+        return
+    for module, names in fsdp_units(policy):
+        module.unshard()
+        try:
+            for n in names:
+                if n.startswith(LM_PREFIX):
+                    yield n[len(LM_PREFIX) :], policy.get_parameter(n).detach()
+        finally:
+            module.reshard()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    if is_distributed():
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def gather_to_rank0(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (in rank order); None elsewhere."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def broadcast_from_rank0(obj: Any) -> Any:
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def value_param(name: str) -> bool:
+    return name.startswith(VALUE_PREFIX)

@@ -1,0 +1,91 @@
+"""``learner.optim``: AdamW, the learning-rate schedule, gradient clipping.
+
+The LR at optimizer step ``k`` (0-based) is ``lr * factor(k)``::
+
+    warm-up (k < warmup_steps):  (k + 1) / warmup_steps
+    constant:                    1
+    cosine:                      min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * p)) / 2,
+                                 p = (k - warmup_steps) / (total_steps - warmup_steps), capped at 1
+
+The value head (when on) has its own base LR (``value_lr``) under the same factor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclass
+class OptimSettings:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0  # max global grad norm; <= 0 turns clipping off
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    total_steps: int | None = None  # cosine horizon; None: the run's max_steps
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of the base LR
+    value_lr: float | None = None  # value head's base LR; None: ``lr``
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"learner.optim.schedule must be one of {SCHEDULES}, got {self.schedule!r}"
+            )
+        if self.lr <= 0:
+            raise ValueError(f"learner.optim.lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"learner.optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.schedule == "cosine" and not self.total_steps:
+            raise ValueError("learner.optim.schedule=cosine needs learner.optim.total_steps")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(
+                f"learner.optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}"
+            )
+        self.betas = tuple(self.betas)
+
+
+def lr_factor(step: int, s: OptimSettings) -> float:
+    """Multiplier of the base LR at optimizer step ``step`` (0-based)."""
+    if step < s.warmup_steps:
+        return (step + 1) / s.warmup_steps
+    if s.schedule == "constant":
+        return 1.0
+    span = max(1, int(s.total_steps) - s.warmup_steps)
+    p = min(1.0, (step - s.warmup_steps) / span)
+    return s.min_lr_ratio + (1.0 - s.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+def build_optimizer(
+    policy_params: Iterable[torch.nn.Parameter],
+    value_params: Iterable[torch.nn.Parameter],
+    s: OptimSettings,
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with one param group for the policy and one for the value head (if any)."""
+    groups = [{"params": list(policy_params), "lr": s.lr}]
+    value = list(value_params)
+    if value:
+        groups.append({"params": value, "lr": s.value_lr if s.value_lr is not None else s.lr})
+    opt = torch.optim.AdamW(groups, lr=s.lr, weight_decay=s.weight_decay, betas=s.betas)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(k, s))
+    return opt, sched
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global grad norm over all ranks (DTensor-aware), clipping in place when
+    ``max_norm > 0``. Returns the norm before clipping (a plain scalar tensor)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if hasattr(norm, "full_tensor"):  # DTensor under FSDP: reduce the partial norms
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm

@@ -1,0 +1,1 @@
+"""Benchmark scripts: `python -m benchmarks.<name> [--quick]` (see README, Benchmarks)."""

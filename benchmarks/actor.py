@@ -1,0 +1,261 @@
+"""Actor throughput: generated tokens/s of one asyncrl RolloutActor (generation,
+scoring, ``ray.put`` of each group and handing it to the replay queue) against plain
+vLLM ``AsyncLLM.generate`` of the same prompts on the same engine, same run.
+
+    asyncrl:  the actor's own loop: queue.acquire ─ generate(n) ─ score ─ ray.put ─
+              queue.put, up to actor.max_inflight_groups prompts in flight; the clock
+              stops when the queue holds all P groups
+    vllm:     the same AsyncLLM, in the same process, with the actor's loop stopped:
+              all P prompts submitted at once with the actor's SamplingParams (n
+              samples each); the clock stops at the last completion
+
+One engine serves both sides (one start-up, no engine-to-engine variance): only
+what the actor adds around ``generate`` differs. Measurements alternate
+(asyncrl, vllm, vllm, asyncrl, ...) after an untimed warm-up generation.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: see the note in benchmarks/common.py
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import asyncio  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    ReusableRolloutActor,
+    actor_pid,
+    compose,
+    cpu_seconds,
+    emit_json,
+    parser,
+    print_table,
+    process_tree,
+    pyplot,
+    ratio,
+    start_ray,
+    write_csv,
+)
+
+UNREACHABLE_BOUND = 10**9  # no learner here: versions never advance, nothing is stale
+WARMUP_PROMPTS = 16
+
+
+class BenchActor(ReusableRolloutActor):
+    """The RolloutActor, plus plain generation on its engine while its loop is halted."""
+
+    async def plain_generate(self, prompts: list[str], tag: str) -> dict[str, int]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = self.sampling
+        params = SamplingParams(  # exactly what RolloutActor asks for
+            n=s.n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else -1,
+            max_tokens=s.max_tokens,
+            logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+        async def one(i: int, prompt: str):
+            final = None
+            async for out in self.engine.generate(
+                {"prompt": prompt}, params, request_id=f"{tag}-{i}"
+            ):
+                final = out
+            return final
+
+        finals = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        return {
+            "tokens": sum(len(c.token_ids) for f in finals for c in f.outputs),
+            "trajectories": sum(len(f.outputs) for f in finals),
+        }
+
+
+class CpuMeter:
+    """CPU seconds used during a measurement by the actor's own process (the Ray
+    actor: its event loop, vLLM's output handling, scoring, ray.put), by vLLM's
+    engine processes below it, and by the replay queue's process."""
+
+    def __init__(self, actor_pid: int):
+        self.actor_pid = actor_pid
+        self.engine_pids = [p for p in process_tree(actor_pid) if p != actor_pid]
+
+    def read(self, queue_pid: int | None) -> dict[str, float]:
+        return {
+            "cpu_actor_s": cpu_seconds(self.actor_pid),
+            "cpu_engine_s": sum(cpu_seconds(p) for p in self.engine_pids),
+            "cpu_queue_s": cpu_seconds(queue_pid) if queue_pid else 0.0,
+        }
+
+    @staticmethod
+    def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+        return {k: after[k] - before[k] for k in before}
+
+
+def measure_asyncrl(actor: Any, seed: int, num_prompts: int, meter: CpuMeter) -> dict[str, Any]:
+    import ray
+
+    from asyncrl.replay.queue import remote_queue
+
+    # capacity = P groups: the actor starts P and then waits on the queue
+    queue = remote_queue(
+        max_staleness=UNREACHABLE_BOUND, batch_groups=1, policy="drop", capacity_groups=num_prompts
+    )
+    try:
+        queue_pid = actor_pid(queue)  # the queue actor is up before the clock starts
+        ray.get(actor.rebind.remote(queue, seed))  # the same prompts as the plain side
+        cpu0 = meter.read(queue_pid)
+        t0 = time.perf_counter()
+        ray.get(actor.resume.remote())
+        items = ray.get(queue.get_batch.remote(num_prompts, 0, 600.0))  # at the P-th put
+        seconds = time.perf_counter() - t0
+        cpu = meter.delta(cpu0, meter.read(queue_pid))
+        ray.get(actor.halt.remote())  # cancels the groups started after the take
+        if not items:
+            raise RuntimeError(f"the actor did not produce {num_prompts} groups within 600 s")
+        stats = ray.get(actor.get_stats.remote())
+        if stats["fatal"]:
+            raise RuntimeError(f"actor failed: {stats['fatal']}")
+        groups = ray.get([it.ref for it in items])
+        return {
+            "tokens": sum(len(t.response_ids) for g in groups for t in g.trajectories),
+            "trajectories": sum(len(g.trajectories) for g in groups),
+            "seconds": seconds,
+            **cpu,
+        }
+    finally:
+        ray.kill(queue)
+
+
+def measure_vllm(actor: Any, prompts: list[str], tag: str, meter: CpuMeter) -> dict[str, Any]:
+    import ray
+
+    cpu0 = meter.read(None)
+    t0 = time.perf_counter()
+    out = ray.get(actor.plain_generate.remote(prompts, tag))
+    out["seconds"] = time.perf_counter() - t0
+    out.update(meter.delta(cpu0, meter.read(None)))
+    return out
+
+
+def start_actor(cfg: Any, setup: Any):
+    """The actor with its engine up, its loop halted."""
+    import ray
+    from omegaconf import OmegaConf
+
+    from asyncrl.actor.engine import EngineSettings
+    from asyncrl.actor.rollout import SamplingSettings
+    from asyncrl.replay.queue import remote_queue
+
+    parking = remote_queue(max_staleness=0, batch_groups=0)  # never grants a slot
+    actor = (
+        ray.remote(BenchActor)
+        .options(num_cpus=cfg.actor.num_cpus, max_concurrency=1000)
+        .remote(
+            "actor0",
+            setup.model_path,
+            setup.task,
+            parking,
+            SamplingSettings(**OmegaConf.to_container(cfg.actor.sampling, resolve=True)),
+            EngineSettings(**OmegaConf.to_container(cfg.actor.engine, resolve=True)),
+            seed=cfg.seed,
+            max_inflight_groups=cfg.actor.max_inflight_groups,
+            update_mode=cfg.actor.update_mode,
+        )
+    )
+    ray.get(actor.start.remote())
+    ray.get(actor.halt.remote())
+    ray.kill(parking)
+    return actor
+
+
+def main() -> None:
+    p = parser("actor", __doc__)
+    p.add_argument("--prompts", type=int, default=None, help="prompts (groups) per measurement")
+    p.add_argument("--rounds", type=int, default=None, help="asyncrl/vllm measurement pairs")
+    p.add_argument(
+        "overrides", nargs="*", help="training-config overrides, e.g. actor.sampling.n=4"
+    )
+    args = p.parse_args()
+    num_prompts = args.prompts or (256 if args.quick else 1024)
+    rounds = args.rounds or (2 if args.quick else 6)
+
+    from asyncrl.tasks.base import TaskSampler
+    from asyncrl.wiring import prepare
+
+    cfg = compose(*args.overrides)
+    setup = prepare(cfg)  # builds the tiny model once if it is not cached
+    sampler = TaskSampler(setup.task, cfg.seed)  # the RolloutActor draws the same prompts
+    prompts = [sampler.next().text for _ in range(num_prompts)]
+
+    import ray
+
+    rows = []
+    start_ray()
+    actor = None
+    try:
+        actor = start_actor(cfg, setup)
+        meter = CpuMeter(actor_pid(actor))
+        measure_vllm(actor, prompts[:WARMUP_PROMPTS], "warmup", meter)  # first use, untimed
+        for r in range(rounds):
+            order = ("asyncrl", "vllm") if r % 2 == 0 else ("vllm", "asyncrl")
+            for side in order:
+                out = (
+                    measure_asyncrl(actor, cfg.seed, num_prompts, meter)
+                    if side == "asyncrl"
+                    else measure_vllm(actor, prompts, f"r{r}", meter)
+                )
+                out.update(round=r, side=side, tokens_per_s=out["tokens"] / out["seconds"])
+                rows.append(out)
+                print(f"round {r} {side}: {out['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
+    finally:
+        if actor is not None:
+            ray.get(actor.stop.remote())
+            ray.kill(actor)
+        ray.shutdown()
+
+    def rate(side: str) -> float:
+        sel = [x for x in rows if x["side"] == side]
+        return sum(x["tokens"] for x in sel) / sum(x["seconds"] for x in sel)
+
+    a, v = rate("asyncrl"), rate("vllm")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out / "actor.csv", rows)
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, side in enumerate(("asyncrl", "vllm")):
+        vals = [x["tokens_per_s"] for x in rows if x["side"] == side]
+        ax.bar([j * 3 + i for j in range(len(vals))], vals, label=side)
+    ax.set_xlabel("round")
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title("one RolloutActor vs plain vLLM generate, same engine and prompts")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "actor.png", dpi=120)
+    s = cfg.actor.sampling
+    print_table(
+        f"RolloutActor vs plain AsyncLLM.generate on the same engine: {num_prompts} prompts "
+        f"x n={s.n}, max_tokens={s.max_tokens}, temperature {s.temperature}, engine {dict(cfg.actor.engine)}, "
+        f"{rounds} round(s){' (--quick)' if args.quick else ''}",
+        ["round", "side", "trajectories", "tokens", "seconds", "tokens/s", "CPU s: actor proc",
+         "engine procs", "queue"],
+        [
+            [x["round"], x["side"], x["trajectories"], x["tokens"], x["seconds"],
+             x["tokens_per_s"], x["cpu_actor_s"], x["cpu_engine_s"], x["cpu_queue_s"]]
+            for x in rows
+        ],
+    )  # fmt: skip
+    print(f"asyncrl actor {a:.0f} tokens/s, plain vLLM {v:.0f} tokens/s, ratio {a / v:.3f}")
+    print(f"outputs: {args.out}")
+    emit_json({"actor_tokens_per_s": a, "vllm_tokens_per_s": v, "ratio": ratio(a, v)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""What every benchmark script shares: arguments, a local Ray on loopback, composed
+configs, core pinning, tables, CSV/PNG output and the last-line JSON.
+
+Each script runs as ``python -m benchmarks.<name> [--quick] [--out DIR]`` (or as a
+file: its first lines put the repository root, not ``benchmarks/``, on ``sys.path``,
+so ``benchmarks/queue.py`` cannot shadow the standard ``queue`` that Ray imports),
+prints a readable table and, as its very last stdout line, one JSON object with its
+figures; CSV and PNG go to ``--out`` (default ``bench_out/<name>/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import math
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from asyncrl.actor.rollout import ActorStats, RolloutActor
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOPBACK_IP = "127.0.0.2"  # local Ray binds here, never the machine's outward address
+
+
+# ---- arguments and outputs --------------------------------------------------------------
+def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{name}",
+        description=(doc or "").split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true", help="a small subset that runs in minutes")
+    p.add_argument(
+        "--out", type=Path, default=ROOT / "bench_out" / name, help="CSV/PNG output directory"
+    )
+    return p
+
+
+def print_table(title: str, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    """A plain aligned text table on stdout."""
+    cells = [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    line = "  ".join("-" * w for w in widths)
+    print(f"\n{title}")
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print(line)
+    for r in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    print(flush=True)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
+    return str(v)
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only backend (no display here)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def finite_or_none(obj: Any) -> Any:
+    """JSON has no NaN/inf: a figure that could not be measured becomes null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
+def emit_json(figures: dict[str, Any]) -> None:
+    """The script's figures as the very last stdout line (call it after Ray is down:
+    Ray forwards worker output to stdout)."""
+    sys.stderr.flush()
+    sys.stdout.flush()
+    print(json.dumps(finite_or_none(figures), allow_nan=False), flush=True)
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+# ---- Ray and configs ----------------------------------------------------------------------
+def start_ray(num_cpus: int | None = None, env: dict[str, str] | None = None) -> None:
+    """A local Ray on loopback for this process; workers import ``asyncrl`` and
+    ``benchmarks`` from this checkout. ``env`` goes to every worker (e.g. vLLM's
+    OMP binding)."""
+    import logging
+
+    import ray
+
+    env_vars = {
+        "PYTHONPATH": os.pathsep.join(
+            p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p
+        ),
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "TOKENIZERS_PARALLELISM": "false",
+        **(env or {}),
+    }
+    ray.init(
+        _node_ip_address=LOOPBACK_IP,
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        runtime_env={"env_vars": env_vars},
+        logging_level=logging.WARNING,
+    )
+
+
+def compose(*overrides: str):
+    """The training config (``conf/config.yaml``) with Hydra overrides, as the CLI
+    would build it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return hydra_compose("config", overrides=list(overrides))
+
+
+class Recorder:
+    """Stands in for ``asyncrl.utils.runlog.Scalars`` in ``train_loop``: keeps every
+    step's metrics in memory instead of writing TensorBoard events."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self.last: dict[str, float] = {}
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+        row["step"] = float(step)
+        self.steps.append(row)
+        self.last.update(row)
+
+    def close(self) -> None:
+        pass
+
+
+# ---- pinning --------------------------------------------------------------------------------
+def _getpid(_actor_self: Any) -> int:
+    return os.getpid()
+
+
+def actor_pid(handle: Any) -> int:
+    """The OS process id behind a Ray actor handle."""
+    import ray
+
+    return int(ray.get(handle.__ray_call__.remote(_getpid)))
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (vLLM's engine-core and worker processes
+    hang below the Ray actor that owns the engine)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in _listdir(f"/proc/{p}/task"):
+            try:
+                todo += [
+                    int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()
+                ]
+            except OSError:
+                pass
+    return out
+
+
+def pin_tree(pid: int, cores: set[int]) -> int:
+    """Pin every thread of ``pid`` and of its descendants to ``cores``; returns how
+    many threads were pinned. Affinity is per thread on Linux, and threads started
+    later inherit it from the thread that starts them."""
+    n = 0
+    for p in process_tree(pid):
+        for tid in _listdir(f"/proc/{p}/task"):
+            try:
+                os.sched_setaffinity(int(tid), cores)
+                n += 1
+            except OSError:  # the thread ended meanwhile
+                pass
+    return n
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+# ---- parts ---------------------------------------------------------------------------------
+def stop_all(parts: Any) -> tuple[dict, dict]:
+    """``asyncrl.wiring.stop_parts`` and then free everything it leaves to
+    ``ray.shutdown`` (actor processes, the broker, the queue), so that the next run in
+    this process finds its CPUs free. Returns (queue stats, actor stats)."""
+    import ray
+
+    from asyncrl.wiring import stop_parts
+
+    actors = list(parts.actors.values())
+    try:
+        queue_stats, actor_stats = stop_parts(parts, None, quiet=True)
+    finally:
+        close = getattr(parts.broker, "close", None)  # the process-group broker is an actor
+        if close is not None:
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 - it is going away either way
+                print(f"broker close: {type(e).__name__}: {e}", file=sys.stderr)
+        for handle in [*actors, parts.queue]:
+            ray.kill(handle)
+    return queue_stats, actor_stats
+
+
+class ReusableRolloutActor(RolloutActor):
+    """A RolloutActor whose engine outlives a run (engine start-up dominates short
+    runs): ``halt`` stops the generation loop (in-flight groups are cancelled);
+    ``rebind`` points it at a new queue with fresh prompts and counters; ``resume``
+    starts the loop again. Uses the loop internals of RolloutActor (``_running``,
+    ``_loop_task``, ``_generate_forever``)."""
+
+    async def halt(self) -> None:
+        self._running = False
+        if self._loop_task is not None:
+            await asyncio.wait({self._loop_task}, timeout=30)
+            self._loop_task = None
+
+    async def rebind(self, queue: Any, seed: int) -> None:
+        from asyncrl.tasks.base import TaskSampler
+
+        self.queue = queue
+        self.sampler = TaskSampler(self.task, seed)
+        self.stats = ActorStats()
+        self.fatal = ""
+
+    async def resume(self) -> None:
+        self._running = True
+        self._loop_task = asyncio.create_task(self._generate_forever())
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime

@@ -1,0 +1,431 @@
+"""Does the off-policy correction hold learning under staleness?
+
+Every sample is trained on exactly ``k`` policy versions after the one that generated
+it (the first ``k`` steps ramp up: staleness ``min(V, k)``), for each correction and
+for none, on the default task with the same sample budget and seeds.
+
+    step V:  queue.get_batch(V)  opens the throttle window for the groups of version V
+             and hands out the groups of version V-k (replay.delay_versions=k,
+             replay.max_staleness=k)
+             learner.train_step(V-k batch)  ║  actor generates the version-V groups
+             wait until every version-V group is in the queue
+             weights V+1 to the actor, waited for
+             -> no group ever mixes versions and the staleness histogram is exactly
+                {min(V, k)}: the script checks it after every run
+
+"No correction" is ``loss=plain_pg`` (REINFORCE that ignores the behaviour
+log-probs). Final reward = mean reward of the samples trained in the last 10% of
+steps (for k > 0 they were generated k versions before the end, so it lags by k
+versions); same-version reward = mean reward of the samples that the same policy
+versions generated in every run (the 10% of versions before ``steps - max(k)``): it
+compares policies after equally many updates. ESS and mismatch KL (``is/ess``,
+``is/mismatch_kl``: current policy vs behaviour) are averaged over the steps at
+full staleness.
+
+The full sweep (5 k x 5 losses x 3 seeds x 300 steps) takes hours on a 2-core CPU;
+``--quick`` runs k in {0, 8} for no correction and decoupled PPO, one seed, 40
+steps, and runs k=0 once for both (on-policy every loss has the plain policy
+gradient, docs/losses.md).
+
+One vLLM engine serves every run (engine start-up is most of a short run): between
+runs it is pointed at the new run's queue and reloaded with the initial weights;
+learner, queue and broker are new for every run. Weights go through the object
+store (``broker=objectstore``): lossless like the process-group broker, and the
+transport does not change what is learnt.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: see the note in benchmarks/common.py
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    Recorder,
+    ReusableRolloutActor,
+    compose,
+    emit_json,
+    parser,
+    print_table,
+    pyplot,
+    ratio,
+    start_ray,
+    stop_all,
+    write_csv,
+)
+
+LOSSES = {  # benchmark name -> conf/loss/<name>.yaml
+    "none": "plain_pg",
+    "tis": "tis",
+    "mis": "mis",
+    "decoupled_ppo": "decoupled_ppo",
+    "vtrace": "vtrace",
+}
+KS = (0, 1, 2, 4, 8)
+QUICK_KS = (0, 8)
+QUICK_LOSSES = ("none", "decoupled_ppo")
+FINAL_FRACTION = 0.1  # final reward: the samples of the last 10% of steps
+# Settings every run shares on top of the default config (see the module docstring).
+BENCH_OVERRIDES = ("broker=objectstore", "progress=false")
+POLL_S = 0.01  # how often the driver looks whether the actor finished its batch
+
+
+def wait_generated(parts: Any, produced: int, timeout_s: float) -> None:
+    """Until the queue holds ``produced`` trajectories and nothing is generating."""
+    import ray
+
+    deadline = time.time() + timeout_s
+    while True:
+        s = ray.get(parts.queue.stats.remote())
+        if s["produced"] >= produced and s["groups_running"] == 0:
+            return
+        if time.time() > deadline:
+            states = ray.get([a.get_stats.remote() for a in parts.actors.values()])
+            raise RuntimeError(f"the actor did not finish its batch: queue {s}, actor {states}")
+        time.sleep(POLL_S)
+
+
+def delayed_loop(cfg: Any, parts: Any, k: int, rec: Recorder) -> None:
+    import ray
+
+    from asyncrl.train import wait_batch
+
+    per_version = cfg.learner.batch_groups * cfg.actor.sampling.n  # trajectories
+    version = 0
+    for _ in range(cfg.max_steps):
+        items = wait_batch(parts, cfg, version)  # the version V-k groups; window opens for V
+        step = parts.learner.train_step.remote(items, version)
+        wait_generated(parts, (version + k + 1) * per_version, cfg.replay.wait_timeout_s)
+        m = ray.get(step)
+        version += 1
+        weights = ray.get(parts.learner.state_dict_ref.remote())
+        m.update(parts.broker.publish(version, weights, nbytes=m.pop("weights_bytes", 0)))
+        m.update(parts.broker.wait())  # the actor generates version V+1 only
+        rec.log(version, m)
+
+
+class Runner:
+    """Runs one (loss, k, seed) after another on one engine."""
+
+    def __init__(self, overrides: list[str], steps: int, out: Path, k_max: int):
+        self.overrides, self.steps, self.out, self.k_max = overrides, steps, out, k_max
+        self.actor: Any = None
+        self.parking: Any = None  # a queue that never grants a slot: the engine idles there
+
+    def config(self, loss: str, k: int, seed: int):
+        return compose(
+            *BENCH_OVERRIDES,
+            *self.overrides,
+            f"loss={LOSSES[loss]}",
+            f"replay.delay_versions={k}",
+            f"replay.max_staleness={k}",
+            "replay.policy=throttle",
+            f"seed={seed}",
+            f"max_steps={self.steps}",
+        )
+
+    def run(self, loss: str, k: int, seed: int) -> tuple[dict[str, Any], list[dict[str, float]]]:
+        import ray
+        from omegaconf import OmegaConf
+
+        from asyncrl.broker.objectstore import ObjectStoreBroker
+        from asyncrl.wiring import prepare, start_parts
+
+        cfg = self.config(loss, k, seed)
+        setup = prepare(cfg)
+        no_actors = OmegaConf.merge(cfg, {"actor": {"num_actors": 0}})  # ours is reused
+        out = self.out / "runs" / f"{loss}-k{k}-s{seed}"
+        out.mkdir(parents=True, exist_ok=True)
+        parts = start_parts(no_actors, setup, out, started_ray=False)
+        rec = Recorder()
+        t0 = time.time()
+        try:
+            if self.actor is None:
+                self.actor = self._new_actor(cfg, setup)
+            ray.get(self.actor.halt.remote())
+            ray.get(self.actor.rebind.remote(parts.queue, cfg.seed))
+            if self.parking is not None:
+                ray.kill(self.parking)
+                self.parking = None
+            parts.actors = {"actor0": self.actor}
+            parts.broker = ObjectStoreBroker(parts.actors, timeout_s=cfg.broker.timeout_s)
+            parts.broker.publish(0, ray.get(parts.learner.state_dict_ref.remote()))
+            parts.broker.wait()  # back to the initial weights, labelled version 0
+            ray.get(self.actor.resume.remote())
+            delayed_loop(cfg, parts, k, rec)
+        finally:
+            if self.actor is not None:
+                ray.get(self.actor.halt.remote())
+            parts.actors = {}  # stop_all must not stop the shared engine
+            queue_stats, _ = stop_all(parts)
+        row = summarise(loss, k, seed, rec.steps, queue_stats, time.time() - t0, self.k_max)
+        return row, rec.steps
+
+    def _new_actor(self, cfg: Any, setup: Any):
+        """The one engine start-up of the benchmark; the actor waits on a parking queue
+        (batch_groups=0: no slot ever) until a run rebinds it."""
+        import ray
+        from omegaconf import OmegaConf
+
+        from asyncrl.actor.engine import EngineSettings
+        from asyncrl.actor.rollout import SamplingSettings
+        from asyncrl.replay.queue import remote_queue
+
+        self.parking = remote_queue(max_staleness=0, batch_groups=0)
+        actor = (
+            ray.remote(ReusableRolloutActor)
+            .options(num_cpus=cfg.actor.num_cpus, max_concurrency=1000)
+            .remote(
+                "actor0",
+                setup.model_path,
+                setup.task,
+                self.parking,
+                SamplingSettings(**OmegaConf.to_container(cfg.actor.sampling, resolve=True)),
+                EngineSettings(**OmegaConf.to_container(cfg.actor.engine, resolve=True)),
+                seed=cfg.seed,
+                max_inflight_groups=cfg.actor.max_inflight_groups,
+                update_mode=cfg.actor.update_mode,
+            )
+        )
+        ray.get(actor.start.remote())
+        return actor
+
+    def close(self) -> None:
+        import ray
+
+        if self.actor is not None:
+            ray.get(self.actor.stop.remote())
+            ray.kill(self.actor)
+            self.actor = None
+        if self.parking is not None:
+            ray.kill(self.parking)
+
+
+def summarise(
+    loss: str,
+    k: int,
+    seed: int,
+    steps: list[dict[str, float]],
+    q: dict[str, Any],
+    seconds: float,
+    k_max: int,
+) -> dict[str, Any]:
+    """One run's row. ``final_reward``: samples trained in the last 10% of steps (for
+    k > 0 generated k versions before the end). ``same_version_reward``: samples
+    generated by the same policy versions in every run of the sweep, the 10% of
+    versions before ``steps - k_max``: it compares policies after equally many
+    updates, without the k-version lag of the final reward."""
+    n = len(steps)
+    w = max(1, math.ceil(n * FINAL_FRACTION))
+    last = steps[-w:]
+    lo, hi = max(0, n - k_max - w), max(1, n - k_max)
+    same = [r for i, r in enumerate(steps) if lo <= i - min(i, k) < hi]
+    full = steps[k:] or steps  # steps at full staleness (after the ramp)
+    per_step = steps[0]["reward/count"] if steps else 0
+    want = {min(v, k): 0 for v in range(n)}
+    for v in range(n):
+        want[min(v, k)] += int(per_step)
+    hist = {int(s): c for s, c in q.get("staleness_hist", {}).items()}
+
+    def mean(key: str, rows: list[dict[str, float]]) -> float:
+        vals = [r[key] for r in rows if key in r]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    return {
+        "loss": loss,
+        "k": k,
+        "seed": seed,
+        "steps": n,
+        "samples": int(sum(r["reward/count"] for r in steps)),
+        "final_reward": _reward(last),
+        "same_version_reward": _reward(same),
+        "first_reward": steps[0]["reward/mean"] if steps else float("nan"),
+        "ess": mean("is/ess", full),
+        "mismatch_kl": mean("is/mismatch_kl", full),
+        "staleness_mean": mean("staleness/mean", full),
+        "max_staleness": q.get("max_staleness_trained"),
+        "dropped": q.get("dropped_stale"),
+        "exact_staleness": hist == want,
+        "seconds": seconds,
+    }
+
+
+def _reward(rows: list[dict[str, float]]) -> float:
+    n = sum(r["reward/count"] for r in rows)
+    return sum(r["reward/sum"] for r in rows) / n if n else float("nan")
+
+
+def main() -> None:
+    p = parser("staleness", __doc__)
+    p.add_argument("--steps", type=int, default=None, help="learner steps per run (sample budget)")
+    p.add_argument("--ks", type=int, nargs="+", default=None, help=f"staleness values ({KS})")
+    p.add_argument("--losses", nargs="+", choices=list(LOSSES), default=None)
+    p.add_argument("--seeds", type=int, nargs="+", default=None)
+    p.add_argument(
+        "--share-k0",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run k=0 once and use it for every loss (on-policy they all have the plain "
+        "policy gradient); default: on with --quick",
+    )
+    p.add_argument("overrides", nargs="*", help="training-config overrides for every run")
+    args = p.parse_args()
+    share_k0 = args.quick if args.share_k0 is None else args.share_k0
+    steps = args.steps or (40 if args.quick else 300)
+    ks = args.ks or (QUICK_KS if args.quick else KS)
+    losses = args.losses or (QUICK_LOSSES if args.quick else list(LOSSES))
+    seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
+
+    import ray
+
+    rows, curves = [], []
+    k0_run = -1  # index in rows of this seed's k=0 run (shared with --share-k0)
+    start_ray()
+    runner = Runner(args.overrides, steps, args.out, max(ks))
+    try:
+        for seed in seeds:
+            for k in ks:
+                for loss in losses:
+                    if share_k0 and k == 0 and loss != losses[0]:  # copy the shared run
+                        rows.append(dict(rows[k0_run], loss=loss, shared_from=losses[0]))
+                        src = [c for c in curves if c["run"] == k0_run and c["loss"] == losses[0]]
+                        curves += [dict(c, loss=loss) for c in src]
+                        continue
+                    row, per_step = runner.run(loss, k, seed)
+                    rows.append(row)
+                    k0_run = len(rows) - 1 if k == 0 else k0_run
+                    curves += curve_rows(len(rows) - 1, row, per_step)
+                    print(
+                        f"{loss} k={k} seed={seed}: final reward {row['final_reward']:.3f} "
+                        f"({row['seconds']:.0f} s)",
+                        file=sys.stderr,
+                    )
+    finally:
+        runner.close()
+        ray.shutdown()
+
+    reward = seed_means(rows, "final_reward", ks, losses)
+    same = seed_means(rows, "same_version_reward", ks, losses)
+    retention = {loss: retention_k8(reward[loss]) for loss in losses}
+    retention_same = {loss: retention_k8(same[loss]) for loss in losses}
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out / "staleness.csv", rows)
+    write_csv(args.out / "curves.csv", curves)
+    plot(args.out / "staleness.png", curves, reward, ks, losses)
+    table(rows, reward, retention, retention_same, ks, losses, steps, seeds, args)
+    emit_json(
+        {"reward": reward, "retention_k8": retention, "retention_k8_same_version": retention_same}
+    )
+
+
+def curve_rows(run: int, row: dict[str, Any], per_step: list[dict[str, float]]) -> list[dict]:
+    out, samples = [], 0
+    for r in per_step:
+        samples += int(r["reward/count"])
+        out.append(
+            {
+                "run": run,
+                "loss": row["loss"],
+                "k": row["k"],
+                "seed": row["seed"],
+                "step": int(r["step"]),
+                "samples": samples,
+                "reward": r["reward/mean"],
+                "staleness": r["staleness/mean"],
+                "ess": r.get("is/ess"),
+                "mismatch_kl": r.get("is/mismatch_kl"),
+            }
+        )
+    return out
+
+
+def seed_means(rows: list[dict], key: str, ks, losses) -> dict[str, dict[str, float]]:
+    """loss -> str(k) -> mean over seeds of ``key``."""
+    return {
+        loss: {
+            str(k): _mean([r[key] for r in rows if r["loss"] == loss and r["k"] == k]) for k in ks
+        }
+        for loss in losses
+    }
+
+
+def retention_k8(by_k: dict[str, float]) -> float:
+    return ratio(by_k.get("8", math.nan), by_k.get("0", math.nan))
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def table(rows, reward, retention, retention_same, ks, losses, steps, seeds, args) -> None:
+    c = compose(*BENCH_OVERRIDES, *args.overrides)
+    subset = f"k in {list(ks)}, losses {list(losses)}, seeds {seeds}"
+    if args.quick:
+        subset = "--quick subset: " + subset
+    shared = [r for r in rows if r.get("shared_from")]
+    if shared:
+        subset += f"; k=0 run once (loss {shared[0]['shared_from']}) and shared"
+    print_table(
+        f"learning under exact staleness k: {steps} steps x {c.learner.batch_groups} groups x "
+        f"n={c.actor.sampling.n} samples per run, lr {c.learner.optim.lr}, task max_operand "
+        f"{c.task.max_operand}; {subset}",
+        ["loss", "k", "seed", "final reward", "same-version reward", "first reward", "ESS",
+         "mismatch KL", "exact k"],
+        [
+            [r["loss"], r["k"], r["seed"], r["final_reward"], r["same_version_reward"],
+             r["first_reward"], r["ess"], r["mismatch_kl"], r["exact_staleness"]]
+            for r in rows
+        ],
+    )  # fmt: skip
+    print_table(
+        "final reward (mean over seeds) by k; retention = reward(k=8) / reward(k=0), also "
+        f"for the same-version reward (policy versions {max(ks)} before the end in every run)",
+        ["loss", *[f"k={k}" for k in ks], "retention k8", "same-version retention k8"],
+        [
+            [loss, *[reward[loss][str(k)] for k in ks], retention[loss], retention_same[loss]]
+            for loss in losses
+        ],
+    )
+    bad = [f"{r['loss']} k={r['k']} seed={r['seed']}" for r in rows if not r["exact_staleness"]]
+    if bad:
+        print(f"WARNING: staleness was not exactly min(V, k) in: {', '.join(bad)}")
+    print(f"outputs: {args.out}")
+
+
+def plot(path: Path, curves, reward, ks, losses, window: int = 10) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(losses) + 1, figsize=(4 * (len(losses) + 1), 3.6))
+    for ax, loss in zip(axes, losses):
+        for k in ks:
+            pts: dict[int, list[float]] = {}
+            for c in curves:
+                if c["loss"] == loss and c["k"] == k:
+                    pts.setdefault(c["samples"], []).append(c["reward"])
+            xs = sorted(pts)
+            ys = [_mean(pts[x]) for x in xs]
+            smooth = [_mean(ys[max(0, i - window + 1) : i + 1]) for i in range(len(ys))]
+            ax.plot(xs, smooth, label=f"k={k}")
+        ax.set_title(f"{loss}")
+        ax.set_xlabel("samples trained")
+        ax.set_ylabel(f"reward (mean of {window} steps)")
+        ax.legend(fontsize=7)
+    ax = axes[-1]
+    for loss in losses:
+        ax.plot(list(ks), [reward[loss][str(k)] for k in ks], marker="o", label=loss)
+    ax.set_xlabel("staleness k (versions)")
+    ax.set_ylabel("final reward")
+    ax.set_title("final reward vs k")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""Weight-sync transport: GB/s of a bucketed gloo broadcast (learner rank 0 → N
+receiver processes on 127.0.0.1) against a plain tensor copy of the same bytes in
+the same run, and the bytes each lossless mode sends after one realistic AdamW
+step (lr 1e-6 on bf16 weights), with every sync checked bit for bit. Writes a
+table, ``weight_sync.csv`` and ``weight_sync.png`` into ``--out``, and the JSON line.
+
+    sender (this process): SenderEndpoint ── one group of all receivers (broadcast)
+                                           └─ one group per receiver (rolling, k=1)
+    receivers (spawned):   ReceiverEndpoint ── receive ─▶ apply (digest what it would load)
+
+Per model size: v0 full (warm-up, establishes the receivers' copy), then one
+AdamW step before each of: v1 sparse_delta, v2 changed_buckets, v3 full (the
+timed GB/s), v4 rolling sparse_delta (one receiver at a time). The same
+SenderEndpoint / ReceiverEndpoint classes serve the WeightBroker and the vLLM
+worker extension. ``--quick``: ~10M parameters (seconds). Without it: a sweep
+from ~10M to ~500M parameters (minutes; ~10 GB of memory at the top).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: see the note in benchmarks/common.py
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import math  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from benchmarks.common import emit_json, parser, print_table, pyplot, ratio, write_csv  # noqa: E402
+
+HOST = "127.0.0.1"
+TIMEOUT_S = 120.0  # per collective; generous for 1 GB buckets on a loaded box
+JOIN_S = 120.0  # spawned receivers import torch first
+QUICK_PARAMS = [10_000_000]
+SWEEP_PARAMS = [10_000_000, 50_000_000, 100_000_000, 250_000_000, 500_000_000]
+# Every tensor is trained here (no frozen ones), and one AdamW step at lr 1e-6 moves ~2%
+# of the bf16 elements, spread everywhere: every bucket changes, so `changed_buckets`
+# sends what `full` does; it pays off only with frozen parameters (see tests/test_broker.py).
+
+
+# ---- the model ------------------------------------------------------------------------------
+def make_model(params: int, seed: int = 0) -> list[torch.nn.Parameter]:
+    """A Qwen-shaped bf16 stack of about ``params`` parameters, N(0, 0.02) matrices,
+    norms at 1.0 (names in :func:`names`)."""
+    g = torch.Generator().manual_seed(seed)
+    d = 256 if params < 20e6 else 512 if params < 100e6 else 1024 if params < 300e6 else 1536
+    vocab = max(256, min(32_000, int(0.15 * params / d)))
+    layers = max(1, round((params - vocab * d) / (12 * d * d)))
+    shapes = [(vocab, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d, d), (d // 4, d), (d // 4, d), (d, d), (d,)]  # norm, q, k, v, o, norm
+        shapes += [(8 * d // 3, d), (8 * d // 3, d), (d, 8 * d // 3)]  # gate, up, down
+    shapes += [(d,)]
+    out = []
+    for s in shapes:
+        t = torch.ones(s) if len(s) == 1 else torch.randn(s, generator=g) * 0.02
+        out.append(torch.nn.Parameter(t.to(torch.bfloat16)))
+    return out
+
+
+def names(model: list[torch.nn.Parameter]) -> list[str]:
+    return [f"p{i}.{'norm' if p.dim() == 1 else 'weight'}" for i, p in enumerate(model)]
+
+
+def adamw_step(model: list[torch.nn.Parameter], opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(1000 + seed)
+    for p in model:
+        p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(p.dtype)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
+    """Best-of-``repeats`` plain tensor copy of ``nbytes``."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+# ---- receivers --------------------------------------------------------------------------------
+def _receiver(inbox: Any, outbox: Any) -> None:
+    """Loop: ("sync", key, port, rank, world) → receive → apply → digests back."""
+    torch.set_num_threads(1)
+    from asyncrl.transport.endpoint import ReceiverEndpoint
+
+    rx = ReceiverEndpoint()
+    while (cmd := inbox.get())[0] != "stop":
+        _, key, port, rank, world = cmd
+        rx.start(key, HOST, port, rank, world, TIMEOUT_S, JOIN_S, "gloo", True)
+        while (st := rx.poll())["state"] == "running":
+            time.sleep(0.001)
+        if st["state"] != "done":
+            outbox.put((st, None))
+            continue
+        rx.apply(lambda tensors: None, with_digests=True)  # "loading" = digesting it
+        outbox.put((st, rx.loaded_digests()["digests"]))
+    rx.close_all()
+
+
+class Receivers:
+    def __init__(self, n: int):
+        ctx = mp.get_context("spawn")
+        self.inboxes = [ctx.Queue() for _ in range(n)]
+        self.outboxes = [ctx.Queue() for _ in range(n)]
+        self.procs = [
+            ctx.Process(target=_receiver, args=(i, o), daemon=True)
+            for i, o in zip(self.inboxes, self.outboxes)
+        ]
+        for p in self.procs:
+            p.start()
+        self.opened: set[str] = set()
+
+    def sync(self, ep, key: str, members: list[int], version: int, base: int, mode: str):
+        """One sync of group ``key`` (receivers ``members``); returns (stats, digests per member)."""
+
+        def go(port: int) -> None:
+            for rank, m in enumerate(members, start=1):
+                self.inboxes[m].put(("sync", key, port, rank, len(members) + 1))
+
+        if key not in self.opened:
+            ep.open(key, len(members) + 1, on_listening=go)  # returns once all joined
+            self.opened.add(key)
+        else:
+            go(ep.senders[key].group.port)
+        stats = ep.send(key, version, base, mode)
+        got = [self.outboxes[m].get(timeout=JOIN_S + TIMEOUT_S) for m in members]
+        return stats, got
+
+    def close(self) -> None:
+        for q in self.inboxes:
+            q.put(("stop",))
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():  # only our own children, by handle
+                p.kill()
+
+
+# ---- one model size ----------------------------------------------------------------------------
+def run_size(params: int, receivers: int, bucket_mb: float) -> list[dict[str, Any]]:
+    from asyncrl.transport.endpoint import SenderEndpoint, digests
+
+    model = make_model(params)
+    keys = names(model)
+    opt = torch.optim.AdamW(model, lr=1e-6)
+    ep = SenderEndpoint(HOST, "gloo", TIMEOUT_S, JOIN_S, bucket_mb, "cpu", max_versions=2)
+    rx = Receivers(receivers)
+    everyone = list(range(receivers))
+    rows = []
+    try:
+        mcp = memcpy_gbps(sum(p.numel() * p.element_size() for p in model))
+        held = -1
+        schedule = [(0, "full", 0), (1, "sparse_delta", 0), (2, "changed_buckets", 0),
+                    (3, "full", 0), (4, "sparse_delta", 1)]  # fmt: skip
+        for version, mode, k in schedule:
+            if version:
+                adamw_step(model, opt, version)
+            snap = ep.snapshot(version, zip(keys, model), retain=[held] if held >= 0 else [])
+            want = digests(ep.shadows.get(version).named_tensors())
+            sets = [everyone] if k == 0 else [[m] for m in everyone]
+            stats, ok = [], True
+            for members in sets:
+                key = "all" if k == 0 else f"r{members[0]}"
+                s, got = rx.sync(ep, key, members, version, held, mode)
+                stats.append(s)
+                ok &= all(d == want for _, d in got)
+            held = version
+            sent = sum(s.bytes_sent for s in stats)
+            seconds = sum(s.seconds for s in stats)
+            rows.append(
+                {
+                    "params": sum(p.numel() for p in model),
+                    "version": version,
+                    "mode": mode + (f" rolling k={k}" if k else ""),
+                    "receivers": receivers,
+                    "bytes_full": snap["nbytes"],
+                    "bytes_sent": sent,
+                    "sent_frac": ratio(sent, snap["nbytes"] * len(sets)),
+                    "buckets": snap["buckets"] * len(sets),
+                    "skipped": sum(s.buckets_skipped for s in stats),
+                    "sparse": sum(s.buckets_sparse for s in stats),
+                    "seconds": seconds,
+                    "gbps": sent / seconds / 1e9,
+                    "pack_seconds": snap["pack_seconds"],
+                    "memcpy_gbps": mcp,
+                    "bitexact": ok,
+                }
+            )
+    finally:
+        rx.close()
+        ep.close_all()
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON figures, from the largest size's rows."""
+    top = max(r["params"] for r in rows)
+    by = {(r["version"]): r for r in rows if r["params"] == top}
+    full, sparse, changed = by[3], by[1], by[2]
+    return {
+        "params": top,
+        "receivers": full["receivers"],
+        "gbps": full["gbps"],
+        "memcpy_gbps": full["memcpy_gbps"],
+        "ratio_vs_memcpy": ratio(full["gbps"], full["memcpy_gbps"]),
+        "full_bytes": full["bytes_full"],
+        "changed_buckets_bytes": changed["bytes_sent"],
+        "sparse_delta_bytes": sparse["bytes_sent"],
+        "sparse_delta_frac": sparse["sent_frac"],
+        "rolling_bytes": by[4]["bytes_sent"],
+        "bitexact": all(r["bitexact"] for r in rows),
+    }
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    plt = pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    full = [r for r in rows if r["version"] == 3]
+    xs = [r["params"] / 1e6 for r in full]
+    a.plot(xs, [r["gbps"] for r in full], "o-", label="gloo broadcast (full)")
+    a.plot(xs, [r["memcpy_gbps"] for r in full], "s--", label="memcpy, same bytes")
+    a.set(xscale="log", xlabel="parameters (M)", ylabel="GB/s", title="full sync throughput")
+    a.legend()
+    for v, label in [(1, "sparse_delta"), (2, "changed_buckets"), (3, "full")]:
+        rs = [r for r in rows if r["version"] == v]
+        b.plot([r["params"] / 1e6 for r in rs], [r["sent_frac"] for r in rs], "o-", label=label)
+    b.set(xscale="log", yscale="log", xlabel="parameters (M)", ylabel="bytes sent / full",
+          title="after one AdamW step (lr 1e-6, bf16)")  # fmt: skip
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = parser("weight_sync", __doc__)
+    p.add_argument("--params", type=float, nargs="*", help="model sizes (default: quick/sweep)")
+    p.add_argument("--receivers", type=int, default=2, help="receiver processes")
+    p.add_argument("--bucket-mb", type=float, default=64.0, help="flat bucket size")
+    args = p.parse_args()
+    sizes = [int(x) for x in args.params] if args.params else (
+        QUICK_PARAMS if args.quick else SWEEP_PARAMS
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    rows = []
+    for n in sizes:
+        t0 = time.perf_counter()
+        rows += run_size(n, args.receivers, args.bucket_mb)
+        print(f"{n / 1e6:.0f}M parameters done in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+    print_table(
+        f"weight sync, gloo on {HOST}, {args.receivers} receiver(s), {args.bucket_mb:g} MB buckets",
+        ["params", "mode", "bytes sent", "of full", "buckets", "skipped", "sparse", "s", "GB/s",
+         "memcpy GB/s", "bit-exact"],
+        [[r["params"], r["mode"], r["bytes_sent"], r["sent_frac"], r["buckets"], r["skipped"],
+          r["sparse"], r["seconds"], r["gbps"], r["memcpy_gbps"], r["bitexact"]] for r in rows],
+    )  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"wrote {write_csv(args.out / 'weight_sync.csv', rows)}", file=sys.stderr)
+    plot(rows, args.out / "weight_sync.png")
+    print(f"wrote {args.out / 'weight_sync.png'}", file=sys.stderr)
+    emit_json(summary(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The benchmark scripts run end to end with their smallest settings, print one JSON
+object as their last stdout line and write their CSV and PNG. Values are checked
+for sanity (present, finite, in range), never against speed targets: those live in
+the scripts' own output."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.losses.base import LossBatch, ModelOutputs
+from asyncrl.losses.plain_pg import PlainPGLoss
+from asyncrl.replay.buffer import GroupMeta, ReplayBuffer
+
+ROOT = Path(__file__).parents[1]
+if str(ROOT) not in sys.path:  # `benchmarks` is not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import finite_or_none, pin_tree, print_table, process_tree  # noqa: E402
+
+
+def run_bench(name: str, out: Path, *args: str, timeout: int = 900) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    r = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", "--out", str(out), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    lines = [line for line in r.stdout.splitlines() if line.strip()]
+    figures = json.loads(lines[-1])
+    assert isinstance(figures, dict)
+    assert (out / f"{name}.csv").is_file() and (out / f"{name}.png").stat().st_size > 0
+    return figures
+
+
+def finite(*xs) -> bool:
+    return all(isinstance(x, int | float) and math.isfinite(x) for x in xs)
+
+
+def test_queue_benchmark(tmp_path):
+    f = run_bench("queue", tmp_path, "--batches", "2", "--rounds", "1", timeout=300)
+    assert set(f) == {"queue_traj_per_s", "raw_traj_per_s", "ratio"}
+    assert finite(*f.values())
+    assert f["queue_traj_per_s"] > 0 and f["raw_traj_per_s"] > 0
+    assert f["ratio"] == pytest.approx(f["queue_traj_per_s"] / f["raw_traj_per_s"])
+    rows = list(csv.DictReader((tmp_path / "queue.csv").open()))
+    assert {r["mode"] for r in rows} == {"queue", "raw"}
+    assert all(int(r["trajectories"]) == 2 * 16 * 8 for r in rows)
+
+
+@pytest.mark.slow
+def test_actor_benchmark(tmp_path):
+    f = run_bench("actor", tmp_path, "--prompts", "8", "--rounds", "1")
+    assert set(f) == {"actor_tokens_per_s", "vllm_tokens_per_s", "ratio"}
+    assert finite(*f.values())
+    assert f["actor_tokens_per_s"] > 0 and f["vllm_tokens_per_s"] > 0
+    assert 0 < f["ratio"] < 10
+    rows = list(csv.DictReader((tmp_path / "actor.csv").open()))
+    assert {r["side"] for r in rows} == {"asyncrl", "vllm"}
+    assert all(int(r["trajectories"]) == 8 * 8 for r in rows)  # 8 prompts x n=8 each side
+
+
+@pytest.mark.slow
+def test_throughput_benchmark(tmp_path):
+    pin = [] if {0, 1} <= os.sched_getaffinity(0) else ["--no-pin"]
+    f = run_bench("throughput", tmp_path, "--steps", "4", "--warmup", "1", *pin)
+    keys = {"sync_seconds", "async_seconds", "speedup", "ideal_speedup", "efficiency",
+            "actor_idle_frac", "learner_idle_frac", "tokens_per_s"}  # fmt: skip
+    assert set(f) == keys
+    assert finite(*f.values())
+    assert f["sync_seconds"] > 0 and f["async_seconds"] > 0 and f["tokens_per_s"] > 0
+    assert f["speedup"] == pytest.approx(f["sync_seconds"] / f["async_seconds"])
+    assert 1 <= f["ideal_speedup"] <= 2 + 1e-9  # (g + t) / max(g, t)
+    assert f["efficiency"] == pytest.approx(f["speedup"] / f["ideal_speedup"])
+    assert 0 <= f["actor_idle_frac"] <= 1 and 0 <= f["learner_idle_frac"] <= 1
+    rows = {r["mode"]: r for r in csv.DictReader((tmp_path / "throughput.csv").open())}
+    # same samples (async may lose a few members of groups that spanned versions to the bound)
+    assert 0.9 <= int(rows["async"]["samples_timed"]) / int(rows["sync"]["samples_timed"]) <= 1
+    assert int(rows["sync"]["max_staleness"]) == 0 and int(rows["sync"]["dropped_stale"]) == 0
+
+
+@pytest.mark.slow
+def test_staleness_benchmark(tmp_path):
+    f = run_bench(
+        "staleness", tmp_path, "--steps", "10", "--ks", "0", "8", "--losses", "none", "--seeds", "0"
+    )
+    assert set(f) == {"reward", "retention_k8", "retention_k8_same_version"}
+    assert set(f["reward"]) == {"none"} and set(f["reward"]["none"]) == {"0", "8"}
+    assert all(0 <= v <= 1 for v in f["reward"]["none"].values())
+    for key in ("retention_k8", "retention_k8_same_version"):
+        assert set(f[key]) == {"none"} and finite(f[key]["none"]) and f[key]["none"] >= 0
+    rows = list(csv.DictReader((tmp_path / "staleness.csv").open()))
+    assert len(rows) == 2
+    for r in rows:  # the delay really was exact: histogram {min(V, k)}, nothing dropped
+        assert r["exact_staleness"] == "True", r
+        assert int(r["max_staleness"]) == int(r["k"]) and int(r["dropped"]) == 0
+        assert int(r["samples"]) == 10 * 16 * 8
+    curves = list(csv.DictReader((tmp_path / "curves.csv").open()))
+    stale = [float(c["staleness"]) for c in curves if c["k"] == "8"]
+    assert stale == [min(v, 8) for v in range(10)]
+
+
+# ---- pieces the benchmarks rely on (fast) ---------------------------------------------------
+def test_delay_mode_ramps_up_instead_of_waiting_at_version_0():
+    buf = ReplayBuffer(max_staleness=3, batch_groups=1, delay_versions=3)
+
+    def put(gid: str, version: int) -> None:
+        buf.start()
+        buf.put(gid, GroupMeta(gid, [gid + "-0"], [version], [4], [0.0]))
+
+    for g in ("a", "b", "c", "d"):
+        put(g, 0)
+    got = []
+    for v in range(5):
+        buf.set_learner_version(v)
+        if v >= 1:
+            put(f"v{v}", v)
+        item = buf.take(1)
+        got.append(item[0].staleness[0] if item else None)
+    assert got == [0, 1, 2, 3, 3]  # min(V, k): version-0 data while V < k, then exactly k
+
+
+def test_plain_pg_ignores_behaviour_logprobs():
+    torch.manual_seed(0)
+    B, T = 3, 5
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 3:] = False
+    adv = torch.randn(B, 1).expand(B, T).contiguous()
+    w = mask.float() / mask.sum()
+    logp = torch.randn(B, T).log_softmax(-1).requires_grad_()
+
+    def loss_with(behaviour: torch.Tensor) -> torch.Tensor:
+        batch = LossBatch(
+            behaviour_logprobs=behaviour, versions=torch.zeros(B, T, dtype=torch.long), mask=mask,
+            advantages=adv, loss_weights=w, rewards=torch.zeros(B),
+            group_ids=torch.zeros(B, dtype=torch.long), learner_version=4,
+        )  # fmt: skip
+        out = PlainPGLoss()(batch, ModelOutputs(logprobs=logp))
+        assert "is/ess" in out.metrics and "is/mismatch_kl" in out.metrics
+        return out.loss
+
+    on_policy, stale = loss_with(logp.detach()), loss_with(logp.detach() - 3.0)
+    want = -(adv * logp * w)[mask].sum()
+    assert torch.allclose(on_policy, want) and torch.allclose(stale, want)
+
+
+def test_pin_tree_pins_every_thread_of_this_process():
+    cores = os.sched_getaffinity(0)
+    assert os.getpid() in process_tree(os.getpid())
+    assert pin_tree(os.getpid(), cores) >= 1
+    assert os.sched_getaffinity(0) == cores
+
+
+def test_table_and_json_helpers(capsys):
+    print_table("t", ["a", "b"], [["x", 1.23456], ["yy", float("nan")]])
+    out = capsys.readouterr().out
+    assert "1.235" in out and "yy" in out
+    assert finite_or_none({"a": float("inf"), "b": [1.0, float("nan")]}) == {
+        "a": None,
+        "b": [1.0, None],
+    }

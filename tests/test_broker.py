@@ -1,0 +1,371 @@
+"""The process-group WeightBroker with real Ray, real gloo groups, the real
+RolloutActor weight path and worker extension, and a fake vLLM engine at the
+process boundary (it records pauses and keeps what ``reload_weights`` got).
+
+Covers: every payload mode and rolling updates stay bit-exact across versions,
+at most k actors pause at once, a killed actor is dropped within the timeout
+and the others go on, a stuck actor is named and recovers, config checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from asyncrl.actor.worker_ext import AsyncRLWorkerExtension
+from asyncrl.broker.plan import ActorView, SyncSet, plan_waves
+from asyncrl.broker.settings import PAYLOAD_MODES, BrokerSettings, check_broker_config
+from asyncrl.config import ConfigError
+from asyncrl.transport.broadcast import NO_VERSION
+from asyncrl.transport.delta import Mode
+from asyncrl.transport.endpoint import digests
+
+TIMEOUT_S = 3.0
+SLACK_S = 6.0  # heartbeat silence + Ray hops + scheduling on a loaded 2-core box
+BUCKET_MB = 8 / 1024  # 8 KiB buckets: the small model spans many
+
+
+# ----------------------------------------------------------------- pure parts
+def test_plan_groups_by_held_version_and_rolls_most_stale_first():
+    views = {
+        "a": ActorView(loaded=3, held=3),
+        "b": ActorView(loaded=3, held=3),
+        "c": ActorView(loaded=1, held=1),
+        "d": ActorView(loaded=2, held=NO_VERSION),
+        "e": ActorView(loaded=4, held=4),
+    }
+    (wave,) = plan_waves(views, 4, rolling_k=0)
+    assert wave == [SyncSet(("d",), NO_VERSION), SyncSet(("c",), 1), SyncSet(("a", "b"), 3)]
+    waves = plan_waves(views, 4, rolling_k=2)
+    assert waves == [[SyncSet(("d",), NO_VERSION), SyncSet(("c",), 1)], [SyncSet(("a", "b"), 3)]]
+    assert plan_waves(views, 4, rolling_k=1, only_stale=False)[-1] == [SyncSet(("e",), 4)]
+    assert plan_waves({"e": views["e"]}, 4, rolling_k=0) == []
+
+
+def test_settings_name_the_key_to_fix():
+    assert PAYLOAD_MODES == tuple(m.value for m in Mode)
+    ok = check_broker_config({"kind": "gloo", "mode": "changed_buckets", "rolling_k": 2})
+    assert ok.mode == "changed_buckets" and ok.rolling_k == 2
+    assert check_broker_config({"kind": "objectstore", "timeout_s": 5}) is None
+    for bad, key in [
+        ({"kind": "nope"}, "broker.kind"),
+        ({"kind": "gloo", "mode": "rolling"}, "broker.mode"),
+        ({"kind": "gloo", "rolling_k": -1}, "broker.rolling_k"),
+        ({"kind": "gloo", "timeout_s": 0}, "broker.timeout_s"),
+        ({"kind": "gloo", "hold_copy": False, "mode": "sparse_delta"}, "broker.mode"),
+        ({"kind": "gloo", "bucket_size": 1}, "bucket_size"),
+    ]:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            check_broker_config(bad)
+
+
+class _EventEngine:
+    """The pause/resume surface of AsyncLLM, recording calls."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.errored = False
+
+    async def pause_generation(self, mode="abort", clear_cache=True):
+        self.events.append(f"pause:{mode}:{clear_cache}")
+
+    async def resume_generation(self):
+        self.events.append("resume")
+
+    async def update_weight_version(self, v):
+        self.events.append(f"version:{v}")
+
+    async def reset_prefix_cache(self, reset_running_requests=False):
+        self.events.append(f"reset_prefix:{reset_running_requests}")
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        await asyncio.sleep(3600)  # an engine core that died never answers
+
+
+@pytest.mark.parametrize(
+    "mode, prefix, want",
+    [
+        ("abort", True, ["pause:abort:True", "version:3", "resume"]),
+        ("wait", False, ["pause:wait:True", "version:3", "resume"]),
+        ("keep", False, ["pause:keep:False", "version:3", "resume"]),
+        ("keep", True, ["pause:keep:False", "version:3", "reset_prefix:True", "resume"]),
+    ],
+)
+async def test_paused_update_labels_the_version_and_always_resumes(mode, prefix, want):
+    from asyncrl.actor import weights
+
+    eng = _EventEngine()
+
+    async def load():
+        eng.events.append("load")
+        return "loaded"
+
+    result, paused = await weights.paused_update(eng, mode, 3, load, prefix, 5.0)
+    assert result == "loaded" and paused >= 0
+    assert eng.events == [want[0], "load", *want[1:]]
+
+    async def broken():
+        raise RuntimeError("reload failed")
+
+    eng.events.clear()
+    with pytest.raises(RuntimeError, match="reload failed"):
+        await weights.paused_update(eng, mode, 4, broken, prefix, 5.0)
+    assert eng.events == [want[0], "resume"]  # never left paused, never labelled
+
+
+async def test_rpc_to_a_dead_engine_fails_fast():
+    from asyncrl.actor import weights
+
+    eng = _EventEngine()
+    asyncio.get_running_loop().call_later(0.2, setattr, eng, "errored", True)
+    t0 = time.monotonic()
+    with pytest.raises(weights.EngineGone):
+        await weights.rpc(eng, "asyncrl_receive_poll", timeout_s=30.0)
+    assert time.monotonic() - t0 < 2.0
+    eng.errored = False
+    with pytest.raises(TimeoutError, match="no answer within"):
+        await weights.rpc(eng, "asyncrl_receive_poll", timeout_s=0.3)
+
+
+# ----------------------------------------------------------------- fakes
+class FakeRunner:
+    """vLLM's model runner as the worker extension sees it."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.model_config = SimpleNamespace(hf_config=SimpleNamespace(tie_word_embeddings=False))
+
+    def reload_weights(self, weights_iterator) -> None:
+        self.loaded = {n: t.clone() for n, t in weights_iterator}
+
+    def get_model(self) -> torch.nn.Module:
+        return torch.nn.Module()
+
+
+class FakeWorker(AsyncRLWorkerExtension):
+    def __init__(self) -> None:
+        self.rank = 0
+        self.model_runner = FakeRunner()
+
+
+class FakeEngine:
+    """AsyncLLM's weight-update surface; ``events`` records (monotonic time, what)."""
+
+    errored = False
+
+    def __init__(self) -> None:
+        self.worker = FakeWorker()
+        self.events: list[tuple[float, str]] = []
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    async def pause_generation(self, mode="abort", clear_cache=True):
+        self.events.append((time.monotonic(), f"pause:{mode}:{clear_cache}"))
+
+    async def resume_generation(self):
+        self.events.append((time.monotonic(), "resume"))
+
+    async def update_weight_version(self, v):
+        self.events.append((time.monotonic(), f"version:{v}"))
+
+    async def reset_prefix_cache(self, reset_running_requests=False):
+        self.events.append((time.monotonic(), "reset_prefix"))
+
+
+def _install_fake_engine(actor) -> None:
+    actor.engine = FakeEngine()
+
+
+def _engine_events(actor) -> list:
+    return list(actor.engine.events)
+
+
+def _loaded_digests(actor) -> dict:
+    return digests(actor.engine.worker.model_runner.loaded.items())
+
+
+def make_model(seed: int) -> torch.nn.ModuleDict:
+    """bf16 linears (embedding and first block frozen), fp32 norms."""
+    torch.manual_seed(seed)
+    m = torch.nn.ModuleDict({"embed": torch.nn.Embedding(64, 32)})
+    for i in range(3):
+        m[f"l{i}_q"] = torch.nn.Linear(32, 32, bias=False)
+        m[f"l{i}_mlp"] = torch.nn.Linear(32, 96)
+        m[f"l{i}_norm"] = torch.nn.LayerNorm(32)
+    for name, mod in m.items():
+        if "norm" not in name:
+            mod.to(torch.bfloat16)
+    for name in ("embed", "l0_q", "l0_mlp", "l0_norm"):
+        m[name].requires_grad_(False)
+    return m
+
+
+class FakeLearner:
+    """A learner rank as the broker sees it: ``model`` (read by the default export)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.model = make_model(seed)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
+
+    def adamw_step(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for p in self.model.parameters():
+            if p.requires_grad:
+                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+# ----------------------------------------------------------------- Ray fixtures
+@pytest.fixture(scope="module")
+def fake_world(ray_local, task):
+    """Three RolloutActors (fake engines) and a fake learner rank, as Ray actors."""
+    ray = ray_local
+    from ray import cloudpickle
+
+    from asyncrl.actor.engine import EngineSettings
+    from asyncrl.actor.rollout import RolloutActor, SamplingSettings
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cls = ray.remote(RolloutActor).options(num_cpus=0, max_concurrency=100)
+    actors = {
+        f"actor{i}": cls.remote(
+            f"actor{i}", "unused", task, None, SamplingSettings(), EngineSettings(), 0
+        )
+        for i in range(3)
+    }
+    ray.get([a.__ray_call__.remote(_install_fake_engine) for a in actors.values()])
+    learner = ray.remote(FakeLearner).options(num_cpus=0).remote()
+    yield actors, learner
+    for a in [*actors.values(), learner]:
+        ray.kill(a)
+
+
+def _start(actors, learner, **kw):
+    from asyncrl.broker.client import start_weight_broker
+
+    settings = BrokerSettings(
+        bucket_mb=BUCKET_MB, timeout_s=TIMEOUT_S, join_timeout_s=30.0, verify=True, **kw
+    )
+    return start_weight_broker(actors, learner, settings)
+
+
+def _assert_bit_exact(ray, broker, actors) -> None:
+    want = broker.learner_digests()
+    for name, a in actors.items():
+        assert ray.get(a.__ray_call__.remote(_loaded_digests)) == want, name
+
+
+# ----------------------------------------------------------------- tests
+@pytest.mark.slow
+def test_every_mode_is_bit_exact_and_rolling_pauses_one_at_a_time(ray_local, fake_world):
+    ray = ray_local
+    actors, learner = fake_world
+    broker = _start(actors, learner, mode="full")
+    try:
+        assert broker.actor_versions == dict.fromkeys(actors, 0)  # primed with version 0
+        _assert_bit_exact(ray, broker, actors)
+        seen = {}
+        plan = [("full", 0), ("changed_buckets", 0), ("sparse_delta", 0), ("sparse_delta", 1)]
+        for version, (mode, k) in enumerate(plan, start=1):
+            broker.set_policy(mode, k)
+            ray.get(learner.adamw_step.remote(version))
+            t0 = time.monotonic()
+            broker.publish(version)
+            m = broker.wait()
+            seen[(mode, k)] = (m, t0)
+            assert m["broker/actors_updated"] == 3 and m["broker/errors"] == 0, broker.errors
+            assert broker.actor_versions == dict.fromkeys(actors, version)
+            for name in actors:
+                assert m[f"broker/version/{name}"] == version
+            _assert_bit_exact(ray, broker, actors)  # verify=True also checked every worker
+        full, changed, sparse = (seen[(x, 0)][0] for x in PAYLOAD_MODES)
+        assert full["broker/buckets_skipped"] == 0
+        assert full["broker/bytes_sent"] >= full["broker/bytes_full"] > 0
+        # Frozen first block: whole buckets skipped; lr 1e-6 on bf16: few elements move.
+        assert changed["broker/buckets_skipped"] > 0
+        assert changed["broker/bytes_sent"] < changed["broker/bytes_full"]
+        assert sparse["broker/buckets_sparse"] > 0
+        assert sparse["broker/bytes_sent"] < changed["broker/bytes_sent"]
+        assert all(m["broker/gbps"] > 0 and m["broker/sync_seconds"] > 0 for m, _ in seen.values())
+        # rolling_k=1: three sets, one actor each, and no two actors paused at once
+        rolling, t0 = seen[("sparse_delta", 1)]
+        assert rolling["broker/sets"] == 3
+        spans = []
+        for a in actors.values():
+            ev = [(t, e) for t, e in ray.get(a.__ray_call__.remote(_engine_events)) if t >= t0]
+            (pause,) = [t for t, e in ev if e.startswith("pause")]
+            (resume,) = [t for t, e in ev if e == "resume"]
+            assert [e for _, e in ev] == ["pause:keep:False", "version:4", "resume"]
+            spans.append((pause, resume))
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    finally:
+        broker.close()
+
+
+@pytest.mark.slow
+def test_stuck_actor_is_named_within_the_timeout_and_recovers(ray_local, fake_world):
+    ray = ray_local
+    actors, learner = fake_world
+    broker = _start(actors, learner, mode="full")  # full: bucket 1 is surely sent
+    try:
+        stall = 3 * TIMEOUT_S
+        ray.get(actors["actor2"].inject_weight_fault.remote("stall", 1, stall))
+        ray.get(learner.adamw_step.remote(100))
+        broker.publish(1)
+        t0 = time.monotonic()
+        m = broker.wait()
+        elapsed = time.monotonic() - t0
+        (err,) = broker.errors
+        print(err)  # shown with -rP: what an operator reads
+        assert "actor 'actor2'" in err and "bucket 1" in err and "version 1" in err, err
+        assert m["broker/errors"] == 1 and broker.dead == {}
+        # the others were retried in a fresh group and got version 1 in the same sync
+        assert broker.actor_versions == {"actor0": 1, "actor1": 1, "actor2": 0}
+        assert elapsed < stall + TIMEOUT_S + SLACK_S
+        time.sleep(stall)  # let the stalled worker give up on its dead group
+        broker.set_policy("sparse_delta")  # actor2 dropped its half-written copy: full anyway
+        ray.get(learner.adamw_step.remote(101))
+        broker.publish(2)
+        m = broker.wait()
+        assert broker.actor_versions == dict.fromkeys(actors, 2) and m["broker/errors"] == 0
+        _assert_bit_exact(ray, broker, actors)
+    finally:
+        broker.close()
+
+
+@pytest.mark.slow
+def test_killed_actor_is_dropped_within_the_timeout_and_the_rest_go_on(ray_local, fake_world):
+    """Last in this module: it kills actor1's process."""
+    ray = ray_local
+    actors, learner = fake_world
+    broker = _start(actors, learner, mode="full")
+    try:
+        ray.get(actors["actor1"].inject_weight_fault.remote("kill", 2))
+        ray.get(learner.adamw_step.remote(200))
+        broker.publish(1)
+        t0 = time.monotonic()
+        m = broker.wait()
+        elapsed = time.monotonic() - t0
+        assert elapsed < TIMEOUT_S + SLACK_S
+        assert list(broker.dead) == ["actor1"]
+        (err,) = broker.errors
+        print(err)  # shown with -rP: what an operator reads
+        assert "actor 'actor1'" in err and "bucket 2" in err and "version 1" in err, err
+        assert m["broker/dead"] == 1 and m["broker/actors_updated"] == 2
+        assert broker.actor_versions == {"actor0": 1, "actor2": 1}
+        ray.get(learner.adamw_step.remote(201))
+        broker.publish(2)
+        assert broker.wait()["broker/errors"] == 0
+        assert broker.actor_versions == {"actor0": 2, "actor2": 2}
+        _assert_bit_exact(ray, broker, {n: actors[n] for n in ("actor0", "actor2")})
+    finally:
+        broker.close()

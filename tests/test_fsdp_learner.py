@@ -1,0 +1,115 @@
+"""Two FSDP ranks (Ray actors, gloo, CPU) against one plain rank on the same batches.
+
+The global batch is split across ranks by tokens and packed and micro-batched
+differently on each side, so only fp32 summation order differs. Measured here (lr
+1e-3, two steps, both normalisations): loss and grad norm agree to <= 2e-7 relative,
+the update norm exactly; parameters to <= 1.1e-5 absolute, the whole update vector
+to <= 3.3e-5 relative L2. Adam divides each gradient element by sqrt(v) + eps, so an
+element whose gradient is near eps turns ~1e-9 reduction-order noise into a few
+percent of ``lr``: hence a max-abs bound in units of ``lr`` next to the tight L2 one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import ray
+import torch
+from test_learner_unit import build_tiny_qwen, trajs
+
+from asyncrl.config import ConfigError
+from asyncrl.learner.batch import collate
+from asyncrl.learner.group import LearnerGroup
+from asyncrl.learner.learner import Learner
+from asyncrl.learner.optim import OptimSettings
+from asyncrl.losses.advantages import GroupNormalized
+from asyncrl.losses.clipped import ClippedISLoss
+from asyncrl.trajectory import Trajectory
+
+pytestmark = pytest.mark.slow
+
+LR = 1e-3
+REL_TOL = 1e-6  # loss, grad norm, update norm, token-mean metrics (relative)
+PARAM_ATOL = 0.05 * LR  # any single parameter after a step
+UPDATE_REL_L2 = 1e-3  # ||update_2 - update_1|| / ||update_1||
+LOGP_ATOL = 1e-5  # log-probs, packed differently on the two sides
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_qwen(tmp_path_factory.mktemp("m"))
+
+
+def sized(lens: list[tuple[int, int]], seed: int = 0) -> list[Trajectory]:
+    """One group of trajectories with the given (prompt, response) lengths."""
+    rng = np.random.default_rng(seed)
+    return [
+        Trajectory(
+            f"s{i}",
+            "g",
+            rng.integers(1, 20, p),
+            rng.integers(1, 20, r),
+            -rng.random(r).astype(np.float32),
+            np.zeros(r, np.int32),
+            np.ones(r, bool),
+            float(i % 2),
+        )  # fmt: skip
+        for i, (p, r) in enumerate(lens)
+    ]
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= REL_TOL * max(abs(a), abs(b), 1e-12)
+
+
+@pytest.mark.parametrize("norm", ["token", "sequence"])
+def test_two_ranks_match_one(ray_local, model_dir, norm):
+    torch.set_num_threads(1)
+    optim = OptimSettings(lr=LR, grad_clip=1e9)
+    kw = dict(normalisation=norm, num_threads=1)
+    steps = [
+        collate(trajs(24, seed=3, max_prompt=9, max_response=12)),
+        # rank 0 gets the 30-token sequence (one micro-batch), rank 1 the six short ones
+        # (two): rank 0 runs an empty micro-batch to keep FSDP's collectives in step
+        collate(sized([(10, 20)] + [(4, 4)] * 6)),
+    ]
+    one = Learner(
+        str(model_dir), ClippedISLoss(), GroupNormalized(), optim, micro_batch_tokens=10_000, **kw
+    )
+    group = LearnerGroup(
+        str(model_dir), ClippedISLoss(), GroupNormalized(), optim, world_size=2,
+        micro_batch_tokens=30, **kw,
+    )  # fmt: skip
+    try:
+        before = one.full_state_dict()
+        for v, batch in enumerate(steps):
+            m1 = one.step_on_batch(batch, v)
+            m2 = group.step_on_batch(batch, v)
+            assert m2["learner/micro_batches"] > m1["learner/micro_batches"] == 1
+            for k in ("loss/total", "learner/grad_norm", "learner/update_norm", "is/ratio_mean"):
+                assert close(m1[k], m2[k]), (k, m1[k], m2[k])
+            p1 = one.full_state_dict()
+            p2 = ray.get(group.state_dict_ref()[0])
+            assert p1.keys() == p2.keys() and "lm_head.weight" not in p2  # tied: dropped
+            worst = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
+            assert worst < PARAM_ATOL, worst
+            u1 = torch.cat([(p1[k] - before[k]).flatten() for k in p1])
+            u2 = torch.cat([(p2[k] - before[k]).flatten() for k in p1])
+            assert float((u1 - u2).norm() / u1.norm()) < UPDATE_REL_L2
+            before = p1
+        if norm == "token":  # weights out and log-probs in, once
+            streamed = dict(group.named_parameters_stream())
+            assert streamed.keys() == p2.keys()
+            assert all(torch.equal(streamed[k], p2[k]) for k in p2)
+            ts = trajs(9, seed=11)
+            for a, b in zip(one.logprobs_of(ts), group.logprobs_of(ts)):
+                np.testing.assert_allclose(a, b, atol=LOGP_ATOL)
+    finally:
+        group.close()
+
+
+def test_world_size_beyond_the_cluster_fails_at_start(ray_local, model_dir):
+    with pytest.raises(ConfigError, match=r"learner.world_size=64 .* need 64 CPUs .* has 4 CPUs"):
+        LearnerGroup(
+            str(model_dir), ClippedISLoss(), GroupNormalized(), OptimSettings(), world_size=64
+        )
