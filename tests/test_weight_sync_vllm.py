@@ -14,6 +14,7 @@ the timeout, and the other actor goes on.
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import time
 
@@ -259,7 +260,9 @@ def test_engine_killed_mid_transfer_is_dropped_and_the_other_goes_on(ray_local, 
     assert list(broker.dead) == ["actor1"]
     (err,) = broker.errors
     print(err)  # shown with -rP: what an operator reads
-    assert "actor 'actor1'" in err and "bucket 2" in err and f"version {version}" in err, err
+    # the worker dies while bucket 2 arrives; with two buckets in flight the sender may
+    # notice at bucket 1 or 2 first: what matters is that a bucket is named
+    assert "actor 'actor1'" in err and re.search(r"bucket [12]\b", err) and f"version {version}" in err, err
     assert m["broker/actors_updated"] == 1 and broker.actor_versions == {"actor0": version}
     (loaded,) = ray.get(actors["actor0"].loaded_digests.remote())
     assert loaded["digests"] == broker.learner_digests()
