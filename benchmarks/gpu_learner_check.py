@@ -107,8 +107,10 @@ def main() -> int:
         if not DRY:
             torch.cuda.synchronize()
         figures["tokens_per_s"] = round(tokens / (time.time() - t0), 1)
-        after = dict(L.named_parameters_stream())
-        moved = max(float((after[n].float().cpu() - before[n]).abs().max()) for n in before)
+        # The stream's tensors are valid only until the next item (FSDP reshards the
+        # unit behind it), so copy each one out before moving on.
+        after = {n: t.detach().float().clone().cpu() for n, t in L.named_parameters_stream()}
+        moved = max(float((after[n] - before[n]).abs().max()) for n in before)
         ok_step = ok and moved > 0
         results.append(
             (
