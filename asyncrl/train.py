@@ -89,7 +89,11 @@ def train_loop(
         version += 1
         # the object-store broker ships a ray.put copy; the process-group broker streams
         # the weights out of learner rank 0 itself, so nothing is fetched here
-        weights = ray.get(parts.learner.state_dict_ref.remote()) if cfg.broker.kind == "objectstore" else None
+        weights = (
+            ray.get(parts.learner.state_dict_ref.remote())
+            if cfg.broker.kind == "objectstore"
+            else None
+        )
         m.update(parts.broker.publish(version, weights, nbytes=m.pop("weights_bytes", 0)))
         parts.queue.set_learner_version.remote(version)
         per_step.append((m["reward/sum"], m["reward/count"]))
@@ -174,6 +178,14 @@ def summarise(
 def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     t0 = time.time()
     setup: Setup = prepare(cfg)  # every config error surfaces here, before Ray starts
+    if cfg.replay.delay_versions:
+        raise ConfigError(
+            f"replay.delay_versions={cfg.replay.delay_versions} is the staleness benchmark's "
+            "mode: it needs generation in lock-step with the learner, which "
+            "benchmarks/staleness.py drives; this training loop would wait for groups the "
+            "staleness window never lets the actors make. Use replay.max_staleness to bound "
+            "staleness here."
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     started = init_ray(cfg.ray)

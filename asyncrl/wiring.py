@@ -83,8 +83,7 @@ def prepare(cfg: DictConfig) -> Setup:
 def start_parts(cfg: DictConfig, setup: Setup, out_dir: Path, started_ray: bool) -> Parts:
     import ray
 
-    from asyncrl.actor.engine import EngineSettings
-    from asyncrl.actor.rollout import RolloutActor, SamplingSettings
+    from asyncrl.actor.rollout import SamplingSettings
     from asyncrl.broker.client import make_broker
     from asyncrl.learner.config import start_learner
     from asyncrl.replay.queue import remote_queue
@@ -99,20 +98,8 @@ def start_parts(cfg: DictConfig, setup: Setup, out_dir: Path, started_ray: bool)
         delay_versions=rp.delay_versions,
     )
     sampling = SamplingSettings(**OmegaConf.to_container(cfg.actor.sampling, resolve=True))
-    engine = EngineSettings(**OmegaConf.to_container(cfg.actor.engine, resolve=True))
-    actor_cls = ray.remote(RolloutActor).options(num_cpus=cfg.actor.num_cpus, max_concurrency=1000)
     actors = {
-        f"actor{i}": actor_cls.remote(
-            f"actor{i}",
-            setup.model_path,
-            setup.task,
-            queue,
-            sampling,
-            engine,
-            seed=cfg.seed + 1000 * i,
-            max_inflight_groups=cfg.actor.max_inflight_groups,
-            update_mode=cfg.actor.update_mode,
-        )
+        f"actor{i}": new_actor(cfg, setup, queue, f"actor{i}", cfg.seed + 1000 * i)
         for i in range(cfg.actor.num_actors)
     }
     learner = start_learner(  # a LearnerGroup: N ranks, same methods as one Learner actor
@@ -123,6 +110,34 @@ def start_parts(cfg: DictConfig, setup: Setup, out_dir: Path, started_ray: bool)
     ray.get(learner.ping.remote())
     broker = make_broker(cfg.broker, actors, learner)  # objectstore | gloo (process group)
     return Parts(queue, actors, learner, broker, started_ray)
+
+
+def new_actor(cfg: Any, setup: Any, queue: Any, name: str, seed: int, cls: Any = None):
+    """A RolloutActor (or subclass ``cls``) as a Ray actor, from ``cfg.actor``; not
+    started (call ``start``)."""
+    import ray
+    from omegaconf import OmegaConf
+
+    from asyncrl.actor.engine import EngineSettings
+    from asyncrl.actor.rollout import RolloutActor, SamplingSettings
+
+    a = cfg.actor
+    return (
+        ray.remote(cls or RolloutActor)
+        .options(num_cpus=a.num_cpus, max_concurrency=1000)
+        .remote(
+            name,
+            setup.model_path,
+            setup.task,
+            queue,
+            SamplingSettings(**OmegaConf.to_container(a.sampling, resolve=True)),
+            EngineSettings(**OmegaConf.to_container(a.engine, resolve=True)),
+            seed=seed,
+            max_inflight_groups=a.max_inflight_groups,
+            update_mode=a.update_mode,
+            handoff_linger_s=a.handoff_linger_ms / 1000,
+        )
+    )
 
 
 def stop_parts(parts: Parts, checkpoint_dir: Path | None, quiet: bool = False) -> tuple[dict, dict]:

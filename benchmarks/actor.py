@@ -8,10 +8,13 @@ vLLM ``AsyncLLM.generate`` of the same prompts on the same engine, same run.
     vllm:     the same AsyncLLM, in the same process, with the actor's loop stopped:
               all P prompts submitted at once with the actor's SamplingParams (n
               samples each); the clock stops at the last completion
+    vllm_capped: the same, with at most actor.max_inflight_groups prompts in flight
+              (what the actor keeps): separates what the hand-off costs from what the
+              in-flight cap costs (``ratio_vs_capped``)
 
 One engine serves both sides (one start-up, no engine-to-engine variance): only
 what the actor adds around ``generate`` differs. Measurements alternate
-(asyncrl, vllm, vllm, asyncrl, ...) after an untimed warm-up generation.
+(asyncrl, vllm, vllm_capped, then reversed, ...) after an untimed warm-up generation.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ import asyncio  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+from asyncrl.actor.rollout import RolloutActor  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    ReusableRolloutActor,
     actor_pid,
     compose,
     cpu_seconds,
@@ -41,14 +44,17 @@ from benchmarks.common import (  # noqa: E402
     write_csv,
 )
 
+SIDES = ("asyncrl", "vllm", "vllm_capped")
 UNREACHABLE_BOUND = 10**9  # no learner here: versions never advance, nothing is stale
 WARMUP_PROMPTS = 16
 
 
-class BenchActor(ReusableRolloutActor):
+class BenchActor(RolloutActor):
     """The RolloutActor, plus plain generation on its engine while its loop is halted."""
 
-    async def plain_generate(self, prompts: list[str], tag: str) -> dict[str, int]:
+    async def plain_generate(
+        self, prompts: list[str], tag: str, inflight: int = 0
+    ) -> dict[str, int]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -63,12 +69,15 @@ class BenchActor(ReusableRolloutActor):
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
+        gate = asyncio.Semaphore(inflight or len(prompts))
+
         async def one(i: int, prompt: str):
             final = None
-            async for out in self.engine.generate(
-                {"prompt": prompt}, params, request_id=f"{tag}-{i}"
-            ):
-                final = out
+            async with gate:
+                async for out in self.engine.generate(
+                    {"prompt": prompt}, params, request_id=f"{tag}-{i}"
+                ):
+                    final = out
             return final
 
         finals = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
@@ -102,7 +111,7 @@ class CpuMeter:
 def measure_asyncrl(actor: Any, seed: int, num_prompts: int, meter: CpuMeter) -> dict[str, Any]:
     import ray
 
-    from asyncrl.replay.queue import remote_queue
+    from asyncrl.replay.queue import remote_queue, resolve_groups
 
     # capacity = P groups: the actor starts P and then waits on the queue
     queue = remote_queue(
@@ -123,7 +132,7 @@ def measure_asyncrl(actor: Any, seed: int, num_prompts: int, meter: CpuMeter) ->
         stats = ray.get(actor.get_stats.remote())
         if stats["fatal"]:
             raise RuntimeError(f"actor failed: {stats['fatal']}")
-        groups = ray.get([it.ref for it in items])
+        groups = resolve_groups(items)
         return {
             "tokens": sum(len(t.response_ids) for g in groups for t in g.trajectories),
             "trajectories": sum(len(g.trajectories) for g in groups),
@@ -134,12 +143,14 @@ def measure_asyncrl(actor: Any, seed: int, num_prompts: int, meter: CpuMeter) ->
         ray.kill(queue)
 
 
-def measure_vllm(actor: Any, prompts: list[str], tag: str, meter: CpuMeter) -> dict[str, Any]:
+def measure_vllm(
+    actor: Any, prompts: list[str], tag: str, meter: CpuMeter, inflight: int = 0
+) -> dict[str, Any]:
     import ray
 
     cpu0 = meter.read(None)
     t0 = time.perf_counter()
-    out = ray.get(actor.plain_generate.remote(prompts, tag))
+    out = ray.get(actor.plain_generate.remote(prompts, tag, inflight))
     out["seconds"] = time.perf_counter() - t0
     out.update(meter.delta(cpu0, meter.read(None)))
     return out
@@ -148,28 +159,12 @@ def measure_vllm(actor: Any, prompts: list[str], tag: str, meter: CpuMeter) -> d
 def start_actor(cfg: Any, setup: Any):
     """The actor with its engine up, its loop halted."""
     import ray
-    from omegaconf import OmegaConf
 
-    from asyncrl.actor.engine import EngineSettings
-    from asyncrl.actor.rollout import SamplingSettings
     from asyncrl.replay.queue import remote_queue
+    from asyncrl.wiring import new_actor
 
     parking = remote_queue(max_staleness=0, batch_groups=0)  # never grants a slot
-    actor = (
-        ray.remote(BenchActor)
-        .options(num_cpus=cfg.actor.num_cpus, max_concurrency=1000)
-        .remote(
-            "actor0",
-            setup.model_path,
-            setup.task,
-            parking,
-            SamplingSettings(**OmegaConf.to_container(cfg.actor.sampling, resolve=True)),
-            EngineSettings(**OmegaConf.to_container(cfg.actor.engine, resolve=True)),
-            seed=cfg.seed,
-            max_inflight_groups=cfg.actor.max_inflight_groups,
-            update_mode=cfg.actor.update_mode,
-        )
-    )
+    actor = new_actor(cfg, setup, parking, "actor0", cfg.seed, cls=BenchActor)
     ray.get(actor.start.remote())
     ray.get(actor.halt.remote())
     ray.kill(parking)
@@ -204,14 +199,15 @@ def main() -> None:
         actor = start_actor(cfg, setup)
         meter = CpuMeter(actor_pid(actor))
         measure_vllm(actor, prompts[:WARMUP_PROMPTS], "warmup", meter)  # first use, untimed
+        cap = cfg.actor.max_inflight_groups
         for r in range(rounds):
-            order = ("asyncrl", "vllm") if r % 2 == 0 else ("vllm", "asyncrl")
+            order = SIDES if r % 2 == 0 else SIDES[::-1]
             for side in order:
-                out = (
-                    measure_asyncrl(actor, cfg.seed, num_prompts, meter)
-                    if side == "asyncrl"
-                    else measure_vllm(actor, prompts, f"r{r}", meter)
-                )
+                if side == "asyncrl":
+                    out = measure_asyncrl(actor, cfg.seed, num_prompts, meter)
+                else:
+                    inflight = cap if side == "vllm_capped" else 0
+                    out = measure_vllm(actor, prompts, f"r{r}{side}", meter, inflight)
                 out.update(round=r, side=side, tokens_per_s=out["tokens"] / out["seconds"])
                 rows.append(out)
                 print(f"round {r} {side}: {out['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
@@ -225,14 +221,14 @@ def main() -> None:
         sel = [x for x in rows if x["side"] == side]
         return sum(x["tokens"] for x in sel) / sum(x["seconds"] for x in sel)
 
-    a, v = rate("asyncrl"), rate("vllm")
+    a, v, vc = rate("asyncrl"), rate("vllm"), rate("vllm_capped")
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "actor.csv", rows)
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for i, side in enumerate(("asyncrl", "vllm")):
+    for i, side in enumerate(SIDES):
         vals = [x["tokens_per_s"] for x in rows if x["side"] == side]
-        ax.bar([j * 3 + i for j in range(len(vals))], vals, label=side)
+        ax.bar([j * 4 + i for j in range(len(vals))], vals, label=side)
     ax.set_xlabel("round")
     ax.set_ylabel("generated tokens / s")
     ax.set_title("one RolloutActor vs plain vLLM generate, same engine and prompts")
@@ -253,8 +249,20 @@ def main() -> None:
         ],
     )  # fmt: skip
     print(f"asyncrl actor {a:.0f} tokens/s, plain vLLM {v:.0f} tokens/s, ratio {a / v:.3f}")
+    print(
+        f"plain vLLM with at most actor.max_inflight_groups={cfg.actor.max_inflight_groups} "
+        f"prompts in flight, as the actor keeps: {vc:.0f} tokens/s, ratio {a / vc:.3f}"
+    )
     print(f"outputs: {args.out}")
-    emit_json({"actor_tokens_per_s": a, "vllm_tokens_per_s": v, "ratio": ratio(a, v)})
+    emit_json(
+        {
+            "actor_tokens_per_s": a,
+            "vllm_tokens_per_s": v,
+            "ratio": ratio(a, v),
+            "vllm_capped_tokens_per_s": vc,
+            "ratio_vs_capped": ratio(a, vc),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ figures; CSV and PNG go to ``--out`` (default ``bench_out/<name>/``).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import csv
 import json
 import math
@@ -20,8 +19,6 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
-
-from asyncrl.actor.rollout import ActorStats, RolloutActor
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK_IP = "127.0.0.2"  # local Ray binds here, never the machine's outward address
@@ -234,32 +231,6 @@ def stop_all(parts: Any) -> tuple[dict, dict]:
         for handle in [*actors, parts.queue]:
             ray.kill(handle)
     return queue_stats, actor_stats
-
-
-class ReusableRolloutActor(RolloutActor):
-    """A RolloutActor whose engine outlives a run (engine start-up dominates short
-    runs): ``halt`` stops the generation loop (in-flight groups are cancelled);
-    ``rebind`` points it at a new queue with fresh prompts and counters; ``resume``
-    starts the loop again. Uses the loop internals of RolloutActor (``_running``,
-    ``_loop_task``, ``_generate_forever``)."""
-
-    async def halt(self) -> None:
-        self._running = False
-        if self._loop_task is not None:
-            await asyncio.wait({self._loop_task}, timeout=30)
-            self._loop_task = None
-
-    async def rebind(self, queue: Any, seed: int) -> None:
-        from asyncrl.tasks.base import TaskSampler
-
-        self.queue = queue
-        self.sampler = TaskSampler(self.task, seed)
-        self.stats = ActorStats()
-        self.fatal = ""
-
-    async def resume(self) -> None:
-        self._running = True
-        self._loop_task = asyncio.create_task(self._generate_forever())
 
 
 def cpu_seconds(pid: int) -> float:

@@ -1,14 +1,17 @@
 """Replay-queue throughput: trajectories of ~1k tokens per second through the
 ReplayQueue, against raw ``ray.put`` / ``ray.get`` of the same objects, same run.
 
-    queue mode:  producers ── acquire() ─ ray.put(group) ─ queue.put([ref], meta) ──▶ ReplayQueue
-                 consumer ── queue.get_batch(bg, V) ──▶ ray.get(refs)    (staleness checks, accounting)
-    raw mode:    producers ── ray.put(group) ─ consumer.push([ref]) ──▶ a plain FIFO in the consumer
+    queue mode:  producers ── acquire_many(c) ─ Outbox: ray.put(c groups) ─ queue.put_many
+                              ──▶ ReplayQueue            (the RolloutActor's own hand-off)
+                 consumer ── queue.get_batch(bg, V) ──▶ resolve_groups (ray.get)    (staleness checks, accounting)
+    raw mode:    producers ── ray.put(group) x c ─ consumer.push_many(refs) ──▶ a plain FIFO
                  consumer ── ray.get(refs)
 
 Two producer actors stand in for rollout actors and one consumer for the learner
 (a threaded actor that resolves refs with ``ray.get``, as the learner does). Every
 group is labelled policy version 0 and the learner version rises by one per batch;
+both modes hand refs over in chunks of ``c`` groups (``--chunk``, the actor's default
+``max_inflight_groups``), so the difference is what the queue itself does;
 the staleness bound is set beyond the run, so every check runs and nothing is
 dropped. Rounds alternate the order (queue, raw, raw, queue, ...) so that other load on
 the machine hits both alike.
@@ -83,21 +86,28 @@ class Producer:
         )
         return TrajectoryGroup(gid, self.trajs), meta
 
-    async def feed_queue(self, queue: Any, num_groups: int) -> None:
+    async def feed_queue(self, queue: Any, num_groups: int, chunk: int) -> None:
+
+        from asyncrl.replay.queue import Outbox
+
+        outbox, left = Outbox(queue), num_groups
+        while left:
+            granted = await queue.acquire_many.remote(min(chunk, left), 1.0)
+            for _ in range(granted):
+                outbox.put(*self._group())
+            left -= granted
+        await outbox.drain()
+        if outbox.error:
+            raise RuntimeError(outbox.error)
+
+    async def feed_raw(self, sink: Any, num_groups: int, chunk: int) -> None:
         import ray
 
-        for _ in range(num_groups):
-            while not await queue.acquire.remote(1.0):
-                pass
-            group, meta = self._group()
-            await queue.put.remote([ray.put(group)], meta)
-
-    async def feed_raw(self, sink: Any, num_groups: int) -> None:
-        import ray
-
-        for _ in range(num_groups):
-            group, _ = self._group()
-            await sink.push.remote([ray.put(group)])
+        left = num_groups
+        while left:
+            n = min(chunk, left)
+            await sink.push_many.remote([[ray.put(self._group()[0])] for _ in range(n)])
+            left -= n
 
     def nbytes(self) -> int:
         from asyncrl.trajectory import to_bytes
@@ -111,18 +121,21 @@ class Consumer:
     def __init__(self) -> None:
         self._refs: stdlib_queue.Queue = stdlib_queue.Queue()
 
-    def push(self, ref_list: list) -> None:
-        self._refs.put(ref_list[0])
+    def push_many(self, ref_lists: list[list]) -> None:
+        for ref_list in ref_lists:
+            self._refs.put(ref_list[0])
 
     def take_queue(self, queue: Any, num_batches: int, batch_groups: int) -> int:
         import ray
+
+        from asyncrl.replay.queue import resolve_groups
 
         n = 0
         for version in range(num_batches):
             items = ray.get(queue.get_batch.remote(batch_groups, version, 60.0))
             if not items:
                 raise RuntimeError(f"no batch within 60 s at version {version}")
-            groups = ray.get([it.ref for it in items])
+            groups = resolve_groups(items)  # what the learner does
             n += sum(len(g.trajectories) for g in groups)
         return n
 
@@ -141,7 +154,14 @@ def cpu_by_role(pids: dict[str, list[int]]) -> dict[str, float]:
 
 
 def run_round(
-    mode: str, producers: list, consumer: Any, batches: int, bg: int, pids: dict[str, list[int]]
+    mode: str,
+    producers: list,
+    consumer: Any,
+    batches: int,
+    bg: int,
+    pids: dict[str, list[int]],
+    chunk: int,
+    capacity_batches: int = 4,
 ) -> dict[str, Any]:
     """One timed pass; also the CPU seconds producers, consumer and queue used in it."""
     import ray
@@ -155,17 +175,17 @@ def run_round(
             max_staleness=UNREACHABLE_BOUND,
             batch_groups=bg,
             policy="throttle",
-            capacity_groups=4 * bg,
+            capacity_groups=capacity_batches * bg,
         )
         pids = dict(pids, queue=[actor_pid(queue)])  # the queue is up before the clock starts
         cpu0 = cpu_by_role(pids)
         t0 = time.perf_counter()
-        feeds = [p.feed_queue.remote(queue, per_producer) for p in producers]
+        feeds = [p.feed_queue.remote(queue, per_producer, chunk) for p in producers]
         taken = ray.get(consumer.take_queue.remote(queue, batches, bg))
     else:
         cpu0 = cpu_by_role(pids)
         t0 = time.perf_counter()
-        feeds = [p.feed_raw.remote(consumer, per_producer) for p in producers]
+        feeds = [p.feed_raw.remote(consumer, per_producer, chunk) for p in producers]
         taken = ray.get(consumer.take_raw.remote(batches, bg))
     seconds = time.perf_counter() - t0
     ray.get(feeds)
@@ -190,6 +210,16 @@ def main() -> None:
     p.add_argument("--batch-groups", type=int, default=16, help="groups per batch")
     p.add_argument("--n", type=int, default=8, help="trajectories per group")
     p.add_argument("--producers", type=int, default=2)
+    p.add_argument(
+        "--capacity-batches",
+        type=int,
+        default=4,
+        help="queue capacity in batches (4: what the default max_staleness=2 gives); "
+        "producers wait when it is full, raw mode has no such bound",
+    )
+    p.add_argument(
+        "--chunk", type=int, default=16, help="groups per hand-off call (actor.max_inflight_groups)"
+    )
     args = p.parse_args()
     batches = args.batches or (30 if args.quick else 200)
     rounds = args.rounds or (2 if args.quick else 6)
@@ -210,11 +240,13 @@ def main() -> None:
         pids = {"producers": [actor_pid(p) for p in producers], "consumer": [actor_pid(consumer)]}
         # warm-up: worker processes, imports, object-store paths of both modes
         for mode in ("queue", "raw"):
-            run_round(mode, producers, consumer, 2, bg, pids)
+            run_round(mode, producers, consumer, 2, bg, pids, args.chunk, args.capacity_batches)
         rows = []
         for r in range(rounds):
             for mode in ("queue", "raw") if r % 2 == 0 else ("raw", "queue"):
-                row = run_round(mode, producers, consumer, batches, bg, pids)
+                row = run_round(
+                    mode, producers, consumer, batches, bg, pids, args.chunk, args.capacity_batches
+                )
                 row.update(round=r, mb_per_s=row["traj_per_s"] * group_bytes / n / 1e6)
                 rows.append(row)
     finally:
@@ -244,7 +276,7 @@ def main() -> None:
     print_table(
         f"replay queue vs raw ray.put/get: {args.producers} producers, 1 consumer, "
         f"{bg} groups x {n} trajectories of {PROMPT_TOKENS + RESPONSE_TOKENS} tokens per batch, "
-        f"{batches} batches per round, {rounds} round(s){' (--quick)' if args.quick else ''}",
+        f"{batches} batches per round, hand-offs of {args.chunk} groups, queue capacity {args.capacity_batches} batches, {rounds} round(s){' (--quick)' if args.quick else ''}",
         ["round", "mode", "trajectories", "seconds", "traj/s", "MB/s", "CPU s: producers",
          "consumer", "queue"],
         [

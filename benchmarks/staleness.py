@@ -49,7 +49,6 @@ from typing import Any  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
     Recorder,
-    ReusableRolloutActor,
     compose,
     emit_json,
     parser,
@@ -172,28 +171,12 @@ class Runner:
         """The one engine start-up of the benchmark; the actor waits on a parking queue
         (batch_groups=0: no slot ever) until a run rebinds it."""
         import ray
-        from omegaconf import OmegaConf
 
-        from asyncrl.actor.engine import EngineSettings
-        from asyncrl.actor.rollout import SamplingSettings
         from asyncrl.replay.queue import remote_queue
+        from asyncrl.wiring import new_actor
 
         self.parking = remote_queue(max_staleness=0, batch_groups=0)
-        actor = (
-            ray.remote(ReusableRolloutActor)
-            .options(num_cpus=cfg.actor.num_cpus, max_concurrency=1000)
-            .remote(
-                "actor0",
-                setup.model_path,
-                setup.task,
-                self.parking,
-                SamplingSettings(**OmegaConf.to_container(cfg.actor.sampling, resolve=True)),
-                EngineSettings(**OmegaConf.to_container(cfg.actor.engine, resolve=True)),
-                seed=cfg.seed,
-                max_inflight_groups=cfg.actor.max_inflight_groups,
-                update_mode=cfg.actor.update_mode,
-            )
-        )
+        actor = new_actor(cfg, setup, self.parking, "actor0", cfg.seed)
         ray.get(actor.start.remote())
         return actor
 

@@ -59,12 +59,14 @@ def test_queue_benchmark(tmp_path):
 @pytest.mark.slow
 def test_actor_benchmark(tmp_path):
     f = run_bench("actor", tmp_path, "--prompts", "8", "--rounds", "1")
-    assert set(f) == {"actor_tokens_per_s", "vllm_tokens_per_s", "ratio"}
+    assert set(f) == {"actor_tokens_per_s", "vllm_tokens_per_s", "ratio",
+                      "vllm_capped_tokens_per_s", "ratio_vs_capped"}  # fmt: skip
     assert finite(*f.values())
     assert f["actor_tokens_per_s"] > 0 and f["vllm_tokens_per_s"] > 0
     assert 0 < f["ratio"] < 10
+    assert f["ratio"] == pytest.approx(f["actor_tokens_per_s"] / f["vllm_tokens_per_s"])
     rows = list(csv.DictReader((tmp_path / "actor.csv").open()))
-    assert {r["side"] for r in rows} == {"asyncrl", "vllm"}
+    assert {r["side"] for r in rows} == {"asyncrl", "vllm", "vllm_capped"}
     assert all(int(r["trajectories"]) == 8 * 8 for r in rows)  # 8 prompts x n=8 each side
 
 

@@ -127,3 +127,13 @@ def test_cli_config_error_exit_code(tmp_path):
     )
     assert r.returncode == 2
     assert "config error: model.path=" in r.stderr and "no such directory" in r.stderr
+
+
+def test_delay_mode_is_refused_by_the_training_loop(tmp_path):
+    """replay.delay_versions only works with the staleness benchmark's lock-step driver;
+    the training loop refuses it before Ray starts instead of waiting for a batch."""
+    from asyncrl.train import run
+
+    with pytest.raises(ConfigError, match="replay.delay_versions=2 is the staleness benchmark"):
+        run(cfg("replay.delay_versions=2", "replay.max_staleness=2"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # refused before anything was written

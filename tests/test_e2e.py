@@ -23,8 +23,19 @@ ROOT = Path(__file__).parents[1]
 def run_cli(out: Path, *overrides: str, timeout: int = 900) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run(
-        [sys.executable, "-m", "asyncrl.train", f"hydra.run.dir={out}", "progress=false", *overrides],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.train",
+            f"hydra.run.dir={out}",
+            "progress=false",
+            *overrides,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -61,7 +72,18 @@ def test_outputs_written(short_run):
     ea = EventAccumulator(str(short_run / "tb"))
     ea.Reload()
     tags = set(ea.Tags()["scalars"])
-    for tag in ("reward/mean", "staleness/mean", "staleness/max", "is/ratio_mean", "is/ess", "is/mismatch_kl",
-                "is/clip_frac", "perf/tokens_per_s_generated", "replay/depth", "broker/sync_seconds", "loss/total"):
+    for tag in (
+        "reward/mean",
+        "staleness/mean",
+        "staleness/max",
+        "is/ratio_mean",
+        "is/ess",
+        "is/mismatch_kl",
+        "is/clip_frac",
+        "perf/tokens_per_s_generated",
+        "replay/depth",
+        "broker/sync_seconds",
+        "loss/total",
+    ):
         assert tag in tags, tag
     assert (short_run / "checkpoint" / "hf" / "config.json").exists()

@@ -151,3 +151,141 @@ def test_queue_core_blocks_and_wakes():
         assert await q.acquire(0.1) is False
 
     asyncio.run(main())
+
+
+def test_acquire_many_grants_what_the_window_allows():
+    async def main():
+        # throttle window at version 0: (0 + 1 + 1) * 2 = 4 groups may start
+        q = ReplayQueueCore(max_staleness=1, batch_groups=2, capacity_groups=100)
+        assert await q.acquire_many(3, 0.1) == 3
+        assert await q.acquire_many(3, 0.1) == 1  # only one left in the window
+        assert await q.acquire_many(3, 0.05) == 0  # window full: times out, no hang
+        assert await q.acquire_many(0, 0.05) == 0
+        assert q.stats()["groups_running"] == 4
+        await q.set_learner_version(1)  # the window opens by batch_groups
+        assert await q.acquire_many(5, 0.1) == 2
+        await q.abandon(2)
+        assert q.stats()["groups_running"] == 4
+        await q.close()
+        assert await q.acquire_many(5, 0.05) == 0
+
+    asyncio.run(main())
+
+
+def test_put_many_keeps_order_and_refuses_a_duplicate_without_losing_the_rest():
+    async def main():
+        q = ReplayQueueCore(max_staleness=5, batch_groups=3, policy="drop")
+        assert await q.acquire_many(4, 0.1) == 4
+        refused = await q.put_many(
+            [(["ra"], meta("a", [0, 0])), (["rb"], meta("b", [0])), (["ra2"], meta("a", [0]))]
+        )
+        assert len(refused) == 1 and "group a" in refused[0] and "twice" in refused[0]
+        await q.put_many([(["rc"], meta("c", [0]))])
+        s = q.stats()
+        assert s["groups_running"] == 0  # the refused group freed its slot
+        assert s["produced"] == 4 and s["produced"] == s["trained"] + s["in_flight"]
+        items = await q.get_batch(3, 0, timeout_s=1.0)
+        assert [it.ref for it in items] == ["ra", "rb", "rc"]
+
+    asyncio.run(main())
+
+
+def _group(gid: str, n: int = 2):
+    import numpy as np
+
+    from asyncrl.trajectory import Trajectory, TrajectoryGroup
+
+    trajs = [
+        Trajectory(
+            f"{gid}-{i}",
+            gid,
+            np.arange(3, dtype=np.int32),
+            np.arange(i + 1, dtype=np.int32),
+            -np.ones(i + 1, np.float32),
+            np.zeros(i + 1, np.int32),
+            np.ones(i + 1, bool),
+            float(i),
+        )
+        for i in range(n)
+    ]
+    return TrajectoryGroup(gid, trajs), meta(gid, [0] * n)
+
+
+def test_outbox_coalesces_bundles_and_loses_none(ray_local):
+    """Through a real ReplayQueue actor: the first group goes alone, the 19 made while
+    it travels go in one more call and one bundle; the learner's resolve_groups gets
+    every group back, in order, fetching each bundle once."""
+    import ray
+
+    from asyncrl.replay.queue import Outbox, remote_queue, resolve_groups
+
+    q = remote_queue(max_staleness=5, batch_groups=1, policy="drop", capacity_groups=50)
+
+    async def main():
+        box = Outbox(q)
+        assert await q.acquire_many.remote(20, 1.0) == 20
+        box.put(*_group("g0"))
+        await asyncio.sleep(0)  # the first hand-off leaves
+        for i in range(1, 20):
+            box.put(*_group(f"g{i}"))
+        await box.drain()
+        return box
+
+    try:
+        box = asyncio.run(main())
+        assert (box.calls, box.sent_groups, box.error) == (2, 20, "")
+        items = ray.get(q.get_batch.remote(20, 0, 5.0))
+        assert [it.bundle_index for it in items] == [0, *range(19)]
+        assert len(set(it.ref for it in items)) == 2
+        groups = resolve_groups(items)
+        assert [g.group_id for g in groups] == [f"g{i}" for i in range(20)]
+        assert [t.traj_id for t in groups[7].trajectories] == ["g7-0", "g7-1"]
+        assert groups[7].trajectories[1].response_ids.tolist() == [0, 1]
+        s = ray.get(q.stats.remote())
+        assert s["groups_running"] == 0 and s["produced"] == s["trained"] == 40
+        # a plain one-group ref (queue.put) resolves alongside bundles
+        assert ray.get(q.acquire.remote(1.0))
+        g, m = _group("solo")
+        ray.get(q.put.remote([ray.put(g)], m))
+        (item,) = ray.get(q.get_batch.remote(1, 0, 5.0))
+        assert item.bundle_index == -1 and resolve_groups([item])[0].group_id == "solo"
+    finally:
+        ray.kill(q)
+
+
+class _DeadQueue:
+    """A queue actor handle whose actor died (Ray's process boundary, faked): every
+    put_many raises; abandon calls are counted."""
+
+    def __init__(self):
+        self.abandoned = []
+        outer = self
+
+        class _PutMany:
+            def remote(self, items):
+                async def fail():
+                    raise ConnectionError("actor died")
+
+                return asyncio.ensure_future(fail())
+
+        class _Abandon:
+            def remote(self, n=1):
+                outer.abandoned.append(n)
+
+        self.put_many, self.abandon = _PutMany(), _Abandon()
+
+
+def test_outbox_failure_is_recorded_and_slots_freed(ray_local):
+    from asyncrl.replay.queue import Outbox
+
+    async def main():
+        dead = _DeadQueue()
+        box = Outbox(dead)
+        for i in range(3):
+            box.put(*_group(f"g{i}"))
+        await box.drain()
+        return box, dead
+
+    box, dead = asyncio.run(main())
+    assert "put_many failed" in box.error and "actor died" in box.error
+    assert box.sent_groups == 0 and sum(dead.abandoned) == 3

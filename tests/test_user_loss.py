@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).parents[1]
 
-USER_LOSS = textwrap.dedent('''
+USER_LOSS = textwrap.dedent("""
     import torch
 
     from asyncrl.losses import LossOutput, masked_mean, weighted_sum
@@ -34,7 +34,7 @@ USER_LOSS = textwrap.dedent('''
             metrics = is_diagnostics(batch, outputs)
             metrics["user/alpha_times_mask_mean"] = self.alpha * float(masked_mean(batch.mask.float(), batch.mask))
             return LossOutput(loss=weighted_sum(pg, batch), metrics=metrics)
-''')
+""")
 
 
 def test_user_loss_through_cli(tmp_path, tiny_model):
@@ -43,11 +43,26 @@ def test_user_loss_through_cli(tmp_path, tiny_model):
     (pkg / "__init__.py").write_text("")
     (pkg / "scaled.py").write_text(USER_LOSS)
     out = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path / 'userlib'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{tmp_path / 'userlib'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    )
     r = subprocess.run(
-        [sys.executable, "-m", "asyncrl.train", f"hydra.run.dir={out}", "progress=false", "max_steps=4",
-         "loss._target_=my_losses.scaled.ScaledPG", "+loss.alpha=0.3"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.train",
+            f"hydra.run.dir={out}",
+            "progress=false",
+            "max_steps=4",
+            "loss._target_=my_losses.scaled.ScaledPG",
+            "+loss.alpha=0.3",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert r.returncode == 0, r.stderr[-4000:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -65,9 +80,19 @@ def test_user_loss_wrong_argument_fails_at_startup(tmp_path):
     (pkg / "scaled.py").write_text(USER_LOSS)
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "userlib"))
     r = subprocess.run(
-        [sys.executable, "-m", "asyncrl.train", f"hydra.run.dir={tmp_path / 'run'}",
-         "loss._target_=my_losses.scaled.ScaledPG", "+loss.beta=0.3"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.train",
+            f"hydra.run.dir={tmp_path / 'run'}",
+            "loss._target_=my_losses.scaled.ScaledPG",
+            "+loss.beta=0.3",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 2
     assert "ScaledPG takes no argument(s) ['beta']; it accepts ['alpha']" in r.stderr

@@ -149,10 +149,12 @@ def world(ray_local, tiny_model, task):
 def _drain(ray, queue, version: int) -> list:
     """Every trajectory waiting in the queue."""
     out = []
+    from asyncrl.replay.queue import resolve_groups
+
     while items := ray.get(queue.get_batch.remote(1, version, 0.05)):
-        for it in items:
+        for it, g in zip(items, resolve_groups(items)):
             keep = set(it.traj_ids)
-            out += [t for t in ray.get(it.ref).trajectories if t.traj_id in keep]
+            out += [t for t in g.trajectories if t.traj_id in keep]
     return out
 
 
@@ -262,7 +264,9 @@ def test_engine_killed_mid_transfer_is_dropped_and_the_other_goes_on(ray_local, 
     print(err)  # shown with -rP: what an operator reads
     # the worker dies while bucket 2 arrives; with two buckets in flight the sender may
     # notice at bucket 1 or 2 first: what matters is that a bucket is named
-    assert "actor 'actor1'" in err and re.search(r"bucket [12]\b", err) and f"version {version}" in err, err
+    assert (
+        "actor 'actor1'" in err and re.search(r"bucket [12]\b", err) and f"version {version}" in err
+    ), err
     assert m["broker/actors_updated"] == 1 and broker.actor_versions == {"actor0": version}
     (loaded,) = ray.get(actors["actor0"].loaded_digests.remote())
     assert loaded["digests"] == broker.learner_digests()

@@ -1,16 +1,24 @@
 """RolloutActor: one vLLM engine generating continuously into the replay queue.
 
-    loop:  queue.acquire()  ── waits while the queue applies backpressure or the
-             │                 staleness window is full (see replay/buffer.py)
-           prompt = sampler.next()
-           task: engine.generate(prompt, n samples) ─▶ score ─▶ ray.put(group) once
-                 ─▶ queue.put([ref], meta)
+    loop:  queue.acquire_many(free)  ── waits while the queue applies backpressure or
+             │                           the staleness window is full (replay/buffer.py),
+             │                           then grants up to `free` slots at once
+           per slot: prompt = sampler.next()
+           task: engine.generate(prompt, n samples) ─▶ score ─▶ outbox
+           outbox: one ray.put + one queue.put_many at a time, carrying every group
+                   finished meanwhile (replay/queue.py Outbox)
     update_weights(): pause(mode) ─▶ reload in place ─▶ label version ─▶ resume
                       (resume always runs: generation is never left paused)
     receive_weights(): workers receive in the background (generation goes on)
                       ─▶ pause(mode) ─▶ reload ─▶ label ─▶ resume  (actor/weights.py)
 
 Up to ``max_inflight_groups`` prompts generate at once; the engine batches them.
+Slots and hand-offs travel in batches because each Ray call costs about a millisecond
+of CPU per side, more than generating a short group on a small machine: the loop asks
+for slots once a quarter of ``max_inflight_groups`` is free, and finished groups wait
+up to ``handoff_linger_s`` to go to the queue together.
+``halt``/``rebind``/``resume`` stop the loop, point it at another queue and start it
+again with the engine kept up (benchmarks reuse one engine across runs).
 Under ``abort`` an in-flight group that lost samples is generated again from its
 prompt, so every trajectory is produced by complete generation.
 """
@@ -18,6 +26,7 @@ prompt, so every trajectory is produced by complete generation.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import tempfile
 import time
@@ -30,6 +39,7 @@ import numpy as np
 from asyncrl.actor import weights
 from asyncrl.actor.engine import EngineSettings, completion_arrays, make_engine
 from asyncrl.replay.buffer import GroupMeta
+from asyncrl.replay.queue import Outbox
 from asyncrl.tasks.base import Prompt, Task, TaskSampler, score
 from asyncrl.trajectory import Trajectory, TrajectoryGroup
 
@@ -72,6 +82,7 @@ class RolloutActor:
         seed: int = 0,
         max_inflight_groups: int = 16,
         update_mode: str = "keep",
+        handoff_linger_s: float = 0.02,
     ):
         if update_mode not in UPDATE_MODES:
             raise ValueError(
@@ -88,8 +99,17 @@ class RolloutActor:
         self._engine_settings = engine
         self._model_path = model_path
         self._seed = seed
-        self._inflight = asyncio.Semaphore(max_inflight_groups)
-        self._n_inflight = 0
+        if max_inflight_groups < 1:
+            raise ValueError(f"actor.max_inflight_groups must be >= 1, got {max_inflight_groups}")
+        if handoff_linger_s < 0:
+            raise ValueError(f"actor.handoff_linger_ms must be >= 0, got {handoff_linger_s * 1000}")
+        self._max_inflight = max_inflight_groups
+        # Ask the queue for slots once a quarter of them are free, not one by one.
+        self._refill = max(1, max_inflight_groups // 4)
+        self._linger_s = handoff_linger_s
+        self._n_inflight = 0  # groups generating (started, not yet handed to the outbox)
+        self._slot_freed = asyncio.Event()
+        self._outbox = Outbox(queue, self._linger_s)
         self._running = False
         self._loop_task: asyncio.Task | None = None
         self._update_lock = asyncio.Lock()
@@ -104,17 +124,56 @@ class RolloutActor:
         self._loop_task = asyncio.create_task(self._generate_forever())
 
     async def stop(self) -> dict[str, Any]:
-        self._running = False
-        if self._loop_task:
-            await asyncio.wait({self._loop_task}, timeout=30)
+        await self.halt()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
         return self.get_stats()
 
+    async def halt(self) -> None:
+        """Stop the generation loop, keeping the engine up: groups still generating are
+        cancelled (their slots freed), groups already generated are handed over."""
+        self._running = False
+        self._slot_freed.set()
+        if self._loop_task is not None:
+            done, _ = await asyncio.wait({self._loop_task}, timeout=30)
+            if not done:  # stuck on a queue that does not answer: do not wait forever
+                self._loop_task.cancel()
+                await asyncio.wait({self._loop_task}, timeout=5)
+            self._loop_task = None
+        await asyncio.wait_for(self._outbox.drain(), timeout=30)
+
+    async def rebind(self, queue: Any, seed: int) -> None:
+        """While halted: generate into ``queue`` from now on, prompts drawn afresh from
+        ``seed``, counters and errors reset (the loaded weights and version stay)."""
+        if self._running:
+            raise RuntimeError("rebind() needs a halted actor: call halt() first")
+        self.queue = queue
+        self._outbox = Outbox(queue, self._linger_s)
+        self.sampler = TaskSampler(self.task, seed)
+        self.stats = ActorStats()
+        self.fatal = ""
+
+    async def resume(self) -> None:
+        """Start the generation loop again after ``halt``."""
+        if self.engine is None:
+            raise RuntimeError("resume() needs a started actor")
+        if not self._running:
+            self._running = True
+            self._loop_task = asyncio.create_task(self._generate_forever())
+
     def get_stats(self) -> dict[str, Any]:
+        if self._outbox.error and not self.fatal:
+            self.fatal = self._outbox.error
         s = vars(self.stats).copy()
-        s.update(name=self.name, version=self.version, inflight=self._n_inflight, fatal=self.fatal)
+        s.update(
+            name=self.name,
+            version=self.version,
+            inflight=self._n_inflight,
+            fatal=self.fatal,
+            handoff_calls=self._outbox.calls,
+            handoff_groups=self._outbox.sent_groups,
+        )
         return s
 
     def ping(self) -> str:
@@ -125,40 +184,51 @@ class RolloutActor:
         pending: set[asyncio.Task] = set()
         try:
             while self._running:
-                await self._inflight.acquire()
+                while self._running and self._max_inflight - self._n_inflight < self._refill:
+                    self._slot_freed.clear()
+                    await self._slot_freed.wait()
+                if not self._running:
+                    break
                 t0 = time.time()
-                ok = await self.queue.acquire.remote(1.0)
+                granted = await self.queue.acquire_many.remote(
+                    self._max_inflight - self._n_inflight, 1.0
+                )
                 if self._n_inflight == 0:
                     self.stats.idle_seconds += time.time() - t0
-                if not ok:
-                    self._inflight.release()
-                    continue
-                t = asyncio.create_task(self._one_group(self.sampler.next()))
-                pending.add(t)
-                t.add_done_callback(pending.discard)
+                for _ in range(granted):  # started even if a halt came meanwhile: the
+                    self._n_inflight += 1  # cancellation below frees their slots
+                    t = asyncio.create_task(self._one_group(self.sampler.next()))
+                    pending.add(t)
+                    t.add_done_callback(functools.partial(self._group_done, self.queue))
+                    t.add_done_callback(pending.discard)
         except Exception as e:  # the loop itself must not die silently
             self.fatal = f"{type(e).__name__}: {e}"
             raise
         finally:
             for t in pending:
                 t.cancel()
+            # Until every cancelled group has freed its slot (in _group_done), so none
+            # is freed later on a queue bound after this loop ended.
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def _one_group(self, prompt: Prompt) -> None:
-        self._n_inflight += 1
+        """Generate one group and hand it to the outbox (``_n_inflight`` was counted
+        up by the loop when it started this task)."""
         try:
             group = await self._generate_group(prompt)
-            ref = _ray().put(group)
-            await self.queue.put.remote([ref], _meta(group, self.name))
-        except (Exception, asyncio.CancelledError) as e:
-            # Free the queue slot either way; not awaited, since a cancelled task must not
-            # block on it. A real error is recorded (the driver reports it), not raised.
-            self.queue.abandon.remote()
-            if isinstance(e, asyncio.CancelledError):
-                raise
+        except Exception as e:  # noqa: BLE001 - recorded (the driver reports it), not raised
+            self.queue.abandon.remote()  # not awaited: the slot is freed either way
             self.fatal = f"group generation failed: {type(e).__name__}: {e}"
-        finally:
-            self._n_inflight -= 1
-            self._inflight.release()
+            return
+        self._outbox.put(group, _meta(group, self.name))
+
+    def _group_done(self, queue: Any, task: asyncio.Task) -> None:
+        """Bookkeeping of a finished group task, here and not in the task, because a
+        task cancelled before it first ran never executes its own ``finally``."""
+        self._n_inflight -= 1
+        self._slot_freed.set()
+        if task.cancelled():
+            queue.abandon.remote()  # its slot was granted and will never be put
 
     async def _generate_group(self, prompt: Prompt) -> TrajectoryGroup:
         from vllm import SamplingParams
@@ -343,9 +413,3 @@ def _meta(group: TrajectoryGroup, actor: str) -> GroupMeta:
 
 def _shm_dir() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
-
-
-def _ray():
-    import ray
-
-    return ray

@@ -127,10 +127,10 @@ class Learner:
     # ---- one step -----------------------------------------------------------------
     def train_step(self, items: list, version: int) -> dict[str, float]:
         """``items``: BatchItems from the queue; every rank resolves the refs itself."""
-        import ray
+        from asyncrl.replay.queue import resolve_groups
 
         t0 = time.time()
-        groups = ray.get([it.ref for it in items])
+        groups = resolve_groups(items)
         keep = [set(it.traj_ids) for it in items]
         trajs = [t for g, k in zip(groups, keep) for t in g.trajectories if t.traj_id in k]
         t_fetch = time.time() - t0

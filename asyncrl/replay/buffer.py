@@ -35,6 +35,9 @@ class GroupMeta:
     num_tokens: list[int]  # per trajectory, prompt + response
     rewards: list[float]  # per trajectory
     actor: str = ""
+    # -1: the ref is this TrajectoryGroup itself; i >= 0: the ref is a bundle (one
+    # ray.put per hand-off, replay/queue.py Outbox) and this group is its i-th entry
+    bundle_index: int = -1
 
 
 @dataclass
@@ -52,6 +55,7 @@ class BatchItem:
     traj_ids: list[str]  # the members to train on (stale members already removed)
     staleness: list[int]
     use: int  # 1 the first time this group is trained on, 2 the second, ...
+    bundle_index: int = -1  # see GroupMeta; resolve with replay.queue.resolve_groups
 
 
 @dataclass
@@ -179,7 +183,16 @@ class ReplayBuffer:
             for s in stale:
                 self.acc.staleness_hist[s] = self.acc.staleness_hist.get(s, 0) + 1
                 self.acc.max_staleness_trained = max(self.acc.max_staleness_trained, s)
-            out.append(BatchItem(e.ref, gid, [e.meta.traj_ids[i] for i in idx], stale, e.uses))
+            out.append(
+                BatchItem(
+                    e.ref,
+                    gid,
+                    [e.meta.traj_ids[i] for i in idx],
+                    stale,
+                    e.uses,
+                    e.meta.bundle_index,
+                )
+            )
             del self._queue[gid]
             if e.uses < self.max_reuse:
                 self._queue[gid] = e  # back of the line for its next use
