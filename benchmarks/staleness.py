@@ -24,8 +24,8 @@ full staleness.
 
 The full sweep (5 k x 5 losses x 3 seeds x 300 steps) takes hours on a 2-core CPU;
 ``--quick`` runs k in {0, 8} for no correction and decoupled PPO, one seed, 40
-steps, and runs k=0 once for both (on-policy every loss has the plain policy
-gradient, docs/losses.md).
+steps, and runs k=0 once for both (on-policy they make the same update,
+docs/losses.md; ``--share-k0`` does the same in any sweep, V-trace excepted).
 
 One vLLM engine serves every run (engine start-up is most of a short run): between
 runs it is pointed at the new run's queue and reloaded with the initial weights;
@@ -69,6 +69,11 @@ LOSSES = {  # benchmark name -> conf/loss/<name>.yaml
 }
 KS = (0, 1, 2, 4, 8)
 QUICK_KS = (0, 8)
+# Losses whose update is the same at k=0 (behaviour = proximal = current: every ratio
+# is 1, nothing is clipped or masked, the advantages are the estimator's), so
+# --share-k0 runs k=0 once for them. V-trace is not among them: its critic-free
+# advantages are r - group mean, whatever learner.advantage says.
+SAME_ON_POLICY = ("none", "tis", "mis", "decoupled_ppo")
 QUICK_LOSSES = ("none", "decoupled_ppo")
 FINAL_FRACTION = 0.1  # final reward: the samples of the last 10% of steps
 # Settings every run shares on top of the default config (see the module docstring).
@@ -255,8 +260,8 @@ def main() -> None:
         "--share-k0",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="run k=0 once and use it for every loss (on-policy they all have the plain "
-        "policy gradient); default: on with --quick",
+        help=f"run k=0 once for {', '.join(SAME_ON_POLICY)} (on-policy they make the same "
+        "update; V-trace runs its own); default: on with --quick",
     )
     p.add_argument("overrides", nargs="*", help="training-config overrides for every run")
     args = p.parse_args()
@@ -269,21 +274,24 @@ def main() -> None:
     import ray
 
     rows, curves = [], []
-    k0_run = -1  # index in rows of this seed's k=0 run (shared with --share-k0)
+    k0_run: dict[str, int] = {}  # this seed's shared k=0 run: index in rows, loss
     start_ray()
     runner = Runner(args.overrides, steps, args.out, max(ks))
     try:
         for seed in seeds:
             for k in ks:
                 for loss in losses:
-                    if share_k0 and k == 0 and loss != losses[0]:  # copy the shared run
-                        rows.append(dict(rows[k0_run], loss=loss, shared_from=losses[0]))
-                        src = [c for c in curves if c["run"] == k0_run and c["loss"] == losses[0]]
+                    shared = share_k0 and k == 0 and loss in SAME_ON_POLICY
+                    if shared and k0_run.get("seed") == seed:  # copy the shared run
+                        i, src_loss = k0_run["row"], rows[k0_run["row"]]["loss"]
+                        rows.append(dict(rows[i], loss=loss, shared_from=src_loss))
+                        src = [c for c in curves if c["run"] == i and c["loss"] == src_loss]
                         curves += [dict(c, loss=loss) for c in src]
                         continue
                     row, per_step = runner.run(loss, k, seed)
                     rows.append(row)
-                    k0_run = len(rows) - 1 if k == 0 else k0_run
+                    if shared:
+                        k0_run = {"seed": seed, "row": len(rows) - 1}
                     curves += curve_rows(len(rows) - 1, row, per_step)
                     print(
                         f"{loss} k={k} seed={seed}: final reward {row['final_reward']:.3f} "

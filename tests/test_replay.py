@@ -289,3 +289,34 @@ def test_outbox_failure_is_recorded_and_slots_freed(ray_local):
     box, dead = asyncio.run(main())
     assert "put_many failed" in box.error and "actor died" in box.error
     assert box.sent_groups == 0 and sum(dead.abandoned) == 3
+
+
+def test_throttle_window_counts_from_the_weights_an_actor_holds():
+    """An actor whose weights lag the learner (a sync on its way) may start only the
+    groups that stay within the bound with its weights: no sample made to be dropped."""
+
+    async def main():
+        q = ReplayQueueCore(max_staleness=1, batch_groups=2, capacity_groups=100)
+        await q.set_learner_version(3)  # window by the learner alone: (3+1+1)*2 = 10
+        await q.set_weights_version("a0", 1)  # a0 holds version 1: (1+1+1)*2 = 6
+        assert await q.acquire_many(20, 0.1, "a0") == 6
+        assert await q.acquire_many(20, 0.05, "a0") == 0  # held back, no hang
+        assert await q.acquire_many(20, 0.1) == 4  # no report: the learner's version
+
+        async def later():
+            await asyncio.sleep(0.05)
+            await q.set_learner_version(4)
+            await q.set_weights_version("a0", 4)  # the sync landed: waiters look again
+
+        got, _ = await asyncio.gather(q.acquire_many(20, 2.0, "a0"), later())
+        assert got == 2  # (4+1+1)*2 = 12 started in all
+        # a group started with weights v is trained by version n // batch_groups
+        buf = ReplayBuffer(max_staleness=1, batch_groups=2, capacity_groups=100)
+        buf.set_learner_version(5)
+        n = 0
+        while n < 20 and buf.can_start(weights_version=2):
+            buf.start()
+            n += 1
+        assert n == (2 + 1 + 1) * 2 and max(i // 2 for i in range(n)) - 2 <= 1
+
+    asyncio.run(main())

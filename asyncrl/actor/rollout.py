@@ -150,6 +150,7 @@ class RolloutActor:
             raise RuntimeError("rebind() needs a halted actor: call halt() first")
         self.queue = queue
         self._outbox = Outbox(queue, self._linger_s)
+        queue.set_weights_version.remote(self.name, self.version)
         self.sampler = TaskSampler(self.task, seed)
         self.stats = ActorStats()
         self.fatal = ""
@@ -191,7 +192,7 @@ class RolloutActor:
                     break
                 t0 = time.time()
                 granted = await self.queue.acquire_many.remote(
-                    self._max_inflight - self._n_inflight, 1.0
+                    self._max_inflight - self._n_inflight, 1.0, self.name
                 )
                 if self._n_inflight == 0:
                     self.stats.idle_seconds += time.time() - t0
@@ -320,9 +321,16 @@ class RolloutActor:
             load,
             self._engine_settings.enable_prefix_caching,
             pause_timeout_s,
-            labelled=lambda v: setattr(self, "version", v),
+            labelled=self._labelled,
         )
         return result, paused
+
+    def _labelled(self, version: int) -> None:
+        """From now on the engine generates with ``version``: tell the queue, whose
+        staleness window counts from the weights each actor holds (not awaited)."""
+        self.version = version
+        if self.queue is not None:  # None: an engine driven directly (tests)
+            self.queue.set_weights_version.remote(self.name, version)
 
     async def receive_weights(self, order: dict[str, Any]) -> dict[str, Any]:
         """Take part in one process-group sync (``order`` from the WeightBroker):

@@ -12,7 +12,8 @@ Staleness of a trajectory seen by a learner at version ``V`` is
 ``V - min(token versions)``; one with staleness ``> max_staleness`` is never handed
 out: it is dropped and counted. With ``policy="throttle"`` actors are also held back
 before they start a prompt (AReaL's rule: at most ``(V + max_staleness + 1) *
-batch_groups`` groups may have been started by learner version ``V``), so drops
+batch_groups`` groups may have been started by learner version ``V``, with ``V`` the
+older of the learner's version and the weights the asking actor holds), so drops
 become rare; with ``policy="drop"`` actors run free and stale samples are dropped.
 """
 
@@ -105,12 +106,20 @@ class ReplayBuffer:
         self.acc = Accounting()
 
     # ---- actor side -------------------------------------------------------------
-    def can_start(self) -> bool:
-        """May an actor start generating one more group now?"""
+    def can_start(self, weights_version: int | None = None) -> bool:
+        """May an actor start generating one more group now? ``weights_version``: the
+        policy version the actor holds (None: assume the learner's). Groups are trained
+        in the order they start, the n-th in batch ``n // batch_groups``, so one started
+        with weights ``v`` stays within the bound if ``n < (v + max_staleness + 1) *
+        batch_groups``; an actor whose weights lag (a sync still on its way) is held
+        back rather than making samples that would be dropped."""
         if len(self._queue) + self.acc.groups_running >= self.capacity_groups:
             return False
         if self.policy == "throttle":
-            window = (self.learner_version + self.max_staleness + 1) * self.batch_groups
+            v = self.learner_version
+            if weights_version is not None:
+                v = min(v, weights_version)
+            window = (v + self.max_staleness + 1) * self.batch_groups
             return self.acc.groups_started - self.acc.groups_dropped < window
         return True
 

@@ -36,18 +36,25 @@ class ReplayQueueCore:
         self.buf = ReplayBuffer(**buffer_kwargs)
         self._changed = asyncio.Condition()
         self._closed = False
+        self._weights: dict[str, int] = {}  # actor name -> policy version it holds
 
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
 
-    async def acquire(self, timeout_s: float = 1.0) -> bool:
+    async def acquire(self, timeout_s: float = 1.0, actor: str | None = None) -> bool:
         """Reserve a slot for one group; False if none came free within ``timeout_s``
-        (the caller loops, so it can notice shutdown instead of blocking forever)."""
+        (the caller loops, so it can notice shutdown instead of blocking forever).
+        ``actor``: the caller's name, if it reports its weights (``set_weights_version``),
+        so the staleness window counts from the weights it really holds."""
+
+        def ok() -> bool:
+            return self.buf.can_start(self._weights.get(actor) if actor else None)
+
         async with self._changed:
             try:
                 await asyncio.wait_for(
-                    self._changed.wait_for(lambda: self._closed or self.buf.can_start()), timeout_s
+                    self._changed.wait_for(lambda: self._closed or ok()), timeout_s
                 )
             except TimeoutError:
                 return False
@@ -56,19 +63,28 @@ class ReplayQueueCore:
             self.buf.start()
             return True
 
-    async def acquire_many(self, max_groups: int, timeout_s: float = 1.0) -> int:
+    async def acquire_many(
+        self, max_groups: int, timeout_s: float = 1.0, actor: str | None = None
+    ) -> int:
         """Reserve up to ``max_groups`` slots: waits until at least one is free, then
         grants as many as the buffer allows right now; 0 if none came free within
-        ``timeout_s``."""
+        ``timeout_s``. ``actor`` as for :meth:`acquire`."""
         if max_groups < 1:
             return 0
-        if not await self.acquire(timeout_s):
+        if not await self.acquire(timeout_s, actor):
             return 0
         granted = 1
-        while granted < max_groups and not self._closed and self.buf.can_start():
+        version = self._weights.get(actor) if actor else None
+        while granted < max_groups and not self._closed and self.buf.can_start(version):
             self.buf.start()
             granted += 1
         return granted
+
+    async def set_weights_version(self, actor: str, version: int) -> None:
+        """``actor`` now generates with policy ``version`` (it calls this after each
+        weight load); its waiting ``acquire`` calls look again."""
+        self._weights[actor] = version
+        await self._notify()
 
     async def abandon(self, num_groups: int = 1) -> None:
         """``num_groups`` started groups will never be put (their generation failed)."""
