@@ -55,19 +55,7 @@ class BenchActor(RolloutActor):
     async def plain_generate(
         self, prompts: list[str], tag: str, inflight: int = 0
     ) -> dict[str, int]:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        s = self.sampling
-        params = SamplingParams(  # exactly what RolloutActor asks for
-            n=s.n,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k if s.top_k > 0 else -1,
-            max_tokens=s.max_tokens,
-            logprobs=0,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        params = self.vllm_sampling_params()  # exactly what the actor's groups use
 
         gate = asyncio.Semaphore(inflight or len(prompts))
 

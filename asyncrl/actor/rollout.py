@@ -114,6 +114,7 @@ class RolloutActor:
         self._loop_task: asyncio.Task | None = None
         self._update_lock = asyncio.Lock()
         self.engine = None
+        self._params = None  # vLLM SamplingParams, built on first use
         self.fatal: str = ""
 
     # ---- lifecycle ----------------------------------------------------------------
@@ -231,12 +232,14 @@ class RolloutActor:
         if task.cancelled():
             queue.abandon.remote()  # its slot was granted and will never be put
 
-    async def _generate_group(self, prompt: Prompt) -> TrajectoryGroup:
+    def vllm_sampling_params(self):
+        """The vLLM SamplingParams of every group: n samples, the sampled token's
+        log-prob, only the final output."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         s = self.sampling
-        params = SamplingParams(
+        return SamplingParams(
             n=s.n,
             temperature=s.temperature,
             top_p=s.top_p,
@@ -245,6 +248,11 @@ class RolloutActor:
             logprobs=0,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
+
+    async def _generate_group(self, prompt: Prompt) -> TrajectoryGroup:
+        if self._params is None:  # built once: the same for every group
+            self._params = self.vllm_sampling_params()
+        params, s = self._params, self.sampling
         gid = uuid.uuid4().hex[:16]
         while True:
             t_start = time.time()
