@@ -2,7 +2,8 @@
 ReplayQueue, against raw ``ray.put`` / ``ray.get`` of the same objects, same run.
 
     queue mode:  producers ── acquire_many(c) ─ Outbox: ray.put(c groups) ─ queue.put_many
-                              ──▶ ReplayQueue            (the RolloutActor's own hand-off)
+                              ──▶ ReplayQueue   (the RolloutActor's hand-off, which also
+                                                 asks for slots: queue.hand_over)
                  consumer ── queue.get_batch(bg, V) ──▶ resolve_groups (ray.get)    (staleness checks, accounting)
     raw mode:    producers ── ray.put(group) x c ─ consumer.push_many(refs) ──▶ a plain FIFO
                  consumer ── ray.get(refs)

@@ -55,6 +55,30 @@ def test_stale_samples_are_dropped_per_trajectory_and_counted():
     check_accounting(buf)
 
 
+def test_evict_stale_skips_the_walk_only_when_nothing_can_be_stale():
+    """evict_stale returns early while the oldest queued trajectory is within the
+    bound; checked against a full walk after every change, with reuse re-queueing."""
+    rng = random.Random(1)
+    buf = ReplayBuffer(max_staleness=1, batch_groups=2, policy="drop", max_reuse=2)
+    version = 0
+    for step in range(400):
+        for j in range(rng.randint(0, 3)):
+            buf.start()
+            lo = max(0, version - rng.randint(0, 3))
+            buf.put(f"r{step}-{j}", meta(f"g{step}-{j}", [rng.randint(lo, version)] * 2))
+        if rng.random() < 0.3:
+            buf.take(2)
+        if rng.random() < 0.4:
+            version += rng.randint(1, 2)
+            buf.set_learner_version(version)
+        buf.evict_stale()
+        for e in buf._queue.values():  # the full walk: nothing alive is stale
+            for alive, v in zip(e.alive, e.meta.min_versions):
+                assert not alive or version - v <= buf.max_staleness
+        check_accounting(buf)
+    assert buf.stats()["dropped_stale"] > 0
+
+
 def test_never_hands_out_beyond_bound_random():
     rng = random.Random(0)
     buf = ReplayBuffer(max_staleness=2, batch_groups=3, policy="drop")
@@ -168,6 +192,28 @@ def test_acquire_many_grants_what_the_window_allows():
         assert q.stats()["groups_running"] == 4
         await q.close()
         assert await q.acquire_many(5, 0.05) == 0
+
+    asyncio.run(main())
+
+
+def test_hand_over_puts_then_grants_only_what_is_free_now():
+    """The actor's hand-off: its groups go in first, then up to k slots the throttle
+    window allows at that moment; with the window shut it returns 0 at once."""
+
+    async def main():
+        q = ReplayQueueCore(max_staleness=1, batch_groups=2)  # window: 4 groups at V=0
+        assert await q.acquire_many(5, 0.1, "a0") == 4
+        t0 = asyncio.get_running_loop().time()
+        refused, granted = await q.hand_over([(["ra"], meta("a", [0]))], 5, "a0")
+        assert (refused, granted) == ([], 0)  # window shut: no wait, no slot
+        assert asyncio.get_running_loop().time() - t0 < 0.05
+        await q.set_weights_version("a0", 1)
+        assert len(await q.get_batch(1, 1, timeout_s=0.1)) == 1  # V=1: 2 more slots
+        refused, granted = await q.hand_over([(["rb"], meta("b", [0]))], 5, "a0")
+        assert (refused, granted) == ([], 2)
+        assert await q.hand_over([], 0) == ([], 0)
+        s = q.stats()
+        assert s["groups_running"] == 4 and s["produced"] == 2 and s["trained"] == 1
 
     asyncio.run(main())
 

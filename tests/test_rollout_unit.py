@@ -65,3 +65,60 @@ def test_bad_actor_settings_are_named():
         _actor(_Queue(), max_inflight_groups=0)
     with pytest.raises(ValueError, match="actor.handoff_linger_ms"):
         _actor(_Queue(), handoff_linger_s=-0.01)
+
+
+class _NoEngineActor(RolloutActor):
+    """The real loop, slots and outbox; only vLLM's generate is replaced (a group
+    takes a few ms and yields two one-token trajectories)."""
+
+    peak = 0
+
+    async def _generate_group(self, prompt):
+        import numpy as np
+
+        from asyncrl.trajectory import Trajectory, TrajectoryGroup
+
+        self.peak = max(self.peak, self._n_inflight)
+        await asyncio.sleep(0.002 + 0.004 * (hash(prompt.text) % 3))
+        gid = f"g{self.stats.groups}-{id(prompt)}"
+        self.stats.groups += 1
+        trajs = [
+            Trajectory(f"{gid}-{i}", gid, np.arange(3), np.array([i]), np.zeros(1),
+                       np.zeros(1), np.ones(1, bool), 1.0)
+            for i in range(2)
+        ]  # fmt: skip
+        return TrajectoryGroup(gid, trajs)
+
+
+def test_hand_offs_ask_for_the_freed_slots(ray_local):
+    """A steady actor gets its slots back with its hand-offs (one queue call per
+    hand-off, not two); never more than max_inflight_groups generate; after halt every
+    granted slot was either put or given back."""
+    import ray
+
+    from asyncrl.replay.queue import remote_queue
+
+    q = remote_queue(max_staleness=10**6, batch_groups=1, policy="drop", capacity_groups=10**6)
+
+    async def main():
+        a = _NoEngineActor(
+            "t", "/nonexistent", AdditionTask(), q, SamplingSettings(), EngineSettings(),
+            max_inflight_groups=8, handoff_linger_s=0.005,
+        )  # fmt: skip
+        a.engine = object()  # resume() only needs a started engine
+        await a.resume()
+        while a.stats.groups < 300:
+            await asyncio.sleep(0.01)
+        await a.halt()
+        return a
+
+    try:
+        a = asyncio.run(main())
+        st, qs = a.get_stats(), ray.get(q.stats.remote())
+        assert st["fatal"] == "" and a.peak <= 8
+        assert st["handoff_granted"] > 0.8 * st["handoff_groups"], st
+        assert st["acquire_calls"] < st["handoff_calls"] / 4, st
+        assert qs["groups_running"] == 0, qs  # nothing granted is left unaccounted
+        assert qs["produced"] == 2 * st["handoff_groups"] == 2 * a.stats.groups
+    finally:
+        ray.kill(q)

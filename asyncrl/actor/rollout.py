@@ -5,8 +5,9 @@
              │                           then grants up to `free` slots at once
            per slot: prompt = sampler.next()
            task: engine.generate(prompt, n samples) ─▶ score ─▶ outbox
-           outbox: one ray.put + one queue.put_many at a time, carrying every group
-                   finished meanwhile (replay/queue.py Outbox)
+           outbox: one ray.put + one queue.hand_over at a time, carrying every group
+                   finished meanwhile and asking for the slots free by then
+                   (replay/queue.py Outbox)
     update_weights(): pause(mode) ─▶ reload in place ─▶ label version ─▶ resume
                       (resume always runs: generation is never left paused)
     receive_weights(): workers receive in the background (generation goes on)
@@ -14,9 +15,11 @@
 
 Up to ``max_inflight_groups`` prompts generate at once; the engine batches them.
 Slots and hand-offs travel in batches because each Ray call costs about a millisecond
-of CPU per side, more than generating a short group on a small machine: the loop asks
-for slots once a quarter of ``max_inflight_groups`` is free, and finished groups wait
-up to ``handoff_linger_s`` to go to the queue together.
+of CPU per side, more than generating a short group on a small machine: finished
+groups wait up to ``handoff_linger_s`` to go to the queue together, and the same call
+asks for the slots they freed (granted if the queue has them now, never waiting). The
+loop itself asks, and waits, only once a quarter of ``max_inflight_groups`` is free and
+unasked for (at start, or while the staleness window is shut).
 ``halt``/``rebind``/``resume`` stop the loop, point it at another queue and start it
 again with the engine kept up (benchmarks reuse one engine across runs).
 Under ``abort`` an in-flight group that lost samples is generated again from its
@@ -108,8 +111,11 @@ class RolloutActor:
         self._refill = max(1, max_inflight_groups // 4)
         self._linger_s = handoff_linger_s
         self._n_inflight = 0  # groups generating (started, not yet handed to the outbox)
+        self._asking = 0  # slots asked for in queue calls not yet answered
+        self._acquire_calls = 0  # the loop's own (waiting) asks; hand-offs ask too
+        self._pending: set[asyncio.Task] = set()  # the group tasks
         self._slot_freed = asyncio.Event()
-        self._outbox = Outbox(queue, self._linger_s)
+        self._outbox = Outbox(queue, self._linger_s, slots=_HandOffSlots(self))
         self._running = False
         self._loop_task: asyncio.Task | None = None
         self._update_lock = asyncio.Lock()
@@ -150,10 +156,11 @@ class RolloutActor:
         if self._running:
             raise RuntimeError("rebind() needs a halted actor: call halt() first")
         self.queue = queue
-        self._outbox = Outbox(queue, self._linger_s)
+        self._outbox = Outbox(queue, self._linger_s, slots=_HandOffSlots(self))
         queue.set_weights_version.remote(self.name, self.version)
         self.sampler = TaskSampler(self.task, seed)
         self.stats = ActorStats()
+        self._acquire_calls = 0
         self.fatal = ""
 
     async def resume(self) -> None:
@@ -175,6 +182,8 @@ class RolloutActor:
             fatal=self.fatal,
             handoff_calls=self._outbox.calls,
             handoff_groups=self._outbox.sent_groups,
+            handoff_granted=self._outbox.granted,
+            acquire_calls=self._acquire_calls,
         )
         return s
 
@@ -183,35 +192,64 @@ class RolloutActor:
 
     # ---- generation -----------------------------------------------------------------
     async def _generate_forever(self) -> None:
-        pending: set[asyncio.Task] = set()
         try:
             while self._running:
-                while self._running and self._max_inflight - self._n_inflight < self._refill:
+                # Slots freed by finished groups are asked for by their hand-off; the
+                # loop asks only when that is not about to happen.
+                while self._running and (self._free() < self._refill or self._outbox.busy):
                     self._slot_freed.clear()
                     await self._slot_freed.wait()
                 if not self._running:
                     break
                 t0 = time.time()
-                granted = await self.queue.acquire_many.remote(
-                    self._max_inflight - self._n_inflight, 1.0, self.name
-                )
+                asked = self._ask()
+                self._acquire_calls += 1
+                try:
+                    granted = await self.queue.acquire_many.remote(asked, 1.0, self.name)
+                finally:
+                    self._asking -= asked
                 if self._n_inflight == 0:
                     self.stats.idle_seconds += time.time() - t0
-                for _ in range(granted):  # started even if a halt came meanwhile: the
-                    self._n_inflight += 1  # cancellation below frees their slots
-                    t = asyncio.create_task(self._one_group(self.sampler.next()))
-                    pending.add(t)
-                    t.add_done_callback(functools.partial(self._group_done, self.queue))
-                    t.add_done_callback(pending.discard)
+                self._start_groups(granted)  # even if a halt came meanwhile: the
+                # cancellation below frees their slots
         except Exception as e:  # the loop itself must not die silently
             self.fatal = f"{type(e).__name__}: {e}"
             raise
         finally:
+            pending = list(self._pending)
             for t in pending:
                 t.cancel()
             # Until every cancelled group has freed its slot (in _group_done), so none
             # is freed later on a queue bound after this loop ended.
             await asyncio.gather(*pending, return_exceptions=True)
+
+    def _free(self) -> int:
+        """Slots neither generating nor asked for."""
+        return self._max_inflight - self._n_inflight - self._asking
+
+    def _start_groups(self, n: int) -> None:
+        for _ in range(n):
+            self._n_inflight += 1
+            t = asyncio.create_task(self._one_group(self.sampler.next()))
+            self._pending.add(t)
+            t.add_done_callback(functools.partial(self._group_done, self.queue))
+            t.add_done_callback(self._pending.discard)
+
+    def _ask(self) -> int:
+        """Reserve every free slot for one queue call (0 once halted)."""
+        k = max(0, self._free()) if self._running else 0
+        self._asking += k
+        return k
+
+    def _answered(self, asked: int, granted: int) -> None:
+        """A hand-off's answer: start the granted groups (or give the slots back if
+        the loop was halted meanwhile) and let the loop look again."""
+        self._asking -= asked
+        if granted and self._running and self._loop_task is not None:
+            self._start_groups(granted)
+        elif granted:
+            self._outbox.queue.abandon.remote(granted)
+        self._slot_freed.set()
 
     async def _one_group(self, prompt: Prompt) -> None:
         """Generate one group and hand it to the outbox (``_n_inflight`` was counted
@@ -413,6 +451,25 @@ class RolloutActor:
 
     async def checksums(self) -> dict[str, str]:
         return (await self.engine.collective_rpc("asyncrl_checksums"))[0]
+
+
+class _HandOffSlots:
+    """The actor's answers to its outbox (replay/queue.py ``SlotAsker``): each hand-off
+    also asks for the slots free by then. Not methods of the actor itself, which is a
+    Ray actor: nobody may call these remotely."""
+
+    def __init__(self, actor: RolloutActor):
+        self.actor = actor
+        self.name = actor.name
+
+    def ask(self) -> int:
+        return self.actor._ask()
+
+    def answered(self, asked: int, granted: int) -> None:
+        self.actor._answered(asked, granted)
+
+    def outbox_idle(self) -> None:
+        self.actor._slot_freed.set()  # the loop may ask for slots itself again
 
 
 def _meta(group: TrajectoryGroup, actor: str) -> GroupMeta:

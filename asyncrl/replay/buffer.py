@@ -103,6 +103,10 @@ class ReplayBuffer:
         self.delay_versions = delay_versions
         self.learner_version = 0
         self._queue: OrderedDict[str, _Entry] = OrderedDict()
+        # No queued trajectory is older than this (a lower bound, tightened by each full
+        # walk): evict_stale returns at once while even the oldest is within the bound,
+        # instead of walking the queue on every wake-up of a waiting get_batch.
+        self._oldest: int | None = None
         self.acc = Accounting()
 
     # ---- actor side -------------------------------------------------------------
@@ -138,6 +142,9 @@ class ReplayBuffer:
         self.acc.groups_running = max(0, self.acc.groups_running - 1)
         self.acc.produced += len(meta.traj_ids)
         self._queue[meta.group_id] = _Entry(ref, meta, [True] * len(meta.traj_ids))
+        if meta.min_versions:
+            low = min(meta.min_versions)
+            self._oldest = low if self._oldest is None else min(self._oldest, low)
 
     # ---- learner side -----------------------------------------------------------
     def set_learner_version(self, version: int) -> None:
@@ -145,7 +152,10 @@ class ReplayBuffer:
 
     def evict_stale(self) -> int:
         """Drop every trajectory older than the bound; returns how many were dropped."""
+        if self._oldest is None or self.learner_version - self._oldest <= self.max_staleness:
+            return 0  # not even the oldest queued trajectory is stale
         dropped = 0
+        oldest: int | None = None
         for gid in list(self._queue):
             e = self._queue[gid]
             for i, v in enumerate(e.meta.min_versions):
@@ -154,10 +164,13 @@ class ReplayBuffer:
                     dropped += 1
                     if e.uses == 0:
                         self.acc.dropped_stale += 1
+                elif e.alive[i]:
+                    oldest = v if oldest is None else min(oldest, v)
             if not any(e.alive):
                 del self._queue[gid]
                 if e.uses == 0:
                     self.acc.groups_dropped += 1
+        self._oldest = oldest
         return dropped
 
     def _ready(self, e: _Entry) -> bool:
@@ -172,6 +185,8 @@ class ReplayBuffer:
         return self.learner_version - min(e.meta.min_versions) >= delay
 
     def ready_groups(self) -> int:
+        if not self.delay_versions:
+            return len(self._queue)  # every queued group is ready
         return sum(self._ready(e) for e in self._queue.values())
 
     def take(self, num_groups: int) -> list[BatchItem]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
 from asyncrl.replay.buffer import BatchItem, GroupMeta, ReplayBuffer
 from asyncrl.trajectory import TrajectoryGroup, from_bytes, to_bytes
@@ -73,7 +73,11 @@ class ReplayQueueCore:
             return 0
         if not await self.acquire(timeout_s, actor):
             return 0
-        granted = 1
+        return 1 + self._grant(max_groups - 1, actor)
+
+    def _grant(self, max_groups: int, actor: str | None) -> int:
+        """Up to ``max_groups`` slots the buffer allows right now, without waiting."""
+        granted = 0
         version = self._weights.get(actor) if actor else None
         while granted < max_groups and not self._closed and self.buf.can_start(version):
             self.buf.start()
@@ -100,6 +104,22 @@ class ReplayQueueCore:
         """Several ``(ref_list, meta)`` at once, in order. A group that cannot be put
         (e.g. its id was put before) frees its slot and the rest still go in; returns
         one message per group that was refused (empty when all went in)."""
+        errors = self._put_items(items)
+        await self._notify()
+        return errors
+
+    async def hand_over(
+        self, items: list[tuple[list, GroupMeta]], max_groups: int = 0, actor: str | None = None
+    ) -> tuple[list[str], int]:
+        """:meth:`put_many`, then up to ``max_groups`` slots that are free right now
+        (never waits: 0 when none is): an actor's hand-off asks for the slots its
+        finished groups freed in the same call. Returns (refused, granted)."""
+        errors = self._put_items(items)
+        granted = self._grant(max_groups, actor) if max_groups > 0 else 0
+        await self._notify()
+        return errors, granted
+
+    def _put_items(self, items: list[tuple[list, GroupMeta]]) -> list[str]:
         errors = []
         for ref_list, meta in items:
             try:
@@ -107,7 +127,6 @@ class ReplayQueueCore:
             except Exception as e:  # noqa: BLE001 - reported to the caller
                 self.buf.abandon()
                 errors.append(f"group {meta.group_id}: {type(e).__name__}: {e}")
-        await self._notify()
         return errors
 
     async def get_batch(
@@ -148,31 +167,70 @@ class ReplayQueueCore:
         return self.buf.state_dict()
 
 
+class SlotAsker(Protocol):
+    """What an :class:`Outbox` asks its actor around a hand-off."""
+
+    name: str  # the actor's name (the queue's throttle window counts from its weights)
+
+    def ask(self) -> int:
+        """How many slots to ask for now (reserved until :meth:`answered`)."""
+        ...
+
+    def answered(self, asked: int, granted: int) -> None:
+        """The queue granted ``granted`` of ``asked`` (0 of them if the call failed)."""
+        ...
+
+    def outbox_idle(self) -> None:
+        """The outbox has handed everything over and has no call in flight."""
+        ...
+
+
 class Outbox:
     """An actor's side of ``put_many``: :meth:`put` returns at once; one call at a time
     carries everything that completed since the last one left (after waiting
     ``linger_s`` for more), so groups that finish one by one still travel together.
     The groups of one hand-off go into the object store together, in one ``ray.put``.
 
+    With ``slots`` (an actor's :class:`SlotAsker`), each hand-off is a
+    :meth:`ReplayQueueCore.hand_over` that also asks for the slots the actor has free,
+    so a steady actor needs one queue call per hand-off, not two.
+
     A failed call is not retried (the queue actor is gone, or it refused a group): the
     first error is kept in :attr:`error` and the groups' slots are freed where possible.
     """
 
-    def __init__(self, queue: Any, linger_s: float = 0.0):
+    def __init__(self, queue: Any, linger_s: float = 0.0, slots: SlotAsker | None = None):
         self.queue = queue
         self.linger_s = linger_s
+        self.slots = slots
         self._items: list[tuple[list, GroupMeta]] = []
         self._task: asyncio.Task | None = None
         self.error: str = ""
         self.sent_groups = 0
         self.calls = 0
+        self.granted = 0  # slots granted along with hand-offs
+        self._flushing = False
 
     def put(self, group: TrajectoryGroup, meta: GroupMeta) -> None:
         self._items.append((group, meta))
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._flush())
 
+    @property
+    def busy(self) -> bool:
+        """Groups waiting to go, or a hand-off in flight (which will ask for slots)."""
+        return self._flushing or bool(self._items)
+
     async def _flush(self) -> None:
+        self._flushing = True
+        try:
+            await self._flush_all()
+        finally:
+            self._flushing = False
+            if self.slots is not None:
+                self.slots.outbox_idle()
+
+    async def _flush_all(self) -> None:
         import ray
 
         while self._items:
@@ -180,22 +238,32 @@ class Outbox:
                 await asyncio.sleep(self.linger_s)
             batch, self._items = self._items, []
             self.calls += 1
+            asked = got = 0
+            call = "put_many" if self.slots is None else "hand_over"
             try:
                 ref = ray.put([(g.group_id, to_bytes(g.trajectories)) for g, _ in batch])
                 items = [
                     ([ref], dataclasses.replace(meta, bundle_index=i))
                     for i, (_, meta) in enumerate(batch)
                 ]
-                refused = await self.queue.put_many.remote(items)
+                if self.slots is None:
+                    refused = await self.queue.put_many.remote(items)
+                else:
+                    asked = self.slots.ask()
+                    refused, got = await self.queue.hand_over.remote(items, asked, self.slots.name)
             except Exception as e:  # noqa: BLE001 - recorded; the owner reports it
                 # Nothing went in (the call never ran, or the queue is gone): free the
                 # slots if the queue can still hear it.
-                self.error = self.error or f"queue.put_many failed: {type(e).__name__}: {e}"
+                self.error = self.error or f"queue.{call} failed: {type(e).__name__}: {e}"
                 try:
                     self.queue.abandon.remote(len(batch))
                 except Exception:  # noqa: BLE001 - the queue itself is gone
                     pass
                 continue
+            finally:
+                if self.slots is not None:
+                    self.slots.answered(asked, got)
+            self.granted += got
             self.sent_groups += len(batch) - len(refused)
             if refused:
                 self.error = (
