@@ -52,6 +52,20 @@ WARMUP_PROMPTS = 16
 class BenchActor(RolloutActor):
     """The RolloutActor, plus plain generation on its engine while its loop is halted."""
 
+    min_tokens = 0
+
+    def set_min_tokens(self, n: int) -> None:
+        """Both sides generate at least ``n`` tokens per sample (vLLM's min_tokens: the
+        stop tokens are masked until then), for responses longer than the task's."""
+        self.min_tokens = n
+        self._params = None  # rebuilt on next use
+
+    def vllm_sampling_params(self):
+        params = super().vllm_sampling_params()
+        if self.min_tokens:
+            params.min_tokens = self.min_tokens
+        return params
+
     async def plain_generate(
         self, prompts: list[str], tag: str, inflight: int = 0
     ) -> dict[str, int]:
@@ -164,6 +178,20 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=None, help="prompts (groups) per measurement")
     p.add_argument("--rounds", type=int, default=None, help="asyncrl/vllm measurement pairs")
     p.add_argument(
+        "--engine-cores",
+        default=None,
+        metavar="LIST",
+        help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. 0: one thread on core 0, the "
+        "other cores left to the actor's process and the queue); default: vLLM's auto",
+    )
+    p.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        help="every sample generates at least this many tokens, on both sides (longer "
+        "responses than the task's 2-3 tokens; with actor.sampling.max_tokens=N)",
+    )
+    p.add_argument(
         "overrides", nargs="*", help="training-config overrides, e.g. actor.sampling.n=4"
     )
     args = p.parse_args()
@@ -181,10 +209,11 @@ def main() -> None:
     import ray
 
     rows = []
-    start_ray()
+    start_ray(env={"VLLM_CPU_OMP_THREADS_BIND": args.engine_cores} if args.engine_cores else None)
     actor = None
     try:
         actor = start_actor(cfg, setup)
+        ray.get(actor.set_min_tokens.remote(args.min_tokens))
         meter = CpuMeter(actor_pid(actor))
         measure_vllm(actor, prompts[:WARMUP_PROMPTS], "warmup", meter)  # first use, untimed
         cap = cfg.actor.max_inflight_groups
@@ -226,7 +255,8 @@ def main() -> None:
     s = cfg.actor.sampling
     print_table(
         f"RolloutActor vs plain AsyncLLM.generate on the same engine: {num_prompts} prompts "
-        f"x n={s.n}, max_tokens={s.max_tokens}, temperature {s.temperature}, engine {dict(cfg.actor.engine)}, "
+        f"x n={s.n}, max_tokens={s.max_tokens}, min_tokens={args.min_tokens}, temperature {s.temperature}, engine {dict(cfg.actor.engine)}, "
+        f"engine cores {args.engine_cores or 'auto'}, "
         f"{rounds} round(s){' (--quick)' if args.quick else ''}",
         ["round", "side", "trajectories", "tokens", "seconds", "tokens/s", "CPU s: actor proc",
          "engine procs", "queue"],

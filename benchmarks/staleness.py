@@ -20,7 +20,13 @@ versions); same-version reward = mean reward of the samples that the same policy
 versions generated in every run (the 10% of versions before ``steps - max(k)``): it
 compares policies after equally many updates. ESS and mismatch KL (``is/ess``,
 ``is/mismatch_kl``: current policy vs behaviour) are averaged over the steps at
-full staleness.
+full staleness. Start reward = the reward of the initial policy's samples (version 0),
+pooled over all runs; gain retention = (reward(k=8) - start) / (reward(k=0) - start):
+the share of what was learnt at k=0 that survives k=8 (``retention_k8``, the ratio of
+rewards, stays near 1 when little is learnt at all).
+
+``--summarise DIR...`` runs nothing: it merges the CSVs of earlier sweeps (e.g. one
+per ``--losses`` subset, run apart) and reports them as one.
 
 The full sweep (5 k x 5 losses x 3 seeds x 300 steps) takes hours on a 2-core CPU;
 ``--quick`` runs k in {0, 8} for no correction and decoupled PPO, one seed, 40
@@ -170,6 +176,7 @@ class Runner:
             parts.actors = {}  # stop_all must not stop the shared engine
             queue_stats, _ = stop_all(parts)
         row = summarise(loss, k, seed, rec.steps, queue_stats, time.time() - t0, self.k_max)
+        row["lr"] = float(cfg.learner.optim.lr)
         return row, rec.steps
 
     def _new_actor(self, cfg: Any, setup: Any):
@@ -215,6 +222,7 @@ def summarise(
     last = steps[-w:]
     lo, hi = max(0, n - k_max - w), max(1, n - k_max)
     same = [r for i, r in enumerate(steps) if lo <= i - min(i, k) < hi]
+    start = [r for i, r in enumerate(steps) if i - min(i, k) == 0]  # version-0 samples
     full = steps[k:] or steps  # steps at full staleness (after the ramp)
     per_step = steps[0]["reward/count"] if steps else 0
     want = {min(v, k): 0 for v in range(n)}
@@ -235,6 +243,8 @@ def summarise(
         "final_reward": _reward(last),
         "same_version_reward": _reward(same),
         "first_reward": steps[0]["reward/mean"] if steps else float("nan"),
+        "start_reward": _reward(start),
+        "start_samples": int(sum(r["reward/count"] for r in start)),
         "ess": mean("is/ess", full),
         "mismatch_kl": mean("is/mismatch_kl", full),
         "staleness_mean": mean("staleness/mean", full),
@@ -263,6 +273,14 @@ def main() -> None:
         help=f"run k=0 once for {', '.join(SAME_ON_POLICY)} (on-policy they make the same "
         "update; V-trace runs its own); default: on with --quick",
     )
+    p.add_argument(
+        "--summarise",
+        type=Path,
+        nargs="+",
+        metavar="DIR",
+        help="run nothing: merge the staleness.csv and curves.csv of earlier sweeps (e.g. "
+        "one per --losses, run apart), report them and write the merged files into --out",
+    )
     p.add_argument("overrides", nargs="*", help="training-config overrides for every run")
     args = p.parse_args()
     share_k0 = args.quick if args.share_k0 is None else args.share_k0
@@ -271,6 +289,18 @@ def main() -> None:
     losses = args.losses or (QUICK_LOSSES if args.quick else list(LOSSES))
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
 
+    if args.summarise:
+        rows, curves = load_runs(args.summarise)
+        ks = sorted({r["k"] for r in rows})
+        losses = [name for name in LOSSES if any(r["loss"] == name for r in rows)]
+        seeds = sorted({r["seed"] for r in rows})
+        steps = max(r["steps"] for r in rows)
+    else:
+        rows, curves = sweep(args, steps, ks, losses, seeds, share_k0)
+    report(rows, curves, ks, losses, steps, seeds, args)
+
+
+def sweep(args, steps, ks, losses, seeds, share_k0) -> tuple[list[dict], list[dict]]:
     import ray
 
     rows, curves = [], []
@@ -302,18 +332,104 @@ def main() -> None:
         runner.close()
         ray.shutdown()
 
+    return rows, curves
+
+
+def report(rows, curves, ks, losses, steps, seeds, args) -> None:
     reward = seed_means(rows, "final_reward", ks, losses)
     same = seed_means(rows, "same_version_reward", ks, losses)
     retention = {loss: retention_k8(reward[loss]) for loss in losses}
     retention_same = {loss: retention_k8(same[loss]) for loss in losses}
+    # Every run starts from the same initial policy: its reward, pooled over all runs,
+    # is the baseline of the gain retained at k=8 (a ratio of rewards near the start
+    # would look fine even if nothing was learnt).
+    run_rows = [r for r in rows if not r.get("shared_from")]
+    n0 = sum(r["start_samples"] for r in run_rows)
+    start = sum(r["start_reward"] * r["start_samples"] for r in run_rows) / n0 if n0 else math.nan
+    gain = {
+        loss: ratio(
+            reward[loss].get("8", math.nan) - start, reward[loss].get("0", math.nan) - start
+        )
+        for loss in losses
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "staleness.csv", rows)
     write_csv(args.out / "curves.csv", curves)
     plot(args.out / "staleness.png", curves, reward, ks, losses)
-    table(rows, reward, retention, retention_same, ks, losses, steps, seeds, args)
+    table(rows, reward, retention, retention_same, gain, start, ks, losses, steps, seeds, args)
     emit_json(
-        {"reward": reward, "retention_k8": retention, "retention_k8_same_version": retention_same}
+        {
+            "reward": reward,
+            "retention_k8": retention,
+            "retention_k8_same_version": retention_same,
+            "start_reward": start,
+            "gain_retention_k8": gain,
+        }
     )
+
+
+_INT_COLS = ("k", "seed", "steps", "samples", "max_staleness", "dropped", "start_samples")
+_CURVE_INT = ("run", "k", "seed", "step", "samples")
+
+
+def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
+    """The rows and curves of earlier sweeps (their staleness.csv and curves.csv), one
+    list across ``dirs``; a (loss, k, seed) met again is skipped. Rows written before
+    ``start_reward`` existed get it from their curves."""
+    import csv
+
+    def typed(r: dict[str, str], ints) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, v in r.items():
+            if key in ints:
+                out[key] = int(v)
+            elif key in ("loss", "shared_from"):
+                out[key] = v
+            elif key == "exact_staleness":
+                out[key] = v == "True"
+            else:
+                out[key] = float(v) if v not in ("", None) else math.nan
+        return out
+
+    rows: list[dict] = []
+    curves: list[dict] = []
+    seen: set[tuple] = set()
+    for d in dirs:
+        try:
+            with (d / "staleness.csv").open() as f:
+                got = [typed(r, _INT_COLS) for r in csv.DictReader(f)]
+            with (d / "curves.csv").open() as f:
+                got_curves = [typed(r, _CURVE_INT) for r in csv.DictReader(f)]
+        except FileNotFoundError as e:
+            raise SystemExit(f"--summarise {d}: no {Path(e.filename).name} there") from e
+        for i, r in enumerate(got):
+            key = (r["loss"], r["k"], r["seed"])
+            if key in seen:
+                print(f"--summarise: {key} met again in {d}, skipped", file=sys.stderr)
+                continue
+            seen.add(key)
+            mine = [c for c in got_curves if c["run"] == i and c["loss"] == r["loss"]]
+            if "start_samples" not in r:
+                r.update(_start_from_curves(mine, r["k"]))
+            r["run"] = len(rows)
+            rows.append(r)
+            curves += [dict(c, run=r["run"]) for c in mine]
+    if not rows:
+        raise SystemExit("--summarise: no runs found")
+    return rows, curves
+
+
+def _start_from_curves(curves: list[dict], k: int) -> dict[str, Any]:
+    """start_reward / start_samples of one run: its steps that trained version-0 samples."""
+    n = total = 0.0
+    prev = 0
+    for i, c in enumerate(sorted(curves, key=lambda c: c["step"])):
+        count = c["samples"] - prev
+        prev = c["samples"]
+        if i - min(i, k) == 0:
+            n += count
+            total += c["reward"] * count
+    return {"start_reward": total / n if n else math.nan, "start_samples": int(n)}
 
 
 def curve_rows(run: int, row: dict[str, Any], per_step: list[dict[str, float]]) -> list[dict]:
@@ -355,8 +471,12 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def table(rows, reward, retention, retention_same, ks, losses, steps, seeds, args) -> None:
+def table(rows, reward, retention, retention_same, gain, start, ks, losses, steps, seeds, args):
     c = compose(*BENCH_OVERRIDES, *args.overrides)
+    lrs = sorted({r["lr"] for r in rows if not math.isnan(r.get("lr", math.nan))})
+    lr = ", ".join(f"{x:g}" for x in lrs) if lrs else "not recorded"
+    if not args.summarise:
+        lr = f"{c.learner.optim.lr:g}"
     subset = f"k in {list(ks)}, losses {list(losses)}, seeds {seeds}"
     if args.quick:
         subset = "--quick subset: " + subset
@@ -365,7 +485,7 @@ def table(rows, reward, retention, retention_same, ks, losses, steps, seeds, arg
         subset += f"; k=0 run once (loss {shared[0]['shared_from']}) and shared"
     print_table(
         f"learning under exact staleness k: {steps} steps x {c.learner.batch_groups} groups x "
-        f"n={c.actor.sampling.n} samples per run, lr {c.learner.optim.lr}, task max_operand "
+        f"n={c.actor.sampling.n} samples per run, lr {lr}, task max_operand "
         f"{c.task.max_operand}; {subset}",
         ["loss", "k", "seed", "final reward", "same-version reward", "first reward", "ESS",
          "mismatch KL", "exact k"],
@@ -377,13 +497,17 @@ def table(rows, reward, retention, retention_same, ks, losses, steps, seeds, arg
     )  # fmt: skip
     print_table(
         "final reward (mean over seeds) by k; retention = reward(k=8) / reward(k=0), also "
-        f"for the same-version reward (policy versions {max(ks)} before the end in every run)",
-        ["loss", *[f"k={k}" for k in ks], "retention k8", "same-version retention k8"],
+        f"for the same-version reward (policy versions {max(ks)} before the end in every run); "
+        f"gain retention = (reward(k=8) - start) / (reward(k=0) - start), start = {start:.3f} "
+        "(the initial policy's reward, all runs pooled)",
+        ["loss", *[f"k={k}" for k in ks], "retention k8", "same-version retention k8",
+         "gain retention k8"],
         [
-            [loss, *[reward[loss][str(k)] for k in ks], retention[loss], retention_same[loss]]
+            [loss, *[reward[loss][str(k)] for k in ks], retention[loss], retention_same[loss],
+             gain[loss]]
             for loss in losses
         ],
-    )
+    )  # fmt: skip
     bad = [f"{r['loss']} k={r['k']} seed={r['seed']}" for r in rows if not r["exact_staleness"]]
     if bad:
         print(f"WARNING: staleness was not exactly min(V, k) in: {', '.join(bad)}")

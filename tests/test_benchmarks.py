@@ -58,7 +58,10 @@ def test_queue_benchmark(tmp_path):
 
 @pytest.mark.slow
 def test_actor_benchmark(tmp_path):
-    f = run_bench("actor", tmp_path, "--prompts", "8", "--rounds", "1")
+    f = run_bench(
+        "actor", tmp_path, "--prompts", "8", "--rounds", "1", "--min-tokens", "5",
+        "actor.sampling.max_tokens=7",
+    )  # fmt: skip
     assert set(f) == {"actor_tokens_per_s", "vllm_tokens_per_s", "ratio",
                       "vllm_capped_tokens_per_s", "ratio_vs_capped"}  # fmt: skip
     assert finite(*f.values())
@@ -68,6 +71,8 @@ def test_actor_benchmark(tmp_path):
     rows = list(csv.DictReader((tmp_path / "actor.csv").open()))
     assert {r["side"] for r in rows} == {"asyncrl", "vllm", "vllm_capped"}
     assert all(int(r["trajectories"]) == 8 * 8 for r in rows)  # 8 prompts x n=8 each side
+    # --min-tokens holds on both sides: 5 to 7 tokens per sample (the task's are 2-3)
+    assert all(5 * 64 <= int(r["tokens"]) <= 7 * 64 for r in rows), rows
 
 
 @pytest.mark.slow
@@ -94,7 +99,14 @@ def test_staleness_benchmark(tmp_path):
     f = run_bench(
         "staleness", tmp_path, "--steps", "10", "--ks", "0", "8", "--losses", "none", "--seeds", "0"
     )
-    assert set(f) == {"reward", "retention_k8", "retention_k8_same_version"}
+    assert set(f) == {
+        "reward",
+        "retention_k8",
+        "retention_k8_same_version",
+        "start_reward",
+        "gain_retention_k8",
+    }
+    assert 0 <= f["start_reward"] <= 1 and set(f["gain_retention_k8"]) == {"none"}
     assert set(f["reward"]) == {"none"} and set(f["reward"]["none"]) == {"0", "8"}
     assert all(0 <= v <= 1 for v in f["reward"]["none"].values())
     for key in ("retention_k8", "retention_k8_same_version"):
@@ -105,9 +117,26 @@ def test_staleness_benchmark(tmp_path):
         assert r["exact_staleness"] == "True", r
         assert int(r["max_staleness"]) == int(r["k"]) and int(r["dropped"]) == 0
         assert int(r["samples"]) == 10 * 16 * 8
+        # version-0 samples: step 1 at k=0, steps 1-9 at k=8 (the ramp trains on them)
+        assert int(r["start_samples"]) == (1 if r["k"] == "0" else 9) * 16 * 8
     curves = list(csv.DictReader((tmp_path / "curves.csv").open()))
     stale = [float(c["staleness"]) for c in curves if c["k"] == "8"]
     assert stale == [min(v, 8) for v in range(10)]
+    # --summarise re-reports a finished sweep (its start reward rebuilt from the curves
+    # when the rows lack it) without running anything, to the same figures
+    (tmp_path / "old").mkdir()
+    old_rows = [{k: v for k, v in r.items() if not k.startswith("start_")} for r in rows]
+    with (tmp_path / "old" / "staleness.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(old_rows[0]))
+        w.writeheader()
+        w.writerows(old_rows)
+    (tmp_path / "old" / "curves.csv").write_text((tmp_path / "curves.csv").read_text())
+    again = run_bench(
+        "staleness", tmp_path / "merged", "--summarise", str(tmp_path / "old"), str(tmp_path),
+        timeout=120,
+    )  # fmt: skip
+    assert again["reward"] == f["reward"] and again["retention_k8"] == f["retention_k8"]
+    assert math.isclose(again["start_reward"], f["start_reward"])
 
 
 # ---- pieces the benchmarks rely on (fast) ---------------------------------------------------
