@@ -13,7 +13,10 @@ vLLM ``AsyncLLM.generate`` of the same prompts on the same engine, same run.
               in-flight cap costs (``ratio_vs_capped``)
 
 One engine serves both sides (one start-up, no engine-to-engine variance): only
-what the actor adds around ``generate`` differs. Measurements alternate
+what the actor adds around ``generate`` differs. The task's answers are 2-3 tokens, so
+the default measures per-group costs above all; ``--min-tokens N
+actor.sampling.max_tokens=M`` makes every sample N to M tokens long on both sides, as
+real completions are. ``--engine-cores 0`` binds the engine's threads to core 0. Measurements alternate
 (asyncrl, vllm, vllm_capped, then reversed, ...) after an untimed warm-up generation.
 """
 
@@ -140,6 +143,10 @@ def measure_asyncrl(actor: Any, seed: int, num_prompts: int, meter: CpuMeter) ->
             "trajectories": sum(len(g.trajectories) for g in groups),
             "seconds": seconds,
             **cpu,
+            # queue calls of the actor's own (in this measurement, a few more may follow
+            # the take): hand-offs, and the loop's waiting slot requests
+            "handoff_calls": stats["handoff_calls"],
+            "acquire_calls": stats["acquire_calls"],
         }
     finally:
         ray.kill(queue)

@@ -11,8 +11,9 @@ ReplayQueue, against raw ``ray.put`` / ``ray.get`` of the same objects, same run
 Two producer actors stand in for rollout actors and one consumer for the learner
 (a threaded actor that resolves refs with ``ray.get``, as the learner does). Every
 group is labelled policy version 0 and the learner version rises by one per batch;
-both modes hand refs over in chunks of ``c`` groups (``--chunk``, the actor's default
-``max_inflight_groups``), so the difference is what the queue itself does;
+both modes hand refs over in chunks of ``c`` groups (``--chunk``, about what one
+actor hands over per call in the default run), so the difference is what the queue
+itself does;
 the staleness bound is set beyond the run, so every check runs and nothing is
 dropped. Rounds alternate the order (queue, raw, raw, queue, ...) so that other load on
 the machine hits both alike.
@@ -218,9 +219,7 @@ def main() -> None:
         help="queue capacity in batches (4: what the default max_staleness=2 gives); "
         "producers wait when it is full, raw mode has no such bound",
     )
-    p.add_argument(
-        "--chunk", type=int, default=16, help="groups per hand-off call (actor.max_inflight_groups)"
-    )
+    p.add_argument("--chunk", type=int, default=16, help="groups per hand-off call")
     args = p.parse_args()
     batches = args.batches or (30 if args.quick else 200)
     rounds = args.rounds or (2 if args.quick else 6)

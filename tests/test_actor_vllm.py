@@ -102,16 +102,20 @@ async def test_versions_exact_across_inflight_update(actor, learner, tiny_model)
     old_model.load_state_dict(learner.model.state_dict())  # version 1 weights
     params = SamplingParams(n=1, temperature=1.0, max_tokens=40, ignore_eos=True, logprobs=0)
 
+    started = [asyncio.Event() for _ in range(8)]
+
     async def gen(i):
         final = None
         async for out in actor.engine.generate(
             {"prompt": f"{i}+1="}, params, request_id=f"span-{i}"
         ):
             final = out
+            started[i].set()  # a first token is out: the update lands mid-generation
         return final
 
     tasks = [asyncio.create_task(gen(i)) for i in range(8)]
-    await asyncio.sleep(0.3)  # let them get going
+    # Not a fixed sleep: on a quiet machine 40 tokens can finish before it ends.
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
     await actor.apply_state_dict(_perturbed_state(learner, seed=2), version=2)
     outs = await asyncio.gather(*tasks)
 

@@ -83,9 +83,9 @@ class RolloutActor:
         sampling: SamplingSettings,
         engine: EngineSettings,
         seed: int = 0,
-        max_inflight_groups: int = 16,
+        max_inflight_groups: int = 64,
         update_mode: str = "keep",
-        handoff_linger_s: float = 0.02,
+        handoff_linger_s: float = 0.05,
     ):
         if update_mode not in UPDATE_MODES:
             raise ValueError(
