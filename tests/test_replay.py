@@ -308,7 +308,7 @@ class _DeadQueue:
         outer = self
 
         class _PutMany:
-            def remote(self, items):
+            def remote(self, items, *args):
                 async def fail():
                     raise ConnectionError("actor died")
 
@@ -335,6 +335,45 @@ def test_outbox_failure_is_recorded_and_slots_freed(ray_local):
     box, dead = asyncio.run(main())
     assert "put_many failed" in box.error and "actor died" in box.error
     assert box.sent_groups == 0 and sum(dead.abandoned) == 3
+
+
+class _Slots:
+    """An actor's slot bookkeeping as the Outbox sees it (replay.queue.SlotAsker)."""
+
+    name = "a0"
+
+    def __init__(self, free: int):
+        self.free, self.answers, self.idle = free, [], 0
+
+    def ask(self) -> int:
+        return self.free
+
+    def answered(self, asked: int, granted: int) -> None:
+        self.answers.append((asked, granted))
+
+    def outbox_idle(self) -> None:
+        self.idle += 1
+
+
+def test_outbox_hand_over_failure_answers_the_ask_and_frees_the_slots(ray_local):
+    """A hand-off whose call fails still answers the slot request (0 granted), so the
+    actor does not keep the slots reserved; the groups' slots are given back."""
+    from asyncrl.replay.queue import Outbox
+
+    async def main():
+        dead = _DeadQueue()
+        dead.hand_over = dead.put_many  # same failure, the call the actor makes
+        slots = _Slots(free=3)
+        box = Outbox(dead, slots=slots)
+        for i in range(2):
+            box.put(*_group(f"g{i}"))
+        await box.drain()
+        return box, dead, slots
+
+    box, dead, slots = asyncio.run(main())
+    assert "hand_over failed" in box.error and "actor died" in box.error
+    assert slots.answers and all(got == 0 for _, got in slots.answers)
+    assert slots.idle >= 1 and box.granted == 0 and sum(dead.abandoned) == 2
 
 
 def test_throttle_window_counts_from_the_weights_an_actor_holds():
