@@ -374,8 +374,10 @@ _CURVE_INT = ("run", "k", "seed", "step", "samples")
 
 def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
     """The rows and curves of earlier sweeps (their staleness.csv and curves.csv), one
-    list across ``dirs``; a (loss, k, seed) met again is skipped. Rows written before
-    ``start_reward`` existed get it from their curves."""
+    list across ``dirs``; a (loss, k, seed) met again is skipped, and sweeps of
+    different learning rates (recorded or not) or step counts are refused: one table
+    averages over seeds. Rows written before ``start_reward`` existed get it from
+    their curves."""
     import csv
 
     def typed(r: dict[str, str], ints) -> dict[str, Any]:
@@ -403,7 +405,8 @@ def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
         except FileNotFoundError as e:
             raise SystemExit(f"--summarise {d}: no {Path(e.filename).name} there") from e
         for i, r in enumerate(got):
-            key = (r["loss"], r["k"], r["seed"])
+            lr = r.get("lr", math.nan)
+            key = (r["loss"], r["k"], r["seed"], None if math.isnan(lr) else lr, r["steps"])
             if key in seen:
                 print(f"--summarise: {key} met again in {d}, skipped", file=sys.stderr)
                 continue
@@ -416,6 +419,16 @@ def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
             curves += [dict(c, run=r["run"]) for c in mine]
     if not rows:
         raise SystemExit("--summarise: no runs found")
+    settings = {key[3:] for key in seen}  # lr None: written before lr was recorded
+    if len(settings) > 1:  # one table averages over seeds: other settings would mix in
+        shown = ", ".join(
+            f"lr {'not recorded' if lr is None else f'{lr:g}'} x {n} steps"
+            for lr, n in sorted(settings, key=str)
+        )
+        raise SystemExit(
+            f"--summarise: these sweeps used different settings ({shown}); "
+            "summarise each setting on its own"
+        )
     return rows, curves
 
 
@@ -473,10 +486,8 @@ def _mean(xs: list[float]) -> float:
 
 def table(rows, reward, retention, retention_same, gain, start, ks, losses, steps, seeds, args):
     c = compose(*BENCH_OVERRIDES, *args.overrides)
-    lrs = sorted({r["lr"] for r in rows if not math.isnan(r.get("lr", math.nan))})
-    lr = ", ".join(f"{x:g}" for x in lrs) if lrs else "not recorded"
-    if not args.summarise:
-        lr = f"{c.learner.optim.lr:g}"
+    lrs = {r["lr"] for r in rows if not math.isnan(r.get("lr", math.nan))}
+    lr = f"{lrs.pop():g}" if lrs else "not recorded"  # load_runs refuses mixed lrs
     subset = f"k in {list(ks)}, losses {list(losses)}, seeds {seeds}"
     if args.quick:
         subset = "--quick subset: " + subset

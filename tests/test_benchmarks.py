@@ -73,6 +73,8 @@ def test_actor_benchmark(tmp_path):
     assert all(int(r["trajectories"]) == 8 * 8 for r in rows)  # 8 prompts x n=8 each side
     # --min-tokens holds on both sides: 5 to 7 tokens per sample (the task's are 2-3)
     assert all(5 * 64 <= int(r["tokens"]) <= 7 * 64 for r in rows), rows
+    (mine,) = [r for r in rows if r["side"] == "asyncrl"]  # its queue calls are recorded
+    assert 1 <= int(mine["handoff_calls"]) <= 8 and int(mine["acquire_calls"]) >= 1
 
 
 @pytest.mark.slow
@@ -198,3 +200,33 @@ def test_table_and_json_helpers(capsys):
         "a": None,
         "b": [1.0, None],
     }
+
+
+def test_staleness_summarise_refuses_bad_input(tmp_path):
+    """--summarise on a folder without a sweep, or on sweeps of different learning
+    rates (one table would average them), stops with a message naming the problem."""
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.staleness", "--summarise", str(tmp_path / "none"),
+         "--out", str(tmp_path / "out")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode != 0 and "no staleness.csv there" in r.stderr
+    dirs = []
+    for lr in (2e-4, 5e-4):
+        d = tmp_path / f"lr{lr}"
+        d.mkdir()
+        (d / "staleness.csv").write_text(
+            "loss,k,seed,steps,samples,final_reward,start_reward,start_samples,lr\n"
+            f"none,0,0,2,256,0.5,0.3,128,{lr}\n"
+        )
+        (d / "curves.csv").write_text(
+            "run,loss,k,seed,step,samples,reward\n0,none,0,0,1,128,0.3\n0,none,0,0,2,256,0.5\n"
+        )
+        dirs.append(str(d))
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.staleness", "--summarise", *dirs,
+         "--out", str(tmp_path / "out")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode != 0 and "different settings (lr 0.0002" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "out").exists()  # nothing half-written
