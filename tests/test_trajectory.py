@@ -55,3 +55,30 @@ def test_versions_and_lengths_checked():
     assert (t.min_version, t.max_version) == (3, 4)
     with pytest.raises(ValueError, match="behaviour_logprobs"):
         Trajectory("x", "g", [1], [1, 2], [0.0], [0, 0], [True, True], 0.0)
+
+
+def test_columns_roundtrip_mixed_lengths_and_empty():
+    trajs = [make(0, r=5), make(1, r=0), make(2, r=1), make(3, r=9)]
+    trajs[1].error = "ValueError: boom"
+    back = from_bytes(to_bytes(trajs))
+    assert [t.traj_id for t in back] == ["t0", "t1", "t2", "t3"]
+    for a, b in zip(trajs, back):
+        for name in ("prompt_ids", "response_ids", "behaviour_logprobs", "versions", "loss_mask"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert x.dtype == y.dtype and np.array_equal(x, y)
+        assert (a.error, a.response_text, a.reward_breakdown) == (
+            b.error,
+            b.response_text,
+            b.reward_breakdown,
+        )
+    back[0].behaviour_logprobs[0] = 7.0  # decoded arrays are writable and not shared
+    assert back[3].behaviour_logprobs[-1] == trajs[3].behaviour_logprobs[-1]
+    assert from_bytes(to_bytes([])) == []
+
+
+def test_arrays_that_are_not_per_token_go_record_by_record():
+    t = make(0)
+    t.prompt_ids = np.arange(6, dtype=np.int32).reshape(2, 3)  # e.g. a multi-modal prompt
+    back = from_bytes(to_bytes([t, make(1)]))
+    assert back[0].prompt_ids.shape == (2, 3) and np.array_equal(back[0].prompt_ids, t.prompt_ids)
+    assert np.array_equal(back[1].response_ids, make(1).response_ids)
