@@ -122,3 +122,81 @@ def test_hand_offs_ask_for_the_freed_slots(ray_local):
         assert qs["produced"] == 2 * st["handoff_groups"] == 2 * a.stats.groups
     finally:
         ray.kill(q)
+
+
+def _completion(token_ids, logprobs, flat: bool):
+    from vllm.logprobs import FlatLogprobs, Logprob
+    from vllm.outputs import CompletionOutput
+
+    steps = FlatLogprobs() if flat else []
+    for pos, (t, lp) in enumerate(zip(token_ids, logprobs)):
+        # the sampled token first, as vLLM lists it, then one more candidate
+        steps.append({t: Logprob(lp, 2, "a"), 99 + pos: Logprob(-9.0, 1, "b")})
+    return CompletionOutput(0, "12", token_ids, -1.0, steps, finish_reason="stop")
+
+
+def test_flat_and_dict_logprobs_read_the_same():
+    import numpy as np
+
+    from asyncrl.actor.engine import completion_arrays
+
+    ids, lps = [17, 23, 5], [-0.25, -1.5, -0.125]
+    flat = completion_arrays(_completion(ids, lps, flat=True), 3)
+    nested = completion_arrays(_completion(ids, lps, flat=False), 3)
+    for a, b in zip(flat, nested):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    assert flat[1].tolist() == lps and flat[2].tolist() == [3, 3, 3]
+    empty = completion_arrays(_completion([], [], flat=True), 0)
+    assert [len(x) for x in empty] == [0, 0, 0]
+
+
+def test_logprobs_not_of_the_sampled_tokens_are_refused():
+    from asyncrl.actor.engine import completion_arrays
+
+    comp = _completion([17, 23], [-0.5, -0.5], flat=True)
+    comp.token_ids = [17, 24]  # position 1's log-prob belongs to another token
+    with pytest.raises(RuntimeError, match="sampled token"):
+        completion_arrays(comp, 0)
+    comp.logprobs = None  # SamplingParams.logprobs not set
+    with pytest.raises(RuntimeError, match="no per-token log-probs"):
+        completion_arrays(comp, 0)
+
+
+def test_groups_ask_vllm_for_flat_logprobs():
+    params = _actor(_Queue()).vllm_sampling_params()
+    assert params.logprobs == 0 and params.flat_logprobs
+
+
+def test_idle_seconds_count_only_time_with_nothing_generating(monkeypatch):
+    """Idle = no group generating, measured from the transitions (not a whole wait on
+    the queue): 3 s before the first group, 2 s after the last, none in between."""
+    import types
+
+    import asyncrl.actor.rollout as rollout
+
+    now = [100.0]
+    monkeypatch.setattr(rollout, "time", types.SimpleNamespace(time=lambda: now[0]))
+
+    async def main():
+        q = _Queue()
+        a = _actor(q, max_inflight_groups=4)
+        release = asyncio.Event()
+
+        async def one_group(prompt):
+            await release.wait()
+
+        a._one_group = one_group
+        now[0] += 3.0  # waiting for slots
+        a._start_groups(2)
+        await asyncio.sleep(0)
+        now[0] += 5.0  # generating
+        assert a.get_stats()["idle_seconds"] == 3.0
+        release.set()
+        await asyncio.gather(*a._pending)
+        await asyncio.sleep(0)  # done callbacks
+        now[0] += 2.0  # idle again, counted up to now
+        return a
+
+    a = asyncio.run(main())
+    assert a._n_inflight == 0
+    assert a.get_stats()["idle_seconds"] == 5.0

@@ -57,7 +57,9 @@ def _on_cpu() -> bool:
 
 
 def completion_arrays(comp, version_fallback: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(token ids, behaviour log-probs, versions) of one vLLM CompletionOutput.
+    """(token ids, behaviour log-probs, versions) of one vLLM CompletionOutput, whose
+    log-probs are vLLM's ``FlatLogprobs`` (``flat_logprobs=True``: the sampled token
+    first at each position) or its list of ``{token: Logprob}`` dicts.
 
     vLLM labels contiguous spans of output tokens with the weight version that was
     current in the engine when each token was produced (set by
@@ -65,13 +67,18 @@ def completion_arrays(comp, version_fallback: int) -> tuple[np.ndarray, np.ndarr
     even when a sequence spans an update.
     """
     ids = np.asarray(comp.token_ids, dtype=np.int32)
-    if comp.logprobs is None or len(comp.logprobs) != len(ids):
+    steps = comp.logprobs
+    if steps is None or len(steps) != len(ids):
         raise RuntimeError(
             "vLLM returned no per-token log-probs; SamplingParams.logprobs must be 0"
         )
-    lps = np.asarray(
-        [step[int(t)].logprob for step, t in zip(comp.logprobs, ids)], dtype=np.float32
-    )
+    if hasattr(steps, "start_indices"):  # FlatLogprobs: plain lists, no per-token objects
+        first = np.asarray(steps.start_indices, dtype=np.intp)
+        if len(ids) and not np.array_equal(np.asarray(steps.token_ids)[first], ids):
+            raise RuntimeError("vLLM's log-probs do not list the sampled token first")
+        lps = np.asarray(steps.logprobs, dtype=np.float32)[first]
+    else:
+        lps = np.asarray([step[int(t)].logprob for step, t in zip(steps, ids)], dtype=np.float32)
     versions = np.full(len(ids), version_fallback, dtype=np.int32)
     for span in comp.weight_versions or []:
         versions[span.start : span.end] = int(span.version)

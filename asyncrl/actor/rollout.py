@@ -69,8 +69,8 @@ class ActorStats:
     regenerated: int = 0
     updates: int = 0
     update_seconds: float = 0.0
-    idle_seconds: float = 0.0  # waiting on the queue with nothing generating
-    started: float = field(default_factory=time.time)
+    idle_seconds: float = 0.0  # nothing generating (waiting on the queue, or halted)
+    started: float = field(default_factory=lambda: time.time())
 
 
 class RolloutActor:
@@ -111,6 +111,7 @@ class RolloutActor:
         self._refill = max(1, max_inflight_groups // 4)
         self._linger_s = handoff_linger_s
         self._n_inflight = 0  # groups generating (started, not yet handed to the outbox)
+        self._idle_since: float | None = time.time()  # since when none is generating
         self._asking = 0  # slots asked for in queue calls not yet answered
         self._acquire_calls = 0  # the loop's own (waiting) asks; hand-offs ask too
         self._pending: set[asyncio.Task] = set()  # the group tasks
@@ -160,6 +161,8 @@ class RolloutActor:
         queue.set_weights_version.remote(self.name, self.version)
         self.sampler = TaskSampler(self.task, seed)
         self.stats = ActorStats()
+        if self._idle_since is not None:
+            self._idle_since = self.stats.started
         self._acquire_calls = 0
         self.fatal = ""
 
@@ -175,6 +178,8 @@ class RolloutActor:
         if self._outbox.error and not self.fatal:
             self.fatal = self._outbox.error
         s = vars(self.stats).copy()
+        if self._idle_since is not None:  # idle right now: count it up to now
+            s["idle_seconds"] += time.time() - max(self._idle_since, self.stats.started)
         s.update(
             name=self.name,
             version=self.version,
@@ -201,15 +206,12 @@ class RolloutActor:
                     await self._slot_freed.wait()
                 if not self._running:
                     break
-                t0 = time.time()
                 asked = self._ask()
                 self._acquire_calls += 1
                 try:
                     granted = await self.queue.acquire_many.remote(asked, 1.0, self.name)
                 finally:
                     self._asking -= asked
-                if self._n_inflight == 0:
-                    self.stats.idle_seconds += time.time() - t0
                 self._start_groups(granted)  # even if a halt came meanwhile: the
                 # cancellation below frees their slots
         except Exception as e:  # the loop itself must not die silently
@@ -228,6 +230,9 @@ class RolloutActor:
         return self._max_inflight - self._n_inflight - self._asking
 
     def _start_groups(self, n: int) -> None:
+        if n and self._idle_since is not None:
+            self.stats.idle_seconds += time.time() - self._idle_since
+            self._idle_since = None
         for _ in range(n):
             self._n_inflight += 1
             t = asyncio.create_task(self._one_group(self.sampler.next()))
@@ -266,13 +271,16 @@ class RolloutActor:
         """Bookkeeping of a finished group task, here and not in the task, because a
         task cancelled before it first ran never executes its own ``finally``."""
         self._n_inflight -= 1
+        if self._n_inflight == 0:
+            self._idle_since = time.time()
         self._slot_freed.set()
         if task.cancelled():
             queue.abandon.remote()  # its slot was granted and will never be put
 
     def vllm_sampling_params(self):
         """The vLLM SamplingParams of every group: n samples, the sampled token's
-        log-prob, only the final output."""
+        log-prob (in vLLM's flat layout: a few lists per sample instead of a dict and
+        an object per token), only the final output."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -284,6 +292,7 @@ class RolloutActor:
             top_k=s.top_k if s.top_k > 0 else -1,
             max_tokens=s.max_tokens,
             logprobs=0,
+            flat_logprobs=True,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
@@ -303,6 +312,7 @@ class RolloutActor:
             if len(comps) == s.n and all(c.finish_reason != "abort" for c in comps):
                 break
             self.stats.regenerated += 1  # aborted by a weight update: generate anew
+        prompt_ids = np.asarray(final.prompt_token_ids, dtype=np.int32)  # one per group
         trajs = []
         for i, c in enumerate(comps):
             ids, lps, versions = completion_arrays(c, self.version)
@@ -312,7 +322,7 @@ class RolloutActor:
                 Trajectory(
                     traj_id=f"{gid}-{i}",
                     group_id=gid,
-                    prompt_ids=np.asarray(final.prompt_token_ids, dtype=np.int32),
+                    prompt_ids=prompt_ids,
                     response_ids=ids,
                     behaviour_logprobs=lps,
                     versions=versions,
