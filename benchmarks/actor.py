@@ -18,6 +18,9 @@ the default measures per-group costs above all; ``--min-tokens N
 actor.sampling.max_tokens=M`` makes every sample N to M tokens long on both sides, as
 real completions are. ``--engine-cores 0`` binds the engine's threads to core 0. Measurements alternate
 (asyncrl, vllm, vllm_capped, then reversed, ...) after an untimed warm-up generation.
+``ratio`` is over all rounds' tokens and seconds; ``ratio_per_round`` and
+``ratio_median`` compare the sides within each round (this machine's throughput drifts
+by 20-30% between minutes, so one round's outlier moves ``ratio`` by several points).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ if __package__ in (None, ""):  # run as a file: see the note in benchmarks/commo
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import asyncio  # noqa: E402
+import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -246,6 +250,14 @@ def main() -> None:
         return sum(x["tokens"] for x in sel) / sum(x["seconds"] for x in sel)
 
     a, v, vc = rate("asyncrl"), rate("vllm"), rate("vllm_capped")
+
+    def round_ratios(other: str) -> list[float]:
+        """asyncrl / ``other`` within each round: measured minutes apart at most, so
+        the machine's slow drifts cancel (the spread shows how noisy it was)."""
+        by = {(x["round"], x["side"]): x["tokens_per_s"] for x in rows}
+        return [by[(r, "asyncrl")] / by[(r, other)] for r in range(rounds)]
+
+    per_round = round_ratios("vllm")
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "actor.csv", rows)
     plt = pyplot()
@@ -278,6 +290,11 @@ def main() -> None:
         f"plain vLLM with at most actor.max_inflight_groups={cfg.actor.max_inflight_groups} "
         f"prompts in flight, as the actor keeps: {vc:.0f} tokens/s, ratio {a / vc:.3f}"
     )
+    print(
+        "ratio within each round: "
+        + ", ".join(f"{x:.3f}" for x in per_round)
+        + f" (median {statistics.median(per_round):.3f})"
+    )
     print(f"outputs: {args.out}")
     emit_json(
         {
@@ -286,6 +303,9 @@ def main() -> None:
             "ratio": ratio(a, v),
             "vllm_capped_tokens_per_s": vc,
             "ratio_vs_capped": ratio(a, vc),
+            "ratio_per_round": per_round,
+            "ratio_median": statistics.median(per_round),
+            "ratio_vs_capped_median": statistics.median(round_ratios("vllm_capped")),
         }
     )
 

@@ -82,9 +82,9 @@ class WindowRecorder(Recorder):
             self._sampler.join()
 
     def _sample(self) -> None:
-        """Actor idle = no group in flight (``inflight == 0``). The actor's own
-        ``idle_seconds`` counts a whole wait on the queue as idle when the last group
-        finished during it, which overstates idleness whenever the actor is throttled."""
+        """Actor idle = no group in flight (``inflight == 0``), sampled over the
+        measured window only (the actor's own ``idle_seconds`` counts from its start,
+        engine warm-up included)."""
         import ray
 
         actors = list(self.parts.actors.values())

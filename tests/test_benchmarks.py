@@ -63,8 +63,14 @@ def test_actor_benchmark(tmp_path):
         "actor.sampling.max_tokens=7",
     )  # fmt: skip
     assert set(f) == {"actor_tokens_per_s", "vllm_tokens_per_s", "ratio",
-                      "vllm_capped_tokens_per_s", "ratio_vs_capped"}  # fmt: skip
-    assert finite(*f.values())
+                      "vllm_capped_tokens_per_s", "ratio_vs_capped", "ratio_per_round",
+                      "ratio_median", "ratio_vs_capped_median"}  # fmt: skip
+    per_round = f.pop("ratio_per_round")
+    assert finite(*f.values(), *per_round)
+    # one round: its own ratio is the whole run's
+    assert per_round == [pytest.approx(f["ratio"])]
+    assert f["ratio_median"] == pytest.approx(f["ratio"])
+    assert f["ratio_vs_capped_median"] == pytest.approx(f["ratio_vs_capped"])
     assert f["actor_tokens_per_s"] > 0 and f["vllm_tokens_per_s"] > 0
     assert 0 < f["ratio"] < 10
     assert f["ratio"] == pytest.approx(f["actor_tokens_per_s"] / f["vllm_tokens_per_s"])
