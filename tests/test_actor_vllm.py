@@ -73,6 +73,29 @@ async def test_logprobs_match_learner_at_version_0(actor, learner):
         np.testing.assert_allclose(t.behaviour_logprobs, lp, atol=FP32_LOGP_TOL)
 
 
+async def test_texts_decoded_by_the_actor_are_vllms_own(actor):
+    """The actor asks vLLM not to detokenize and decodes each completion once itself:
+    the same text vLLM's incremental detokenizer gives (EOS and specials left out)."""
+    params = actor.vllm_sampling_params()
+    assert params.detokenize is False
+    params = params.clone()
+    params.detokenize = True
+    params.max_tokens = 12  # longer than the task's answers; EOS, when sampled, is in the ids
+    params.min_tokens = 4
+    texts = []
+    for i, prompt in enumerate(["12+7=", "3+4=", "0+0=", "99+1="]):
+        final = None
+        async for out in actor.engine.generate({"prompt": prompt}, params, request_id=f"tx{i}"):
+            final = out
+        assert actor._texts(final.outputs) == [c.text for c in final.outputs]
+        texts += [c.text for c in final.outputs]
+    assert any(texts), texts  # something was decoded, not only empty strings
+    group = await actor._generate_group(Prompt("5+5=", "10"))
+    tok = actor.engine.get_tokenizer()
+    for t in group.trajectories:  # what was scored is the text of the ids trained on
+        assert t.response_text == tok.decode(t.response_ids.tolist(), skip_special_tokens=True)
+
+
 async def test_update_changes_engine_weights(actor, learner):
     before = await actor._generate_group(Prompt("3+4=", "7"))
     old_lp = learner.logprobs_of(before.trajectories)
