@@ -85,7 +85,7 @@ class RolloutActor:
         seed: int = 0,
         max_inflight_groups: int = 64,
         update_mode: str = "keep",
-        handoff_linger_s: float = 0.05,
+        handoff_linger_s: float = 0.1,
     ):
         if update_mode not in UPDATE_MODES:
             raise ValueError(
