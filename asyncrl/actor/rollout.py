@@ -70,7 +70,7 @@ class ActorStats:
     updates: int = 0
     update_seconds: float = 0.0
     idle_seconds: float = 0.0  # nothing generating (waiting on the queue, or halted)
-    started: float = field(default_factory=lambda: time.time())
+    started: float = field(default_factory=lambda: time.time())  # the loop's start (start())
 
 
 class RolloutActor:
@@ -129,6 +129,8 @@ class RolloutActor:
     async def start(self) -> None:
         self.engine = make_engine(self._model_path, self._engine_settings, self._seed)
         await self.engine.update_weight_version(str(self.version))
+        # the clock of idle_seconds starts with the loop, not with the engine's start-up
+        self.stats.started = self._idle_since = time.time()
         self._running = True
         self._loop_task = asyncio.create_task(self._generate_forever())
 
@@ -349,8 +351,8 @@ class RolloutActor:
         return TrajectoryGroup(gid, trajs)
 
     def _texts(self, comps: list) -> list[str]:
-        """Each completion's text, decoded here in one go (the engine is asked not to
-        detokenize): what vLLM's own detokenizer gives, special tokens left out."""
+        """Each completion's text, decoded here once per completion (the engine is
+        asked not to detokenize): what vLLM's own detokenizer gives, specials left out."""
         if self._tokenizer is None:
             self._tokenizer = self.engine.get_tokenizer()
         return [self._tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps]
