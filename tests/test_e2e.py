@@ -86,4 +86,7 @@ def test_outputs_written(short_run):
         "loss/total",
     ):
         assert tag in tags, tag
+    # the actor's idle share is a share of the time since its loop started
+    idle = [e.value for e in ea.Scalars("perf/actor_idle_frac")]
+    assert idle and all(0 <= v <= 1 for v in idle), idle
     assert (short_run / "checkpoint" / "hf" / "config.json").exists()
