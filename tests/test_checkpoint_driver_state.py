@@ -4,9 +4,6 @@ the throttle window open; task samplers continue where they were."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-from asyncrl.learner.resume import _load_queue
 from asyncrl.replay.buffer import GroupMeta, ReplayBuffer
 from asyncrl.tasks.arithmetic import AdditionTask
 from asyncrl.tasks.base import TaskSampler
@@ -40,7 +37,7 @@ def test_queue_accounting_survives_resume():
     new = ReplayBuffer(max_staleness=1, batch_groups=BG, policy="throttle")
     produce(new, "early-", 2, 0)  # the new run's actors got going before the load
     new.start()
-    stats = _load_queue(SimpleNamespace(buf=new), state)
+    stats = new.resume_from(state)
     assert invariant(new)
     assert stats["produced"] == state["acc"]["produced"] + 2 * N
     assert stats["groups_running"] == 1 and stats["learner_version"] == 3

@@ -90,3 +90,20 @@ def test_outputs_written(short_run):
     idle = [e.value for e in ea.Scalars("perf/actor_idle_frac")]
     assert idle and all(0 <= v <= 1 for v in idle), idle
     assert (short_run / "checkpoint" / "hf" / "config.json").exists()
+
+
+def test_resume_continues_the_run(short_run, tmp_path):
+    """The CLI's resume: the learner's version, the queue's accounting and the actors'
+    prompt streams come back from the checkpoint the short run wrote at its end."""
+    before = json.loads((short_run / "summary.json").read_text())
+    out = tmp_path / "resumed"
+    r = run_cli(out, "max_steps=128", f"resume={short_run / 'checkpoint'}")
+    assert r.returncode == 0, r.stderr[-4000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["policy_version"] == 128 and s["steps"] == 8  # 120 -> 128
+    # accounting merged: the saved run's counts plus this run's, the invariant kept
+    assert s["trajectories_trained"] >= before["trajectories_trained"] + 8 * 16 * 8 * 0.95
+    assert s["trajectories_produced"] == (
+        s["trajectories_trained"] + s["trajectories_dropped_stale"] + s["trajectories_in_flight"]
+    )
+    assert s["max_staleness_trained"] <= s["max_staleness_bound"]

@@ -198,6 +198,14 @@ class RolloutActor:
     def ping(self) -> str:
         return self.name
 
+    def sampler_state(self) -> dict[str, Any]:
+        """Where this actor's prompt stream is (saved with a checkpoint)."""
+        return self.sampler.state_dict()
+
+    def load_sampler_state(self, state: dict[str, Any]) -> None:
+        """Continue the prompt stream from a checkpoint's :meth:`sampler_state`."""
+        self.sampler.load_state_dict(state)
+
     # ---- generation -----------------------------------------------------------------
     async def _generate_forever(self) -> None:
         try:

@@ -19,11 +19,16 @@ become rare; with ``policy="drop"`` actors run free and stale samples are droppe
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 POLICIES = ("throttle", "drop")
+# Accounting counters summed when a saved run and the resumed one meet (resume_from).
+_ADDITIVE = (
+    "produced", "trained", "dropped_stale", "samples_trained", "groups_started", "groups_dropped",
+)  # fmt: skip
 
 
 @dataclass
@@ -254,3 +259,24 @@ class ReplayBuffer:
         self.acc.staleness_hist = {int(k): v for k, v in self.acc.staleness_hist.items()}
         self.learner_version = state["learner_version"]
         self.acc.dropped_stale += lost_in_queue
+
+    def resume_from(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Merge a checkpoint's accounting into this live buffer, whose actors started
+        before the load: what this run counted so far is added on top; what was queued
+        or generating at the checkpoint is lost (its trajectories count as dropped, its
+        groups leave the throttle window: the old run keeps exactly the
+        ``V * batch_groups`` it trained). Returns :meth:`stats`."""
+        live = dataclasses.replace(self.acc)
+        saved = state["acc"]
+        lost = saved["produced"] - saved["trained"] - saved["dropped_stale"]
+        self.load_state_dict(state, lost_in_queue=lost)
+        acc = self.acc
+        for f in _ADDITIVE:
+            setattr(acc, f, getattr(acc, f) + getattr(live, f))
+        acc.groups_running = live.groups_running
+        outstanding = saved["groups_started"] - saved["groups_dropped"]
+        acc.groups_dropped += max(0, outstanding - state["learner_version"] * self.batch_groups)
+        acc.max_staleness_trained = max(acc.max_staleness_trained, live.max_staleness_trained)
+        for k, v in live.staleness_hist.items():
+            acc.staleness_hist[k] = acc.staleness_hist.get(k, 0) + v
+        return self.stats()

@@ -166,6 +166,13 @@ class ReplayQueueCore:
     def state_dict(self) -> dict[str, Any]:
         return self.buf.state_dict()
 
+    async def resume_from(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint's accounting merged into this live queue
+        (:meth:`ReplayBuffer.resume_from`); its waiting actors look again."""
+        stats = self.buf.resume_from(state)
+        await self._notify()
+        return stats
+
 
 class SlotAsker(Protocol):
     """What an :class:`Outbox` asks its actor around a hand-off."""
