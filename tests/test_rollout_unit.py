@@ -200,3 +200,18 @@ def test_idle_seconds_count_only_time_with_nothing_generating(monkeypatch):
     a = asyncio.run(main())
     assert a._n_inflight == 0
     assert a.get_stats()["idle_seconds"] == 5.0
+
+
+def test_engine_settings_reach_vllm(monkeypatch):
+    """make_engine hands the settings to vLLM's engine args (the engine itself is
+    replaced: it would take 25 s to start): vLLM's stats are off unless asked for."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from asyncrl.actor.engine import make_engine
+
+    got = []
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(lambda cls, a: got.append(a)))
+    make_engine("/some/model", EngineSettings())
+    make_engine("/some/model", EngineSettings(disable_log_stats=False, extra={"block_size": 32}))
+    assert got[0].disable_log_stats is True and got[1].disable_log_stats is False
+    assert got[0].logprobs_mode == "processed_logprobs" and got[1].block_size == 32
