@@ -88,7 +88,7 @@ def to_bytes(trajs: list[Trajectory]) -> bytes:
     """msgpack of the trajectories; arrays travel as raw bytes, never lists of floats.
 
     Column by column (one list per scalar field, one concatenated buffer per array
-    field): a group of 8 encodes in a third of the time one record per trajectory
+    field): a group of 8 encoded in about a third of the time one record per trajectory
     took, and the actor encodes every group it generates."""
     arrays = {}
     for name, dtype in _ARRAY_FIELDS.items():
