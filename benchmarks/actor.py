@@ -84,7 +84,7 @@ class BenchActor(RolloutActor):
             final = None
             async with gate:
                 async for out in self.engine.generate(
-                    {"prompt": prompt}, params, request_id=f"{tag}-{i}"
+                    self.render(prompt), params, request_id=f"{tag}-{i}"
                 ):
                     final = out
             return final

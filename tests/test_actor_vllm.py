@@ -96,6 +96,23 @@ async def test_texts_decoded_by_the_actor_are_vllms_own(actor):
         assert t.response_text == tok.decode(t.response_ids.tolist(), skip_special_tokens=True)
 
 
+async def test_prompts_rendered_by_the_actor_are_the_raw_prompts_tokens(actor):
+    """The actor hands vLLM prompts rendered by its renderer (raw text prompts are
+    deprecated): the same prompt tokens vLLM's raw-prompt path gives."""
+    params = actor.vllm_sampling_params().clone()
+    params.n = 1
+    for i, text in enumerate(["12+7=", "99+1="]):
+        rendered = actor.render(text)
+        assert isinstance(rendered, dict) and "type" in rendered  # not the raw path
+        finals = []
+        for tag, prompt in (("raw", {"prompt": text}), ("rendered", rendered)):
+            async for out in actor.engine.generate(prompt, params, request_id=f"r{tag}{i}"):
+                final = out
+            finals.append(final)
+        expected = actor.engine.get_tokenizer().encode(text)
+        assert list(finals[0].prompt_token_ids) == list(finals[1].prompt_token_ids) == expected
+
+
 async def test_update_changes_engine_weights(actor, learner):
     before = await actor._generate_group(Prompt("3+4=", "7"))
     old_lp = learner.logprobs_of(before.trajectories)

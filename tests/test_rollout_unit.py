@@ -215,3 +215,13 @@ def test_engine_settings_reach_vllm(monkeypatch):
     make_engine("/some/model", EngineSettings(disable_log_stats=False, extra={"block_size": 32}))
     assert got[0].disable_log_stats is True and got[1].disable_log_stats is False
     assert got[0].logprobs_mode == "processed_logprobs" and got[1].block_size == 32
+
+
+def test_prompts_go_raw_to_a_vllm_without_a_renderer():
+    """An engine without vLLM's renderer API takes the raw prompt dict."""
+    from asyncrl.actor.engine import prompt_renderer
+
+    class OldEngine:
+        pass
+
+    assert prompt_renderer(OldEngine())("1+2=") == {"prompt": "1+2="}

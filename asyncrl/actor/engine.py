@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,27 @@ def make_engine(model_path: str, s: EngineSettings, seed: int = 0):
         kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
     kwargs.update(s.extra or {})
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+
+def prompt_renderer(engine: Any) -> Callable[[str], Any]:
+    """``text -> what engine.generate takes``: the text rendered (tokenized) by the
+    engine's own renderer, as vLLM asks since it deprecated raw prompts. On a vLLM
+    without that renderer API, the raw ``{"prompt": text}`` it takes instead."""
+    renderer = getattr(engine, "renderer", None)
+    try:
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+    except ImportError:
+        parse_model_prompt = None
+    if renderer is None or parse_model_prompt is None:
+        return lambda text: {"prompt": text}
+    model_config = engine.model_config
+    tok_params = renderer.default_cmpl_tok_params
+
+    def render(text: str) -> Any:
+        (out,) = renderer.render_cmpl([parse_model_prompt(model_config, text)], tok_params)
+        return out
+
+    return render
 
 
 def _on_cpu() -> bool:

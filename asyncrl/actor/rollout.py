@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl.actor import weights
-from asyncrl.actor.engine import EngineSettings, completion_arrays, make_engine
+from asyncrl.actor.engine import EngineSettings, completion_arrays, make_engine, prompt_renderer
 from asyncrl.replay.buffer import GroupMeta
 from asyncrl.replay.queue import Outbox
 from asyncrl.tasks.base import Prompt, Task, TaskSampler, score
@@ -123,6 +123,7 @@ class RolloutActor:
         self.engine = None
         self._params = None  # vLLM SamplingParams, built on first use
         self._tokenizer = None  # the engine's, on first use
+        self._render = None  # prompt text -> engine input, on first use
         self.fatal: str = ""
 
     # ---- lifecycle ----------------------------------------------------------------
@@ -320,7 +321,9 @@ class RolloutActor:
             t_start = time.time()
             final = None
             async for out in self.engine.generate(
-                {"prompt": prompt.text}, params, request_id=gid + "-" + uuid.uuid4().hex[:6]
+                self.render(prompt.text),
+                params,
+                request_id=gid + "-" + uuid.uuid4().hex[:6],
             ):
                 final = out
             comps = final.outputs if final is not None else []
@@ -357,6 +360,12 @@ class RolloutActor:
         self.stats.groups += 1
         self.stats.trajectories += len(trajs)
         return TrajectoryGroup(gid, trajs)
+
+    def render(self, text: str) -> Any:
+        """A prompt as the engine takes it (tokenized by the engine's renderer)."""
+        if self._render is None:
+            self._render = prompt_renderer(self.engine)
+        return self._render(text)
 
     def _texts(self, comps: list) -> list[str]:
         """Each completion's text, decoded here once per completion (the engine is
