@@ -30,21 +30,9 @@ BF16_LOGP_TOL = 0.1  # packed vs single rows differ only in bf16 kernel order
 
 
 def tiny_model(d: Path) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from asyncrl.models.tiny import random_qwen2
 
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=64,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-    )
-    Qwen2ForCausalLM(cfg).save_pretrained(d)
+    random_qwen2(64, 256, 4, 4, 2, 512, max_positions=256, out_dir=d, pad_token_id=0)
     return d
 
 

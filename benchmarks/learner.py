@@ -45,6 +45,7 @@ from asyncrl.learner.learner import Learner  # noqa: E402
 from asyncrl.learner.optim import OptimSettings  # noqa: E402
 from asyncrl.losses.advantages import GroupNormalized  # noqa: E402
 from asyncrl.losses.clipped import ClippedISLoss  # noqa: E402
+from asyncrl.models.tiny import random_qwen2  # noqa: E402
 from asyncrl.tasks.arithmetic import AdditionTask  # noqa: E402
 from asyncrl.trajectory import Trajectory  # noqa: E402
 
@@ -64,16 +65,18 @@ SWEEP_WORLD_SIZES = (1, 2)
 
 
 def make_model(name: str, out: Path) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     h, layers, heads, kv, inter = MODELS[name]
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=len(VOCAB), hidden_size=h, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
-        max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0, eos_token_id=EOS,
-    )  # fmt: skip
-    Qwen2ForCausalLM(cfg).save_pretrained(out / name)
+    random_qwen2(
+        len(VOCAB),
+        h,
+        layers,
+        heads,
+        kv,
+        inter,
+        out_dir=out / name,
+        pad_token_id=0,
+        eos_token_id=EOS,
+    )
     return out / name
 
 

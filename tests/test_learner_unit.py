@@ -12,27 +12,14 @@ from asyncrl.learner.learner import Learner, OptimSettings
 from asyncrl.learner.logprobs import process_logits
 from asyncrl.losses.advantages import GroupNormalized
 from asyncrl.losses.clipped import ClippedISLoss
+from asyncrl.models.tiny import random_qwen2
 from asyncrl.trajectory import Trajectory
 
 
 def build_tiny_qwen(d, tie: bool = True):
     """A random Qwen2 (hidden 64, 2 layers, 2 heads, vocab 20) saved in HF format at ``d``
     (the learner tests share it)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=20,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-        pad_token_id=0,
-    )
-    Qwen2ForCausalLM(cfg).save_pretrained(d)
+    random_qwen2(20, 64, 2, 2, 1, 96, tie=tie, out_dir=d, pad_token_id=0)
     return d
 
 

@@ -64,25 +64,57 @@ def build_tokenizer(alphabet: str):
     )
 
 
-def _build_model(spec: TinyModelSpec, vocab_size: int, tokenizer):
+def random_qwen2(
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    max_positions: int = 64,
+    tie: bool = True,
+    seed: int = 0,
+    out_dir: Path | str | None = None,
+    **config: object,
+):
+    """A randomly initialised (``seed``) Qwen2ForCausalLM in fp32; saved in HF format at
+    ``out_dir`` when given. ``config``: any other Qwen2Config field (token ids, ...).
+    The tiny model starts from one; tests and benchmarks build their own."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
         vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_positions,
-        tie_word_embeddings=True,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie,
         torch_dtype="float32",
+        **config,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg)
+    if out_dir is not None:
+        model.save_pretrained(out_dir)
+    return model
+
+
+def _build_model(spec: TinyModelSpec, vocab_size: int, tokenizer):
+    return random_qwen2(
+        vocab_size,
+        spec.hidden_size,
+        spec.num_layers,
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.intermediate_size,
+        spec.max_positions,
+        seed=spec.seed,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(spec.seed)
-    return Qwen2ForCausalLM(cfg)
 
 
 def warm_start(model, tokenizer, task: Task, spec: TinyModelSpec) -> list[float]:
