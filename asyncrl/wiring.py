@@ -136,6 +136,7 @@ def new_actor(cfg: Any, setup: Any, queue: Any, name: str, seed: int, cls: Any =
             max_inflight_groups=a.max_inflight_groups,
             update_mode=a.update_mode,
             handoff_linger_s=a.handoff_linger_ms / 1000,
+            engine_cores=a.get("engine_cores"),
         )
     )
 

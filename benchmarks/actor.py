@@ -16,7 +16,10 @@ One engine serves both sides (one start-up, no engine-to-engine variance): only
 what the actor adds around ``generate`` differs. The task's answers are 2-3 tokens, so
 the default measures per-group costs above all; ``--min-tokens N
 actor.sampling.max_tokens=M`` makes every sample N to M tokens long on both sides, as
-real completions are. ``--engine-cores 0`` binds the engine's threads to core 0. Measurements alternate
+real completions are. ``--engine-cores 0`` (``actor.engine_cores=0``) runs the engine's
+processes on core 0 and the actor's own process, where vLLM's frontend and all the actor's
+work run, on the other cores: both sides use the same engine in the same placement.
+Measurements alternate
 (asyncrl, vllm, vllm_capped, then reversed, ...) after an untimed warm-up generation.
 ``ratio`` is over all rounds' tokens and seconds; ``ratio_per_round`` and
 ``ratio_median`` compare the sides within each round (this machine's throughput drifts
@@ -192,8 +195,8 @@ def main() -> None:
         "--engine-cores",
         default=None,
         metavar="LIST",
-        help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. 0: one thread on core 0, the "
-        "other cores left to the actor's process and the queue); default: vLLM's auto",
+        help="actor.engine_cores: the engine's processes on these cores (e.g. 0), the "
+        "actor's own process on the others; default: the config's (null: the OS places them)",
     )
     p.add_argument(
         "--min-tokens",
@@ -212,7 +215,10 @@ def main() -> None:
     from asyncrl.tasks.base import TaskSampler
     from asyncrl.wiring import prepare
 
-    cfg = compose(*args.overrides)
+    overrides = list(args.overrides)
+    if args.engine_cores is not None:
+        overrides.append(f"actor.engine_cores='{args.engine_cores}'")
+    cfg = compose(*overrides)
     setup = prepare(cfg)  # builds the tiny model once if it is not cached
     sampler = TaskSampler(setup.task, cfg.seed)  # the RolloutActor draws the same prompts
     prompts = [sampler.next().text for _ in range(num_prompts)]
@@ -220,10 +226,11 @@ def main() -> None:
     import ray
 
     rows = []
-    start_ray(env={"VLLM_CPU_OMP_THREADS_BIND": args.engine_cores} if args.engine_cores else None)
+    start_ray()
     actor = None
     try:
         actor = start_actor(cfg, setup)
+        placement = ray.get(actor.get_stats.remote())["placement"]
         ray.get(actor.set_min_tokens.remote(args.min_tokens))
         meter = CpuMeter(actor_pid(actor))
         measure_vllm(actor, prompts[:WARMUP_PROMPTS], "warmup", meter)  # first use, untimed
@@ -275,7 +282,7 @@ def main() -> None:
     print_table(
         f"RolloutActor vs plain AsyncLLM.generate on the same engine: {num_prompts} prompts "
         f"x n={s.n}, max_tokens={s.max_tokens}, min_tokens={args.min_tokens}, temperature {s.temperature}, engine {dict(cfg.actor.engine)}, "
-        f"engine cores {args.engine_cores or 'auto'}, "
+        f"actor.engine_cores {cfg.actor.engine_cores} (placement {placement or 'by the OS'}), "
         f"{rounds} round(s){' (--quick)' if args.quick else ''}",
         ["round", "side", "trajectories", "tokens", "seconds", "tokens/s", "CPU s: actor proc",
          "engine procs", "queue"],
@@ -306,6 +313,7 @@ def main() -> None:
             "ratio_per_round": per_round,
             "ratio_median": statistics.median(per_round),
             "ratio_vs_capped_median": statistics.median(round_ratios("vllm_capped")),
+            "placement": placement,
         }
     )
 

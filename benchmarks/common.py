@@ -20,6 +20,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncrl.utils.affinity import pin_tree, process_tree  # noqa: F401 - the scripts' import
+
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK_IP = "127.0.0.2"  # local Ray binds here, never the machine's outward address
 
@@ -168,45 +170,6 @@ def actor_pid(handle: Any) -> int:
     import ray
 
     return int(ray.get(handle.__ray_call__.remote(_getpid)))
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants (vLLM's engine-core and worker processes
-    hang below the Ray actor that owns the engine)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        for task in _listdir(f"/proc/{p}/task"):
-            try:
-                todo += [
-                    int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()
-                ]
-            except OSError:
-                pass
-    return out
-
-
-def pin_tree(pid: int, cores: set[int]) -> int:
-    """Pin every thread of ``pid`` and of its descendants to ``cores``; returns how
-    many threads were pinned. Affinity is per thread on Linux, and threads started
-    later inherit it from the thread that starts them."""
-    n = 0
-    for p in process_tree(pid):
-        for tid in _listdir(f"/proc/{p}/task"):
-            try:
-                os.sched_setaffinity(int(tid), cores)
-                n += 1
-            except OSError:  # the thread ended meanwhile
-                pass
-    return n
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
 
 
 # ---- parts ---------------------------------------------------------------------------------

@@ -225,3 +225,70 @@ def test_prompts_go_raw_to_a_vllm_without_a_renderer():
         pass
 
     assert prompt_renderer(OldEngine())("1+2=") == {"prompt": "1+2="}
+
+
+def test_cpu_lists_parse_and_bad_ones_are_named():
+    from asyncrl.utils.affinity import parse_cpu_list
+
+    assert parse_cpu_list("0") == {0}
+    assert parse_cpu_list(1) == {1}
+    assert parse_cpu_list("0,2,4-5") == {0, 2, 4, 5}
+    assert parse_cpu_list([0, "2-3"]) == {0, 2, 3}
+    for bad in ("", "a", "3-1", "-1", "0,,1"):
+        with pytest.raises(ValueError, match="not a CPU list"):
+            parse_cpu_list(bad)
+
+
+def test_engine_cores_put_the_engine_there_and_the_actor_elsewhere(monkeypatch):
+    """actor.engine_cores: processes started while the engine starts run on those
+    cores (and stay there); the actor's own threads move to the other cores."""
+    import os
+    import subprocess
+    import sys
+
+    from asyncrl.utils.affinity import pin_threads
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")  # restored afterwards
+    allowed = os.sched_getaffinity(0)
+    engine_core = max(allowed)
+    a = RolloutActor(
+        "t", "m", AdditionTask(), None, SamplingSettings(), EngineSettings(),
+        engine_cores=str(engine_core),
+    )  # fmt: skip
+    child = None
+    try:
+        placement = a._place_engine()
+        assert placement[0] == {engine_core}
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == str(engine_core)
+        # what vLLM does next: spawn the engine's processes (they inherit the affinity)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        a._place_frontend(*placement)
+        assert os.sched_getaffinity(child.pid) == {engine_core}
+        frontend = allowed - {engine_core} or allowed
+        assert os.sched_getaffinity(0) == frontend
+        assert a.get_stats()["placement"] == {
+            "engine_cores": [engine_core],
+            "frontend_cores": sorted(frontend),
+        }
+    finally:
+        if child is not None:
+            child.kill()
+            child.wait()
+        pin_threads(os.getpid(), allowed)
+
+
+def test_engine_cores_outside_the_actors_cores_are_refused():
+    import os
+
+    outside = max(os.sched_getaffinity(0)) + 1
+    a = RolloutActor(
+        "t", "m", AdditionTask(), None, SamplingSettings(), EngineSettings(),
+        engine_cores=str(outside),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="actor.engine_cores"):
+        a._place_engine()
+    with pytest.raises(ValueError, match="not a CPU list"):
+        RolloutActor(
+            "t", "m", AdditionTask(), None, SamplingSettings(), EngineSettings(),
+            engine_cores="1-0",
+        )  # fmt: skip

@@ -47,7 +47,7 @@ def make_engine(model_path: str, s: EngineSettings, seed: int = 0):
         worker_extension_cls="asyncrl.actor.worker_ext.AsyncRLWorkerExtension",
         seed=seed,
     )
-    if _on_cpu():
+    if on_cpu():
         kwargs["kv_cache_memory_bytes"] = s.kv_cache_memory_mb << 20
     else:
         kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
@@ -76,7 +76,7 @@ def prompt_renderer(engine: Any) -> Callable[[str], Any]:
     return render
 
 
-def _on_cpu() -> bool:
+def on_cpu() -> bool:
     import torch
 
     return not torch.cuda.is_available()

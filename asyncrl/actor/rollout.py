@@ -40,11 +40,18 @@ from typing import Any
 import numpy as np
 
 from asyncrl.actor import weights
-from asyncrl.actor.engine import EngineSettings, completion_arrays, make_engine, prompt_renderer
+from asyncrl.actor.engine import (
+    EngineSettings,
+    completion_arrays,
+    make_engine,
+    on_cpu,
+    prompt_renderer,
+)
 from asyncrl.replay.buffer import GroupMeta
 from asyncrl.replay.queue import Outbox
 from asyncrl.tasks.base import Prompt, Task, TaskSampler, score
 from asyncrl.trajectory import Trajectory, TrajectoryGroup
+from asyncrl.utils.affinity import parse_cpu_list, pin_threads, process_tree
 
 UPDATE_MODES = ("abort", "wait", "keep")
 
@@ -86,6 +93,7 @@ class RolloutActor:
         max_inflight_groups: int = 64,
         update_mode: str = "keep",
         handoff_linger_s: float = 0.1,
+        engine_cores: str | None = None,
     ):
         if update_mode not in UPDATE_MODES:
             raise ValueError(
@@ -110,6 +118,10 @@ class RolloutActor:
         # Ask the queue for slots once a quarter of them are free, not one by one.
         self._refill = max(1, max_inflight_groups // 4)
         self._linger_s = handoff_linger_s
+        # CPU placement (None: the OS's and vLLM's own): the engine's processes on
+        # these cores, this process (its event loop: vLLM's frontend and all of the
+        # actor's own work) on the others it may use
+        self._engine_cores = parse_cpu_list(engine_cores) if engine_cores is not None else None
         self._n_inflight = 0  # groups generating (started, not yet handed to the outbox)
         self._idle_since: float | None = time.time()  # since when none is generating
         self._asking = 0  # slots asked for in queue calls not yet answered
@@ -125,15 +137,46 @@ class RolloutActor:
         self._tokenizer = None  # the engine's, on first use
         self._render = None  # prompt text -> engine input, on first use
         self.fatal: str = ""
+        self.placement: dict[str, list[int]] = {}  # where engine and frontend run
 
     # ---- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
+        placement = self._place_engine() if self._engine_cores else None
         self.engine = make_engine(self._model_path, self._engine_settings, self._seed)
+        if placement is not None:
+            self._place_frontend(*placement)
         await self.engine.update_weight_version(str(self.version))
         # the clock of idle_seconds starts with the loop, not with the engine's start-up
         self.stats.started = self._idle_since = time.time()
         self._running = True
         self._loop_task = asyncio.create_task(self._generate_forever())
+
+    def _place_engine(self) -> tuple[set[int], set[int]]:
+        """Before the engine starts: this process's threads go to the engine's cores,
+        so the processes vLLM spawns start there (they inherit it), and vLLM binds its
+        CPU worker's OpenMP threads to them. Returns (engine cores, frontend cores)."""
+        allowed = os.sched_getaffinity(0)
+        engine = self._engine_cores
+        if not engine <= allowed:
+            raise ValueError(
+                f"actor.engine_cores {sorted(engine)}: this actor may only use cores "
+                f"{sorted(allowed)}"
+            )
+        frontend = allowed - engine or allowed  # one core: both share it
+        if on_cpu():
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(engine)))
+        pin_threads(os.getpid(), engine)
+        return engine, frontend
+
+    def _place_frontend(self, engine: set[int], frontend: set[int]) -> None:
+        """After the engine started: its processes stay on ``engine``; this process
+        moves to ``frontend``, where its work no longer delays the engine's steps."""
+        me = os.getpid()
+        for pid in process_tree(me):
+            if pid != me:
+                pin_threads(pid, engine)
+        pin_threads(me, frontend)
+        self.placement = {"engine_cores": sorted(engine), "frontend_cores": sorted(frontend)}
 
     async def stop(self) -> dict[str, Any]:
         await self.halt()
@@ -193,6 +236,7 @@ class RolloutActor:
             handoff_groups=self._outbox.sent_groups,
             handoff_granted=self._outbox.granted,
             acquire_calls=self._acquire_calls,
+            placement=self.placement,
         )
         return s
 

@@ -1,0 +1,71 @@
+"""CPU placement of processes and threads (Linux): where the actor's vLLM engine runs
+and where its own event loop runs.
+
+Affinity is per thread on Linux; a thread or process started later inherits it from
+the thread that starts it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def parse_cpu_list(spec: str | int | list) -> set[int]:
+    """``"0"``, ``"2-3"``, ``"0,2,4-5"`` (or an int, or a list of these) -> the set of
+    CPU ids."""
+    if isinstance(spec, list | tuple):
+        return set().union(*(parse_cpu_list(x) for x in spec)) if spec else set()
+    out: set[int] = set()
+    for part in str(spec).replace(" ", "").split(","):
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi if sep else lo)
+        except ValueError:
+            raise ValueError(f"not a CPU list: {spec!r} (e.g. '0', '0-3', '0,2')") from None
+        if first < 0 or last < first:
+            raise ValueError(f"not a CPU list: {spec!r} (e.g. '0', '0-3', '0,2')")
+        out.update(range(first, last + 1))
+    return out
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (vLLM's engine-core and worker processes hang
+    below the process that owns the engine)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in _listdir(f"/proc/{p}/task"):
+            try:
+                todo += [
+                    int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()
+                ]
+            except OSError:
+                pass
+    return out
+
+
+def pin_threads(pid: int, cores: set[int]) -> int:
+    """Pin every thread of process ``pid`` to ``cores``; returns how many."""
+    n = 0
+    for tid in _listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+            n += 1
+        except OSError:  # the thread ended meanwhile
+            pass
+    return n
+
+
+def pin_tree(pid: int, cores: set[int]) -> int:
+    """Pin every thread of ``pid`` and of its descendants to ``cores``; returns how
+    many threads were pinned."""
+    return sum(pin_threads(p, cores) for p in process_tree(pid))
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
