@@ -58,13 +58,19 @@ def test_queue_benchmark(tmp_path):
 
 @pytest.mark.slow
 def test_actor_benchmark(tmp_path):
+    engine_core = min(os.sched_getaffinity(0))  # the engine here, the actor elsewhere
     f = run_bench(
         "actor", tmp_path, "--prompts", "8", "--rounds", "1", "--min-tokens", "5",
-        "actor.sampling.max_tokens=7",
+        "--engine-cores", str(engine_core), "actor.sampling.max_tokens=7",
     )  # fmt: skip
     assert set(f) == {"actor_tokens_per_s", "vllm_tokens_per_s", "ratio",
                       "vllm_capped_tokens_per_s", "ratio_vs_capped", "ratio_per_round",
-                      "ratio_median", "ratio_vs_capped_median"}  # fmt: skip
+                      "ratio_median", "ratio_vs_capped_median", "placement"}  # fmt: skip
+    placement = f.pop("placement")
+    assert placement["engine_cores"] == [engine_core]
+    assert placement["frontend_cores"] == sorted(os.sched_getaffinity(0) - {engine_core}) or [
+        engine_core
+    ]
     per_round = f.pop("ratio_per_round")
     assert finite(*f.values(), *per_round)
     # one round: its own ratio is the whole run's
