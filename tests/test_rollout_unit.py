@@ -234,7 +234,10 @@ def test_cpu_lists_parse_and_bad_ones_are_named():
     assert parse_cpu_list(1) == {1}
     assert parse_cpu_list("0,2,4-5") == {0, 2, 4, 5}
     assert parse_cpu_list([0, "2-3"]) == {0, 2, 3}
-    for bad in ("", "a", "3-1", "-1", "0,,1"):
+    from omegaconf import OmegaConf
+
+    assert parse_cpu_list(OmegaConf.create({"c": [0, "2-3"]}).c) == {0, 2, 3}  # YAML list
+    for bad in ("", "a", "3-1", "-1", "0,,1", []):
         with pytest.raises(ValueError, match="not a CPU list"):
             parse_cpu_list(bad)
 

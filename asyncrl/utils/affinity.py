@@ -14,8 +14,11 @@ from pathlib import Path
 def parse_cpu_list(spec: str | int | list) -> set[int]:
     """``"0"``, ``"2-3"``, ``"0,2,4-5"`` (or an int, or a list of these) -> the set of
     CPU ids."""
-    if isinstance(spec, list | tuple):
-        return set().union(*(parse_cpu_list(x) for x in spec)) if spec else set()
+    if not isinstance(spec, str | int):  # a list (a YAML list arrives as a ListConfig)
+        parts = list(spec)
+        if not parts:
+            raise ValueError("not a CPU list: an empty list (e.g. '0', '0-3', '0,2')")
+        return set().union(*(parse_cpu_list(x) for x in parts))
     out: set[int] = set()
     for part in str(spec).replace(" ", "").split(","):
         lo, sep, hi = part.partition("-")
