@@ -212,7 +212,12 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             ray.shutdown()
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+# An absolute path: relative, Hydra looks for a module named ``conf``, which only
+# ``python -m`` from the repository root finds, not the ``asyncrl-train`` script.
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 

@@ -137,3 +137,20 @@ def test_delay_mode_is_refused_by_the_training_loop(tmp_path):
     with pytest.raises(ConfigError, match="replay.delay_versions=2 is the staleness benchmark"):
         run(cfg("replay.delay_versions=2", "replay.max_staleness=2"), tmp_path / "out")
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_the_console_script_finds_its_config_from_any_directory(tmp_path):
+    """``asyncrl-train`` (the installed script, not ``python -m`` from the repository
+    root) composes the config wherever it is run; --cfg job prints it without running."""
+    import subprocess
+    import sys
+
+    script = Path(sys.executable).parent / "asyncrl-train"
+    if not script.exists():
+        pytest.skip("asyncrl-train is not installed in this environment")
+    out = subprocess.run(
+        [str(script), "--cfg", "job", "actor.engine_cores=0"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "engine_cores: 0" in out.stdout
