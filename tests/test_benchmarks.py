@@ -68,9 +68,9 @@ def test_actor_benchmark(tmp_path):
                       "ratio_median", "ratio_vs_capped_median", "placement"}  # fmt: skip
     placement = f.pop("placement")
     assert placement["engine_cores"] == [engine_core]
-    assert placement["frontend_cores"] == sorted(os.sched_getaffinity(0) - {engine_core}) or [
-        engine_core
-    ]
+    # the other cores; on a one-core machine both share it
+    frontend = sorted(os.sched_getaffinity(0) - {engine_core}) or [engine_core]
+    assert placement["frontend_cores"] == frontend
     per_round = f.pop("ratio_per_round")
     assert finite(*f.values(), *per_round)
     # one round: its own ratio is the whole run's
