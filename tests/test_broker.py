@@ -10,6 +10,7 @@ and the others go on, a stuck actor is named and recovers, config checks.
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import time
 from types import SimpleNamespace
@@ -359,7 +360,10 @@ def test_killed_actor_is_dropped_within_the_timeout_and_the_rest_go_on(ray_local
         assert list(broker.dead) == ["actor1"]
         (err,) = broker.errors
         print(err)  # shown with -rP: what an operator reads
-        assert "actor 'actor1'" in err and "bucket 2" in err and "version 1" in err, err
+        # It dies just before posting bucket 2, with bucket 1 possibly still in flight
+        # (two buckets travel at once): the sender names the one it was waiting on.
+        assert re.search(r"bucket [12]\b", err), err
+        assert "actor 'actor1'" in err and "version 1" in err, err
         assert m["broker/dead"] == 1 and m["broker/actors_updated"] == 2
         assert broker.actor_versions == {"actor0": 1, "actor2": 1}
         ray.get(learner.adamw_step.remote(201))

@@ -9,6 +9,7 @@ import pytest
 
 from asyncrl.actor.engine import EngineSettings
 from asyncrl.actor.rollout import RolloutActor, SamplingSettings
+from asyncrl.replay.queue import ReplayQueueCore
 from asyncrl.tasks.arithmetic import AdditionTask
 
 
@@ -90,15 +91,33 @@ class _NoEngineActor(RolloutActor):
         return TrajectoryGroup(gid, trajs)
 
 
+class _SlowToHearQueue(ReplayQueueCore):
+    """The real queue, but a given-back slot lands only after a while, as when the
+    queue actor is busy: an async Ray actor may then answer a later call first."""
+
+    abandoned = 0
+
+    async def abandon(self, num_groups: int = 1) -> None:
+        await asyncio.sleep(0.3)
+        self.abandoned += num_groups
+        await super().abandon(num_groups)
+
+    def abandoned_slots(self) -> int:
+        return self.abandoned
+
+
 def test_hand_offs_ask_for_the_freed_slots(ray_local):
     """A steady actor gets its slots back with its hand-offs (one queue call per
-    hand-off, not two); never more than max_inflight_groups generate; after halt every
-    granted slot was either put or given back."""
+    hand-off, not two); never more than max_inflight_groups generate; once halt
+    returns, every granted slot was either put or given back, and the queue heard it."""
+    import sys
+
     import ray
+    from ray import cloudpickle
 
-    from asyncrl.replay.queue import remote_queue
-
-    q = remote_queue(max_staleness=10**6, batch_groups=1, policy="drop", capacity_groups=10**6)
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    cls = ray.remote(num_cpus=0, max_concurrency=1000)(_SlowToHearQueue)
+    q = cls.remote(max_staleness=10**6, batch_groups=1, policy="drop", capacity_groups=10**6)
 
     async def main():
         a = _NoEngineActor(
@@ -119,6 +138,7 @@ def test_hand_offs_ask_for_the_freed_slots(ray_local):
         assert st["handoff_granted"] > 0.8 * st["handoff_groups"], st
         assert st["acquire_calls"] < st["handoff_calls"] / 4, st
         assert qs["groups_running"] == 0, qs  # nothing granted is left unaccounted
+        assert ray.get(q.abandoned_slots.remote()) > 0  # halt did cancel groups
         assert qs["produced"] == 2 * st["handoff_groups"] == 2 * a.stats.groups
     finally:
         ray.kill(q)

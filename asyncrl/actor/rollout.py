@@ -127,6 +127,9 @@ class RolloutActor:
         self._asking = 0  # slots asked for in queue calls not yet answered
         self._acquire_calls = 0  # the loop's own (waiting) asks; hand-offs ask too
         self._pending: set[asyncio.Task] = set()  # the group tasks
+        # Slots given back to the queue and not yet confirmed: halt() waits for them
+        # (the queue is an async Ray actor, so a later call may run before them).
+        self._giving_back: list[Any] = []
         self._slot_freed = asyncio.Event()
         self._outbox = Outbox(queue, self._linger_s, slots=_HandOffSlots(self))
         self._running = False
@@ -197,6 +200,28 @@ class RolloutActor:
                 await asyncio.wait({self._loop_task}, timeout=5)
             self._loop_task = None
         await asyncio.wait_for(self._outbox.drain(), timeout=30)
+        await self._given_back(timeout_s=30)
+
+    def _give_back(self, queue: Any, n: int = 1) -> None:
+        """Tell ``queue`` that ``n`` granted slots will never be put (not awaited)."""
+        self._giving_back.append(queue.abandon.remote(n))
+        if len(self._giving_back) > 64:  # a long run of failing groups: keep the unanswered
+            import ray
+
+            _, self._giving_back = ray.wait(
+                self._giving_back, num_returns=len(self._giving_back), timeout=0
+            )
+
+    async def _given_back(self, timeout_s: float) -> None:
+        """Until the queue has heard every slot given back so far: after ``halt`` its
+        ``groups_running`` counts nothing of this actor's. A queue that is gone or does
+        not answer within ``timeout_s`` is not waited for (its slots died with it)."""
+        refs, self._giving_back = self._giving_back, []
+        if refs:
+            try:
+                await asyncio.wait_for(asyncio.gather(*refs, return_exceptions=True), timeout_s)
+            except TimeoutError:
+                pass
 
     async def rebind(self, queue: Any, seed: int) -> None:
         """While halted: generate into ``queue`` from now on, prompts drawn afresh from
@@ -309,7 +334,7 @@ class RolloutActor:
         if granted and self._running and self._loop_task is not None:
             self._start_groups(granted)
         elif granted:
-            self._outbox.queue.abandon.remote(granted)
+            self._give_back(self._outbox.queue, granted)
         self._slot_freed.set()
 
     async def _one_group(self, prompt: Prompt) -> None:
@@ -318,7 +343,7 @@ class RolloutActor:
         try:
             group = await self._generate_group(prompt)
         except Exception as e:  # noqa: BLE001 - recorded (the driver reports it), not raised
-            self.queue.abandon.remote()  # not awaited: the slot is freed either way
+            self._give_back(self.queue)  # not awaited here: the slot is freed either way
             self.fatal = f"group generation failed: {type(e).__name__}: {e}"
             return
         self._outbox.put(group, _meta(group, self.name))
@@ -331,7 +356,7 @@ class RolloutActor:
             self._idle_since = time.time()
         self._slot_freed.set()
         if task.cancelled():
-            queue.abandon.remote()  # its slot was granted and will never be put
+            self._give_back(queue)  # its slot was granted and will never be put
 
     def vllm_sampling_params(self):
         """The vLLM SamplingParams of every group: n samples, the sampled token's
