@@ -144,6 +144,36 @@ def test_hand_offs_ask_for_the_freed_slots(ray_local):
         ray.kill(q)
 
 
+def test_slots_given_back_are_all_heard_and_answered_ones_are_not_kept(ray_local):
+    """Many failing groups: every slot given back reaches the queue by halt(), and the
+    actor keeps only the calls not yet answered (no list growing for a whole run)."""
+    import ray
+
+    from asyncrl.replay.queue import remote_queue
+
+    q = remote_queue(max_staleness=10**6, batch_groups=1, policy="drop", capacity_groups=10**6)
+
+    async def main():
+        a = _actor(q)
+        assert await q.acquire_many.remote(500, 1.0) == 500
+        kept = []
+        for _ in range(10):  # 10 bursts of 50 failures, each answered before the next
+            for _ in range(50):
+                a._give_back(q)
+            kept.append(len(a._giving_back))
+            await asyncio.gather(*a._giving_back)
+        await a.halt()
+        return a, kept
+
+    try:
+        a, kept = asyncio.run(main())
+        assert max(kept) <= 64 + 50, kept  # answered calls were let go, not all 500
+        assert a._giving_back == []
+        assert ray.get(q.stats.remote())["groups_running"] == 0
+    finally:
+        ray.kill(q)
+
+
 def _completion(token_ids, logprobs, flat: bool):
     from vllm.logprobs import FlatLogprobs, Logprob
     from vllm.outputs import CompletionOutput
