@@ -265,6 +265,16 @@ def main() -> None:
         return [by[(r, "asyncrl")] / by[(r, other)] for r in range(rounds)]
 
     per_round = round_ratios("vllm")
+
+    def engine_use(side: str) -> tuple[float, float]:
+        """The engine's processes' CPU per generated token (ms) and their busy share of
+        the side's wall time (cores): where one engine core is the bottleneck, a side
+        is slower only by needing more engine CPU per token, however it feeds it."""
+        sel = [x for x in rows if x["side"] == side]
+        cpu = sum(x["cpu_engine_s"] for x in sel)
+        return 1000 * cpu / sum(x["tokens"] for x in sel), cpu / sum(x["seconds"] for x in sel)
+
+    engine = {side: engine_use(side) for side in SIDES}
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "actor.csv", rows)
     plt = pyplot()
@@ -302,6 +312,10 @@ def main() -> None:
         + ", ".join(f"{x:.3f}" for x in per_round)
         + f" (median {statistics.median(per_round):.3f})"
     )
+    print(
+        "engine processes, CPU ms per token (busy cores): "
+        + ", ".join(f"{side} {ms:.3f} ({busy:.2f})" for side, (ms, busy) in engine.items())
+    )
     print(f"outputs: {args.out}")
     emit_json(
         {
@@ -314,6 +328,8 @@ def main() -> None:
             "ratio_median": statistics.median(per_round),
             "ratio_vs_capped_median": statistics.median(round_ratios("vllm_capped")),
             "placement": placement,
+            "engine_cpu_ms_per_token": {side: ms for side, (ms, _) in engine.items()},
+            "engine_busy_cores": {side: busy for side, (_, busy) in engine.items()},
         }
     )
 

@@ -65,8 +65,10 @@ def test_actor_benchmark(tmp_path):
     )  # fmt: skip
     assert set(f) == {"actor_tokens_per_s", "vllm_tokens_per_s", "ratio",
                       "vllm_capped_tokens_per_s", "ratio_vs_capped", "ratio_per_round",
-                      "ratio_median", "ratio_vs_capped_median", "placement"}  # fmt: skip
+                      "ratio_median", "ratio_vs_capped_median", "placement",
+                      "engine_cpu_ms_per_token", "engine_busy_cores"}  # fmt: skip
     placement = f.pop("placement")
+    per_token, busy = f.pop("engine_cpu_ms_per_token"), f.pop("engine_busy_cores")
     assert placement["engine_cores"] == [engine_core]
     # the other cores; on a one-core machine both share it
     frontend = sorted(os.sched_getaffinity(0) - {engine_core}) or [engine_core]
@@ -87,6 +89,13 @@ def test_actor_benchmark(tmp_path):
     assert all(5 * 64 <= int(r["tokens"]) <= 7 * 64 for r in rows), rows
     (mine,) = [r for r in rows if r["side"] == "asyncrl"]  # its queue calls are recorded
     assert 1 <= int(mine["handoff_calls"]) <= 8 and int(mine["acquire_calls"]) >= 1
+    # the engine's CPU per token and busy cores, per side, are the CSV's (one round)
+    assert set(per_token) == set(busy) == {"asyncrl", "vllm", "vllm_capped"}
+    for r in rows:
+        cpu = float(r["cpu_engine_s"])
+        assert cpu > 0
+        assert per_token[r["side"]] == pytest.approx(1000 * cpu / int(r["tokens"]))
+        assert busy[r["side"]] == pytest.approx(cpu / float(r["seconds"]))
 
 
 @pytest.mark.slow
