@@ -24,6 +24,10 @@ Measurements alternate
 ``ratio`` is over all rounds' tokens and seconds; ``ratio_per_round`` and
 ``ratio_median`` compare the sides within each round (this machine's throughput drifts
 by 20-30% between minutes, so one round's outlier moves ``ratio`` by several points).
+``engine_cpu_ms_per_token`` and ``engine_busy_cores`` (per side) are the engine
+processes' CPU per generated token and their busy share of the wall time: where the
+engine's core is saturated, they show whether a side is slower because of how it
+feeds the engine or because its own work takes the engine's CPU.
 """
 
 from __future__ import annotations
