@@ -174,6 +174,31 @@ def test_slots_given_back_are_all_heard_and_answered_ones_are_not_kept(ray_local
         ray.kill(q)
 
 
+def test_halt_does_not_wait_on_a_dead_queue_for_slots_given_back(ray_local):
+    """A queue that died cannot hear slots given back (they died with it): halt()
+    returns at once, without raising."""
+    import time
+
+    import ray
+
+    from asyncrl.replay.queue import remote_queue
+
+    q = remote_queue(max_staleness=10**6, batch_groups=1, policy="drop", capacity_groups=10**6)
+
+    async def main():
+        a = _actor(q)
+        assert await q.acquire_many.remote(3, 1.0) == 3
+        ray.kill(q)
+        for _ in range(3):
+            a._give_back(q)
+        t0 = time.monotonic()
+        await a.halt()
+        return a, time.monotonic() - t0
+
+    a, took = asyncio.run(main())
+    assert a._giving_back == [] and took < 10, took
+
+
 def _completion(token_ids, logprobs, flat: bool):
     from vllm.logprobs import FlatLogprobs, Logprob
     from vllm.outputs import CompletionOutput
