@@ -27,7 +27,12 @@ by 20-30% between minutes, so one round's outlier moves ``ratio`` by several poi
 ``engine_cpu_ms_per_token`` and ``engine_busy_cores`` (per side) are the engine
 processes' CPU per generated token and their busy share of the wall time: where the
 engine's core is saturated, they show whether a side is slower because of how it
-feeds the engine or because its own work takes the engine's CPU.
+feeds the engine or because its own work takes the engine's CPU. With a split
+placement the engine-core process's I/O threads run on the actor's cores
+(``RolloutActor._place_frontend``), so the engine's busy share can exceed its cores.
+``--io-threads-ab`` adds a fourth side, ``vllm_io_on_engine``: plain vLLM all at once
+with those threads moved back onto the engine's cores for the measurement, to show
+what that placement buys (``io_placement_gain`` = vllm / vllm_io_on_engine).
 """
 
 from __future__ import annotations
@@ -39,11 +44,13 @@ if __package__ in (None, ""):  # run as a file: see the note in benchmarks/commo
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import asyncio  # noqa: E402
+import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 from asyncrl.actor.rollout import RolloutActor  # noqa: E402
+from asyncrl.utils.affinity import children, pin_threads  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     actor_pid,
     compose,
@@ -59,6 +66,7 @@ from benchmarks.common import (  # noqa: E402
 )
 
 SIDES = ("asyncrl", "vllm", "vllm_capped")
+IO_SIDE = "vllm_io_on_engine"  # --io-threads-ab
 UNREACHABLE_BOUND = 10**9  # no learner here: versions never advance, nothing is stale
 WARMUP_PROMPTS = 16
 
@@ -79,6 +87,18 @@ class BenchActor(RolloutActor):
         if self.min_tokens:
             params.min_tokens = self.min_tokens
         return params
+
+    def place_engine_io(self, on_engine: bool) -> int:
+        """The engine-core process's threads other than its main one onto the engine's
+        cores (``on_engine``) or back onto the actor's, where ``_place_frontend`` put
+        them. Returns how many threads moved."""
+        where = self.placement["engine_cores" if on_engine else "frontend_cores"]
+        me = os.getpid()
+        return sum(
+            pin_threads(pid, set(where), skip_main=True)
+            for pid in children(me)
+            if children(pid)  # the engine-core process: its children are the workers
+        )
 
     async def plain_generate(
         self, prompts: list[str], tag: str, inflight: int = 0
@@ -210,6 +230,12 @@ def main() -> None:
         "responses than the task's 2-3 tokens; with actor.sampling.max_tokens=N)",
     )
     p.add_argument(
+        "--io-threads-ab",
+        action="store_true",
+        help="add the side vllm_io_on_engine: plain vLLM with the engine-core process's "
+        "I/O threads on the engine's cores, as before they moved (needs --engine-cores)",
+    )
+    p.add_argument(
         "overrides", nargs="*", help="training-config overrides, e.g. actor.sampling.n=4"
     )
     args = p.parse_args()
@@ -223,6 +249,9 @@ def main() -> None:
     if args.engine_cores is not None:
         overrides.append(f"actor.engine_cores='{args.engine_cores}'")
     cfg = compose(*overrides)
+    if args.io_threads_ab and cfg.actor.engine_cores is None:
+        p.error("--io-threads-ab compares placements of a split engine: give --engine-cores")
+    sides = SIDES + ((IO_SIDE,) if args.io_threads_ab else ())
     setup = prepare(cfg)  # builds the tiny model once if it is not cached
     sampler = TaskSampler(setup.task, cfg.seed)  # the RolloutActor draws the same prompts
     prompts = [sampler.next().text for _ in range(num_prompts)]
@@ -240,10 +269,17 @@ def main() -> None:
         measure_vllm(actor, prompts[:WARMUP_PROMPTS], "warmup", meter)  # first use, untimed
         cap = cfg.actor.max_inflight_groups
         for r in range(rounds):
-            order = SIDES if r % 2 == 0 else SIDES[::-1]
+            order = sides if r % 2 == 0 else sides[::-1]
             for side in order:
                 if side == "asyncrl":
                     out = measure_asyncrl(actor, cfg.seed, num_prompts, meter)
+                elif side == IO_SIDE:
+                    if not ray.get(actor.place_engine_io.remote(True)):
+                        raise RuntimeError("--io-threads-ab: no engine-core I/O thread moved")
+                    try:
+                        out = measure_vllm(actor, prompts, f"r{r}{side}", meter)
+                    finally:
+                        ray.get(actor.place_engine_io.remote(False))
                 else:
                     inflight = cap if side == "vllm_capped" else 0
                     out = measure_vllm(actor, prompts, f"r{r}{side}", meter, inflight)
@@ -278,14 +314,14 @@ def main() -> None:
         cpu = sum(x["cpu_engine_s"] for x in sel)
         return 1000 * cpu / sum(x["tokens"] for x in sel), cpu / sum(x["seconds"] for x in sel)
 
-    engine = {side: engine_use(side) for side in SIDES}
+    engine = {side: engine_use(side) for side in sides}
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "actor.csv", rows)
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for i, side in enumerate(SIDES):
+    for i, side in enumerate(sides):
         vals = [x["tokens_per_s"] for x in rows if x["side"] == side]
-        ax.bar([j * 4 + i for j in range(len(vals))], vals, label=side)
+        ax.bar([j * (len(sides) + 1) + i for j in range(len(vals))], vals, label=side)
     ax.set_xlabel("round")
     ax.set_ylabel("generated tokens / s")
     ax.set_title("one RolloutActor vs plain vLLM generate, same engine and prompts")
@@ -320,6 +356,23 @@ def main() -> None:
         "engine processes, CPU ms per token (busy cores): "
         + ", ".join(f"{side} {ms:.3f} ({busy:.2f})" for side, (ms, busy) in engine.items())
     )
+    io = {}
+    if args.io_threads_ab:
+        vi = rate(IO_SIDE)
+        by = {(x["round"], x["side"]): x["tokens_per_s"] for x in rows}
+        io = {
+            "vllm_io_on_engine_tokens_per_s": vi,
+            "io_placement_gain": ratio(v, vi),
+            "io_placement_gain_per_round": [
+                by[(r, "vllm")] / by[(r, IO_SIDE)] for r in range(rounds)
+            ],
+        }
+        print(
+            f"plain vLLM with the engine-core I/O threads on the engine's cores: {vi:.0f} "
+            f"tokens/s; on the actor's cores (the actor's placement) {v:.0f}: gain "
+            + ", ".join(f"{x:.3f}" for x in io["io_placement_gain_per_round"])
+            + f" by round, {io['io_placement_gain']:.3f} over all"
+        )
     print(f"outputs: {args.out}")
     emit_json(
         {
@@ -334,6 +387,7 @@ def main() -> None:
             "placement": placement,
             "engine_cpu_ms_per_token": {side: ms for side, (ms, _) in engine.items()},
             "engine_busy_cores": {side: busy for side, (_, busy) in engine.items()},
+            **io,
         }
     )
 

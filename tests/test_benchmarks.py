@@ -61,18 +61,28 @@ def test_actor_benchmark(tmp_path):
     engine_core = min(os.sched_getaffinity(0))  # the engine here, the actor elsewhere
     f = run_bench(
         "actor", tmp_path, "--prompts", "8", "--rounds", "1", "--min-tokens", "5",
-        "--engine-cores", str(engine_core), "actor.sampling.max_tokens=7",
+        "--engine-cores", str(engine_core), "--io-threads-ab", "actor.sampling.max_tokens=7",
     )  # fmt: skip
     assert set(f) == {"actor_tokens_per_s", "vllm_tokens_per_s", "ratio",
                       "vllm_capped_tokens_per_s", "ratio_vs_capped", "ratio_per_round",
                       "ratio_median", "ratio_vs_capped_median", "placement",
-                      "engine_cpu_ms_per_token", "engine_busy_cores"}  # fmt: skip
+                      "engine_cpu_ms_per_token", "engine_busy_cores",
+                      "vllm_io_on_engine_tokens_per_s", "io_placement_gain",
+                      "io_placement_gain_per_round"}  # fmt: skip
     placement = f.pop("placement")
     per_token, busy = f.pop("engine_cpu_ms_per_token"), f.pop("engine_busy_cores")
     assert placement["engine_cores"] == [engine_core]
     # the other cores; on a one-core machine both share it
     frontend = sorted(os.sched_getaffinity(0) - {engine_core}) or [engine_core]
     assert placement["frontend_cores"] == frontend
+    # the engine-core process's I/O threads moved to the actor's cores (and back and
+    # forth for the vllm_io_on_engine side)
+    assert (placement["engine_io_threads"] > 0) == (frontend != [engine_core])
+    gain_per_round = f.pop("io_placement_gain_per_round")
+    assert finite(*gain_per_round) and len(gain_per_round) == 1
+    assert f["io_placement_gain"] == pytest.approx(
+        f["vllm_tokens_per_s"] / f["vllm_io_on_engine_tokens_per_s"]
+    )
     per_round = f.pop("ratio_per_round")
     assert finite(*f.values(), *per_round)
     # one round: its own ratio is the whole run's
@@ -83,14 +93,15 @@ def test_actor_benchmark(tmp_path):
     assert 0 < f["ratio"] < 10
     assert f["ratio"] == pytest.approx(f["actor_tokens_per_s"] / f["vllm_tokens_per_s"])
     rows = list(csv.DictReader((tmp_path / "actor.csv").open()))
-    assert {r["side"] for r in rows} == {"asyncrl", "vllm", "vllm_capped"}
+    sides = {"asyncrl", "vllm", "vllm_capped", "vllm_io_on_engine"}
+    assert {r["side"] for r in rows} == sides
     assert all(int(r["trajectories"]) == 8 * 8 for r in rows)  # 8 prompts x n=8 each side
     # --min-tokens holds on both sides: 5 to 7 tokens per sample (the task's are 2-3)
     assert all(5 * 64 <= int(r["tokens"]) <= 7 * 64 for r in rows), rows
     (mine,) = [r for r in rows if r["side"] == "asyncrl"]  # its queue calls are recorded
     assert 1 <= int(mine["handoff_calls"]) <= 8 and int(mine["acquire_calls"]) >= 1
     # the engine's CPU per token and busy cores, per side, are the CSV's (one round)
-    assert set(per_token) == set(busy) == {"asyncrl", "vllm", "vllm_capped"}
+    assert set(per_token) == set(busy) == sides
     for r in rows:
         cpu = float(r["cpu_engine_s"])
         assert cpu > 0

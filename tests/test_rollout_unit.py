@@ -324,7 +324,7 @@ def test_engine_cores_put_the_engine_there_and_the_actor_elsewhere(monkeypatch):
     import subprocess
     import sys
 
-    from asyncrl.utils.affinity import pin_threads
+    from asyncrl.utils.affinity import pin_threads, process_tree
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")  # restored afterwards
     allowed = os.sched_getaffinity(0)
@@ -333,24 +333,48 @@ def test_engine_cores_put_the_engine_there_and_the_actor_elsewhere(monkeypatch):
         "t", "m", AdditionTask(), None, SamplingSettings(), EngineSettings(),
         engine_cores=str(engine_core),
     )  # fmt: skip
+    # what vLLM spawns: an engine-core process (main thread: the scheduler; other
+    # threads: its sockets) that spawns a worker process, which has threads of its own
+    engine_core_proc = (
+        "import subprocess, sys, threading, time\n"
+        "worker = subprocess.Popen([sys.executable, '-c', "
+        "'import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); "
+        "print(1, flush=True); time.sleep(30)'], stdout=subprocess.PIPE)\n"
+        "worker.stdout.readline()\n"
+        "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "print(worker.pid, flush=True)\n"
+        "time.sleep(30)\n"
+    )
     child = None
     try:
         placement = a._place_engine()
         assert placement[0] == {engine_core}
         assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == str(engine_core)
         # what vLLM does next: spawn the engine's processes (they inherit the affinity)
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        child = subprocess.Popen(
+            [sys.executable, "-c", engine_core_proc], stdout=subprocess.PIPE, text=True
+        )
+        worker = int(child.stdout.readline())
         a._place_frontend(*placement)
-        assert os.sched_getaffinity(child.pid) == {engine_core}
         frontend = allowed - {engine_core} or allowed
+        assert os.sched_getaffinity(child.pid) == {engine_core}  # the scheduler's thread
+        side = [int(t) for t in os.listdir(f"/proc/{child.pid}/task") if int(t) != child.pid]
+        assert len(side) == 1
+        assert os.sched_getaffinity(side[0]) == frontend  # its other threads: not
+        worker_threads = [int(t) for t in os.listdir(f"/proc/{worker}/task")]
+        assert len(worker_threads) == 2
+        for t in worker_threads:  # a worker's threads all stay
+            assert os.sched_getaffinity(t) == {engine_core}
         assert os.sched_getaffinity(0) == frontend
         assert a.get_stats()["placement"] == {
             "engine_cores": [engine_core],
             "frontend_cores": sorted(frontend),
+            "engine_io_threads": 1 if frontend != {engine_core} else 0,
         }
     finally:
         if child is not None:
-            child.kill()
+            for p in reversed(process_tree(child.pid)):
+                os.kill(p, 9)
             child.wait()
         pin_threads(os.getpid(), allowed)
 

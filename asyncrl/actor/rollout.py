@@ -51,7 +51,7 @@ from asyncrl.replay.buffer import GroupMeta
 from asyncrl.replay.queue import Outbox
 from asyncrl.tasks.base import Prompt, Task, TaskSampler, score
 from asyncrl.trajectory import Trajectory, TrajectoryGroup
-from asyncrl.utils.affinity import parse_cpu_list, pin_threads, process_tree
+from asyncrl.utils.affinity import children, parse_cpu_list, pin_threads, process_tree
 
 UPDATE_MODES = ("abort", "wait", "keep")
 
@@ -140,7 +140,7 @@ class RolloutActor:
         self._tokenizer = None  # the engine's, on first use
         self._render = None  # prompt text -> engine input, on first use
         self.fatal: str = ""
-        self.placement: dict[str, list[int]] = {}  # where engine and frontend run
+        self.placement: dict[str, Any] = {}  # where engine and frontend run
 
     # ---- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -173,13 +173,29 @@ class RolloutActor:
 
     def _place_frontend(self, engine: set[int], frontend: set[int]) -> None:
         """After the engine started: its processes stay on ``engine``; this process
-        moves to ``frontend``, where its work no longer delays the engine's steps."""
+        moves to ``frontend``, where its work no longer delays the engine's steps.
+
+        So do the engine-core process's threads other than its main one (the
+        scheduler's loop): the sockets that take requests in and send outputs out, and
+        ZeroMQ's I/O. They are about an eighth of the engine's CPU, and where a new
+        request arrives every millisecond or two they would keep interrupting the
+        forward passes on the engine's cores. The engine-core process is the one whose
+        children are the workers; a worker keeps all its threads (OpenMP's) on
+        ``engine``."""
         me = os.getpid()
+        io_threads = 0
         for pid in process_tree(me):
-            if pid != me:
-                pin_threads(pid, engine)
+            if pid == me:
+                continue
+            pin_threads(pid, engine)
+            if frontend != engine and children(pid):
+                io_threads += pin_threads(pid, frontend, skip_main=True)
         pin_threads(me, frontend)
-        self.placement = {"engine_cores": sorted(engine), "frontend_cores": sorted(frontend)}
+        self.placement = {
+            "engine_cores": sorted(engine),
+            "frontend_cores": sorted(frontend),
+            "engine_io_threads": io_threads,  # engine-core threads moved to frontend_cores
+        }
 
     async def stop(self) -> dict[str, Any]:
         await self.halt()

@@ -39,20 +39,28 @@ def process_tree(pid: int) -> list[int]:
     while todo:
         p = todo.pop()
         out.append(p)
-        for task in _listdir(f"/proc/{p}/task"):
-            try:
-                todo += [
-                    int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()
-                ]
-            except OSError:
-                pass
+        todo += children(p)
     return out
 
 
-def pin_threads(pid: int, cores: set[int]) -> int:
-    """Pin every thread of process ``pid`` to ``cores``; returns how many."""
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` (any of its threads) started."""
+    out = []
+    for task in _listdir(f"/proc/{pid}/task"):
+        try:
+            out += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def pin_threads(pid: int, cores: set[int], *, skip_main: bool = False) -> int:
+    """Pin every thread of process ``pid`` (all but its main thread with
+    ``skip_main``) to ``cores``; returns how many."""
     n = 0
     for tid in _listdir(f"/proc/{pid}/task"):
+        if skip_main and int(tid) == pid:
+            continue
         try:
             os.sched_setaffinity(int(tid), cores)
             n += 1
