@@ -25,9 +25,10 @@ Measurements alternate
 ``ratio_median`` compare the sides within each round (this machine's throughput drifts
 by 20-30% between minutes, so one round's outlier moves ``ratio`` by several points).
 ``engine_cpu_ms_per_token`` and ``engine_busy_cores`` (per side) are the engine
-processes' CPU per generated token and their busy share of the wall time: where the
-engine's core is saturated, they show whether a side is slower because of how it
-feeds the engine or because its own work takes the engine's CPU. With a split
+processes' CPU per generated token and their busy share of the wall time. They count
+the worker's spin on vLLM's shared-memory queue between steps, so a core that reads
+busy may still be waiting: on a saturated core the CPU per token only mirrors the
+throughput. With a split
 placement the engine-core process's I/O threads run on the actor's cores
 (``RolloutActor._place_frontend``), so the engine's busy share can exceed its cores.
 ``--io-threads-ab`` adds a fourth side, ``vllm_io_on_engine``: plain vLLM all at once
@@ -308,8 +309,7 @@ def main() -> None:
 
     def engine_use(side: str) -> tuple[float, float]:
         """The engine's processes' CPU per generated token (ms) and their busy share of
-        the side's wall time (cores): where one engine core is the bottleneck, a side
-        is slower only by needing more engine CPU per token, however it feeds it."""
+        the side's wall time (cores), the worker's spin between steps included."""
         sel = [x for x in rows if x["side"] == side]
         cpu = sum(x["cpu_engine_s"] for x in sel)
         return 1000 * cpu / sum(x["tokens"] for x in sel), cpu / sum(x["seconds"] for x in sel)
