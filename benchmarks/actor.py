@@ -28,9 +28,9 @@ by 20-30% between minutes, so one round's outlier moves ``ratio`` by several poi
 processes' CPU per generated token and their busy share of the wall time. They count
 the worker's spin on vLLM's shared-memory queue between steps, so a core that reads
 busy may still be waiting: on a saturated core the CPU per token only mirrors the
-throughput. With a split
-placement the engine-core process's I/O threads run on the actor's cores
-(``RolloutActor._place_frontend``), so the engine's busy share can exceed its cores.
+throughput. With a split placement the engine-core process's I/O threads run on the
+actor's cores (``RolloutActor._place_frontend``), so the engine's busy share can
+exceed its cores.
 ``--io-threads-ab`` adds a fourth side, ``vllm_io_on_engine``: plain vLLM all at once
 with those threads moved back onto the engine's cores for the measurement, to show
 what that placement buys (``io_placement_gain`` = vllm / vllm_io_on_engine).

@@ -109,6 +109,17 @@ def test_actor_benchmark(tmp_path):
         assert busy[r["side"]] == pytest.approx(cpu / float(r["seconds"]))
 
 
+def test_actor_io_threads_ab_needs_a_split_engine(tmp_path):
+    """--io-threads-ab without --engine-cores has no placement to compare: it stops
+    before starting anything, and says what is missing."""
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.actor", "--io-threads-ab", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and "give --engine-cores" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "actor.csv").exists()
+
+
 @pytest.mark.slow
 def test_throughput_benchmark(tmp_path):
     pin = [] if {0, 1} <= os.sched_getaffinity(0) else ["--no-pin"]
