@@ -324,7 +324,7 @@ def test_engine_cores_put_the_engine_there_and_the_actor_elsewhere(monkeypatch):
     import subprocess
     import sys
 
-    from asyncrl.utils.affinity import pin_threads, process_tree
+    from asyncrl.utils.affinity import pin_tree, process_tree
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")  # restored afterwards
     allowed = os.sched_getaffinity(0)
@@ -366,17 +366,21 @@ def test_engine_cores_put_the_engine_there_and_the_actor_elsewhere(monkeypatch):
         for t in worker_threads:  # a worker's threads all stay
             assert os.sched_getaffinity(t) == {engine_core}
         assert os.sched_getaffinity(0) == frontend
-        assert a.get_stats()["placement"] == {
-            "engine_cores": [engine_core],
-            "frontend_cores": sorted(frontend),
-            "engine_io_threads": 1 if frontend != {engine_core} else 0,
-        }
+        placement = a.get_stats()["placement"]
+        assert placement["engine_cores"] == [engine_core]
+        assert placement["frontend_cores"] == sorted(frontend)
+        # at least the stand-in's side thread (in a full test run this process has
+        # started others, such as Ray's, and their side threads count too)
+        if frontend != {engine_core}:
+            assert placement["engine_io_threads"] >= 1
+        else:
+            assert placement["engine_io_threads"] == 0
     finally:
         if child is not None:
             for p in reversed(process_tree(child.pid)):
                 os.kill(p, 9)
             child.wait()
-        pin_threads(os.getpid(), allowed)
+        pin_tree(os.getpid(), allowed)  # this process and all it started: every allowed core
 
 
 def test_engine_cores_outside_the_actors_cores_are_refused():
