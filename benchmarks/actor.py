@@ -45,13 +45,11 @@ if __package__ in (None, ""):  # run as a file: see the note in benchmarks/commo
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import asyncio  # noqa: E402
-import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 from asyncrl.actor.rollout import RolloutActor  # noqa: E402
-from asyncrl.utils.affinity import children, pin_threads  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     actor_pid,
     compose,
@@ -93,12 +91,8 @@ class BenchActor(RolloutActor):
         """The engine-core process's threads other than its main one onto the engine's
         cores (``on_engine``) or back onto the actor's, where ``_place_frontend`` put
         them. Returns how many threads moved."""
-        where = self.placement["engine_cores" if on_engine else "frontend_cores"]
-        me = os.getpid()
-        return sum(
-            pin_threads(pid, set(where), skip_main=True)
-            for pid in children(me)
-            if children(pid)  # the engine-core process: its children are the workers
+        return self._pin_engine_io(
+            set(self.placement["engine_cores" if on_engine else "frontend_cores"])
         )
 
     async def plain_generate(

@@ -183,19 +183,26 @@ class RolloutActor:
         children are the workers; a worker keeps all its threads (OpenMP's) on
         ``engine``."""
         me = os.getpid()
-        io_threads = 0
         for pid in process_tree(me):
-            if pid == me:
-                continue
-            pin_threads(pid, engine)
-            if frontend != engine and children(pid):
-                io_threads += pin_threads(pid, frontend, skip_main=True)
+            if pid != me:
+                pin_threads(pid, engine)
+        io_threads = self._pin_engine_io(frontend) if frontend != engine else 0
         pin_threads(me, frontend)
         self.placement = {
             "engine_cores": sorted(engine),
             "frontend_cores": sorted(frontend),
             "engine_io_threads": io_threads,  # engine-core threads moved to frontend_cores
         }
+
+    def _pin_engine_io(self, cores: set[int]) -> int:
+        """Pin the engine-core process's threads other than its main one (the
+        scheduler's loop) to ``cores``; returns how many. The engine-core process is
+        the child of this one whose own children are the workers."""
+        return sum(
+            pin_threads(pid, cores, skip_main=True)
+            for pid in children(os.getpid())
+            if children(pid)
+        )
 
     async def stop(self) -> dict[str, Any]:
         await self.halt()
