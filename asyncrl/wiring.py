@@ -5,6 +5,7 @@ the Ray actors; ``stop_parts`` stops them without losing the accounting."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from asyncrl.broker.settings import BROKERS, check_broker_config  # noqa: F401 (BROKERS: re-export)
 from asyncrl.config import ConfigError, build, check_model_dir
 from asyncrl.runtime import Parts
+from asyncrl.utils.affinity import keep_off
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +109,30 @@ def start_parts(cfg: DictConfig, setup: Setup, out_dir: Path, started_ray: bool)
         cfg.max_steps, trajectory_log=str(out_dir / "trajectories.parquet"),
     )  # fmt: skip
     ray.get([a.start.remote() for a in actors.values()])  # engines up (~25 s each on a CPU)
+    keep_off_engines(
+        [s["placement"] for s in ray.get([a.get_stats.remote() for a in actors.values()])]
+    )
     ray.get(learner.ping.remote())
     broker = make_broker(cfg.broker, actors, learner)  # objectstore | gloo (process group)
     return Parts(queue, actors, learner, broker, started_ray)
+
+
+def keep_off_engines(placements: list[dict[str, Any]]) -> int:
+    """``actor.engine_cores`` are the engines' alone: every other thread below this
+    driver (a local Ray's GCS, raylet, queue, learner and idle workers, the processes
+    they start later, and another actor's frontend) moves to the other cores, so none
+    of them interrupts a forward pass. The engines' own threads may only run on their
+    cores and stay. ``placements``: the actors' ``get_stats()["placement"]`` ({}
+    without engine_cores). Processes on other nodes, or of a Ray this driver joined,
+    are not its descendants and stay as they are. Returns how many threads moved."""
+    cores = set().union(*(p.get("engine_cores", ()) for p in placements))
+    if not cores:
+        return 0
+    moved = keep_off(cores, os.getpid())
+    log.info(
+        "actor.engine_cores %s: %d threads of other processes moved off them", sorted(cores), moved
+    )
+    return moved
 
 
 def new_actor(cfg: Any, setup: Any, queue: Any, name: str, seed: int, cls: Any = None):

@@ -18,9 +18,10 @@ the default measures per-group costs above all; ``--min-tokens N
 actor.sampling.max_tokens=M`` makes every sample N to M tokens long on both sides, as
 real completions are. ``--engine-cores 0`` (``actor.engine_cores=0``) runs the engine's
 processes on core 0 and the actor's own process, where vLLM's frontend and all the actor's
-work run, on the other cores: both sides use the same engine in the same placement.
-Measurements alternate
-(asyncrl, vllm, vllm_capped, then reversed, ...) after an untimed warm-up generation.
+work run, on the other cores: both sides use the same engine in the same placement,
+and every other process of the run (Ray's, the queue's) runs off the engine's cores,
+as in training (``wiring.keep_off_engines``). Measurements alternate (asyncrl, vllm,
+vllm_capped, then reversed, ...) after an untimed warm-up of each side.
 ``ratio`` is over all rounds' tokens and seconds; ``ratio_per_round`` and
 ``ratio_median`` compare the sides within each round (this machine's throughput drifts
 by 20-30% between minutes, so one round's outlier moves ``ratio`` by several points).
@@ -238,7 +239,7 @@ def main() -> None:
     rounds = args.rounds or (2 if args.quick else 6)
 
     from asyncrl.tasks.base import TaskSampler
-    from asyncrl.wiring import prepare
+    from asyncrl.wiring import keep_off_engines, prepare
 
     overrides = list(args.overrides)
     if args.engine_cores is not None:
@@ -259,9 +260,13 @@ def main() -> None:
     try:
         actor = start_actor(cfg, setup)
         placement = ray.get(actor.get_stats.remote())["placement"]
+        if placement:  # the engine's cores are its alone, as in training (wiring.py)
+            placement["others_moved_threads"] = keep_off_engines([placement])
         ray.get(actor.set_min_tokens.remote(args.min_tokens))
         meter = CpuMeter(actor_pid(actor))
-        measure_vllm(actor, prompts[:WARMUP_PROMPTS], "warmup", meter)  # first use, untimed
+        # first use of each side's path (and the queue's process), untimed
+        measure_vllm(actor, prompts[:WARMUP_PROMPTS], "warmup", meter)
+        measure_asyncrl(actor, cfg.seed, WARMUP_PROMPTS, meter)
         cap = cfg.actor.max_inflight_groups
         for r in range(rounds):
             order = sides if r % 2 == 0 else sides[::-1]

@@ -78,6 +78,8 @@ def test_actor_benchmark(tmp_path):
     # the engine-core process's I/O threads moved to the actor's cores (and back and
     # forth for the vllm_io_on_engine side)
     assert (placement["engine_io_threads"] > 0) == (frontend != [engine_core])
+    # and every other process of the run (Ray's) off the engine's cores
+    assert (placement["others_moved_threads"] > 0) == (frontend != [engine_core])
     gain_per_round = f.pop("io_placement_gain_per_round")
     assert finite(*gain_per_round) and len(gain_per_round) == 1
     assert f["io_placement_gain"] == pytest.approx(

@@ -383,6 +383,65 @@ def test_engine_cores_put_the_engine_there_and_the_actor_elsewhere(monkeypatch):
         pin_tree(os.getpid(), allowed)  # this process and all it started: every allowed core
 
 
+def test_keep_off_engines_moves_every_other_thread_off_the_engines_cores():
+    """wiring.keep_off_engines: the threads of processes below the driver (a local
+    Ray's raylet and its workers) leave the engines' cores; a thread that may only run
+    there (an engine's) has nowhere else to go and stays; the driver itself stays;
+    without engine_cores nothing moves."""
+    import os
+    import subprocess
+    import sys
+
+    from asyncrl.utils.affinity import pin_tree
+    from asyncrl.wiring import keep_off_engines
+
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs two cores")
+    engine_core = max(allowed)
+    sleeper = (
+        "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); "
+        "print(1, flush=True); time.sleep(30)"
+    )
+    raylet_code = (  # a thread of its own and a worker with a thread of its own
+        "import subprocess, sys, threading, time\n"
+        f"w = subprocess.Popen([sys.executable, '-c', {sleeper!r}], stdout=subprocess.PIPE)\n"
+        "w.stdout.readline()\n"
+        "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "print(w.pid, flush=True)\n"
+        "time.sleep(30)\n"
+    )
+
+    def threads(pid):
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+
+    raylet, worker = None, None
+    try:
+        raylet = subprocess.Popen(
+            [sys.executable, "-c", raylet_code], stdout=subprocess.PIPE, text=True
+        )
+        worker = int(raylet.stdout.readline())
+        engine_thread = threads(worker)[-1]  # as an engine's: its cores alone
+        os.sched_setaffinity(engine_thread, {engine_core})
+
+        assert keep_off_engines([{}]) == 0  # no engine_cores: nothing moves
+        assert all(os.sched_getaffinity(t) == allowed for t in threads(raylet.pid))
+
+        moved = keep_off_engines([{"engine_cores": [engine_core]}, {}])
+        assert moved >= 3  # at least the stand-ins' (in a full run, Ray's too)
+        for t in threads(raylet.pid) + threads(worker):
+            want = {engine_core} if t == engine_thread else allowed - {engine_core}
+            assert os.sched_getaffinity(t) == want
+        assert os.sched_getaffinity(0) == allowed  # the driver stays
+    finally:
+        if worker is not None:
+            os.kill(worker, 9)
+        if raylet is not None:
+            raylet.kill()
+            raylet.wait()
+        pin_tree(os.getpid(), allowed)  # this process and all it started: every allowed core
+
+
 def test_engine_cores_outside_the_actors_cores_are_refused():
     import os
 

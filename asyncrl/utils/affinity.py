@@ -75,6 +75,29 @@ def pin_tree(pid: int, cores: set[int]) -> int:
     return sum(pin_threads(p, cores) for p in process_tree(pid))
 
 
+def keep_off(cores: set[int], root: int) -> int:
+    """Take ``cores`` out of the affinity of every thread of ``root``'s descendants
+    (``root`` itself stays as it is). For a driver that started a local Ray these are
+    Ray's GCS, raylet and worker processes (the queue's, the learner's, the actors', the
+    idle ones); the processes they start later inherit it. A thread that may only run
+    on ``cores`` (an engine's) has nowhere else to go and stays. Returns how many
+    threads moved."""
+    moved = 0
+    for pid in process_tree(root):
+        if pid == root:
+            continue
+        for tid in _listdir(f"/proc/{pid}/task"):
+            try:
+                mask = os.sched_getaffinity(int(tid))
+                rest = mask - cores
+                if rest and rest != mask:
+                    os.sched_setaffinity(int(tid), rest)
+                    moved += 1
+            except OSError:  # the thread ended meanwhile
+                pass
+    return moved
+
+
 def _listdir(path: str) -> list[str]:
     try:
         return os.listdir(path)
