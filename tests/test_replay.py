@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -354,6 +355,11 @@ class _Slots:
     def outbox_idle(self) -> None:
         self.idle += 1
 
+    generating_now = 0
+
+    def generating(self) -> int:
+        return self.generating_now
+
 
 def test_outbox_hand_over_failure_answers_the_ask_and_frees_the_slots(ray_local):
     """A hand-off whose call fails still answers the slot request (0 granted), so the
@@ -374,6 +380,57 @@ def test_outbox_hand_over_failure_answers_the_ask_and_frees_the_slots(ray_local)
     assert "hand_over failed" in box.error and "actor died" in box.error
     assert slots.answers and all(got == 0 for _, got in slots.answers)
     assert slots.idle >= 1 and box.granted == 0 and sum(dead.abandoned) == 2
+
+
+class _OkQueue:
+    """A queue actor handle whose hand_over takes everything and grants nothing, and
+    records when each call came (the process boundary, faked)."""
+
+    def __init__(self):
+        self.calls = []
+        outer = self
+
+        class _HandOver:
+            def remote(self, items, asked, name):
+                outer.calls.append((time.monotonic(), len(items)))
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_result(([], 0))
+                return fut
+
+        self.hand_over = _HandOver()
+
+
+def test_outbox_lingers_only_while_the_actor_still_generates(ray_local):
+    """The linger waits for groups still generating to come along, and ends at once
+    when nothing is generating: the last groups before a shut staleness window (or
+    the run's end) go to the learner without waiting out the linger."""
+    from asyncrl.replay.queue import Outbox
+
+    linger = 5.0
+
+    async def main():
+        q, slots = _OkQueue(), _Slots(free=0)
+        box = Outbox(q, linger_s=linger, slots=slots)
+        slots.generating_now = 1  # another group is generating: wait for it
+        t0 = time.monotonic()
+        box.put(*_group("g0"))
+        await asyncio.sleep(0.2)
+        assert q.calls == []  # still lingering
+        box.put(*_group("g1"))  # the other group came
+        slots.generating_now = 0
+        box.nothing_generating()
+        await box.drain()
+        assert len(q.calls) == 1 and q.calls[0][1] == 2  # together, in one call
+        assert q.calls[0][0] - t0 < 0.2 + 1.0  # not the whole linger
+        # nothing generating from the start: no linger at all
+        t1 = time.monotonic()
+        box.put(*_group("g2"))
+        await box.drain()
+        assert len(q.calls) == 2 and q.calls[1][0] - t1 < 1.0
+        return box
+
+    box = asyncio.run(main())
+    assert (box.calls, box.sent_groups, box.error) == (2, 3, "")
 
 
 def test_throttle_window_counts_from_the_weights_an_actor_holds():

@@ -144,6 +144,40 @@ def test_hand_offs_ask_for_the_freed_slots(ray_local):
         ray.kill(q)
 
 
+def test_the_last_groups_before_a_shut_window_do_not_wait_out_the_linger(ray_local):
+    """Once the actor has nothing generating (the queue grants no more slots: the
+    staleness window is shut, or the run's end), its finished groups go at once, not
+    after actor.handoff_linger_ms: the learner may be waiting for exactly these."""
+    import time
+
+    import ray
+
+    from asyncrl.replay.queue import remote_queue
+
+    q = remote_queue(max_staleness=10**6, batch_groups=1, policy="drop", capacity_groups=4)
+
+    async def main():
+        a = _NoEngineActor(
+            "t", "/nonexistent", AdditionTask(), q, SamplingSettings(), EngineSettings(),
+            max_inflight_groups=8, handoff_linger_s=5.0,
+        )  # fmt: skip
+        a.engine = object()  # resume() only needs a started engine
+        t0 = time.monotonic()
+        await a.resume()
+        while (await q.stats.remote())["produced"] < 8 and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.01)
+        took = time.monotonic() - t0
+        await a.halt()
+        return a, took
+
+    try:
+        a, took = asyncio.run(main())
+        assert a.stats.groups == 4 and a.get_stats()["handoff_groups"] == 4
+        assert took < 2.5, took  # the linger is 5 s
+    finally:
+        ray.kill(q)
+
+
 def test_slots_given_back_are_all_heard_and_answered_ones_are_not_kept(ray_local):
     """Many failing groups: every slot given back reaches the queue by halt(), and the
     actor keeps only the calls not yet answered (no list growing for a whole run)."""

@@ -16,8 +16,10 @@
 Up to ``max_inflight_groups`` prompts generate at once; the engine batches them.
 Slots and hand-offs travel in batches because each Ray call costs about a millisecond
 of CPU per side, more than generating a short group on a small machine: finished
-groups wait up to ``handoff_linger_s`` to go to the queue together, and the same call
-asks for the slots they freed (granted if the queue has them now, never waiting). The
+groups wait up to ``handoff_linger_s`` to go to the queue together (not once nothing
+else is generating: no group can come along, and the learner may be waiting for
+them), and the same call asks for the slots they freed (granted if the queue has them
+now, never waiting). The
 loop itself asks, and waits, only once a quarter of ``max_inflight_groups`` is free and
 unasked for (at start, or while the staleness window is shut).
 ``halt``/``rebind``/``resume`` stop the loop, point it at another queue and start it
@@ -377,6 +379,7 @@ class RolloutActor:
         self._n_inflight -= 1
         if self._n_inflight == 0:
             self._idle_since = time.time()
+            self._outbox.nothing_generating()  # no linger for groups that cannot come
         self._slot_freed.set()
         if task.cancelled():
             self._give_back(queue)  # its slot was granted and will never be put
@@ -604,6 +607,9 @@ class _HandOffSlots:
 
     def outbox_idle(self) -> None:
         self.actor._slot_freed.set()  # the loop may ask for slots itself again
+
+    def generating(self) -> int:
+        return self.actor._n_inflight
 
 
 def _meta(group: TrajectoryGroup, actor: str) -> GroupMeta:

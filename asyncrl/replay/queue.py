@@ -191,6 +191,10 @@ class SlotAsker(Protocol):
         """The outbox has handed everything over and has no call in flight."""
         ...
 
+    def generating(self) -> int:
+        """How many groups the actor still has generating (worth lingering for)."""
+        ...
+
 
 class Outbox:
     """An actor's side of ``put_many``: :meth:`put` returns at once; one call at a time
@@ -200,7 +204,10 @@ class Outbox:
 
     With ``slots`` (an actor's :class:`SlotAsker`), each hand-off is a
     :meth:`ReplayQueueCore.hand_over` that also asks for the slots the actor has free,
-    so a steady actor needs one queue call per hand-off, not two.
+    so a steady actor needs one queue call per hand-off, not two; and the linger ends
+    as soon as the actor has nothing left generating (:meth:`nothing_generating`):
+    nothing more can come along, and the learner may be waiting for these groups (the
+    staleness window is shut, or the run's last groups).
 
     A failed call is not retried (the queue actor is gone, or it refused a group): the
     first error is kept in :attr:`error` and the groups' slots are freed where possible.
@@ -217,6 +224,7 @@ class Outbox:
         self.calls = 0
         self.granted = 0  # slots granted along with hand-offs
         self._flushing = False
+        self._looked = asyncio.Event()  # the actor's groups changed: the linger looks again
 
     def put(self, group: TrajectoryGroup, meta: GroupMeta) -> None:
         self._items.append((group, meta))
@@ -242,7 +250,7 @@ class Outbox:
 
         while self._items:
             if self.linger_s > 0:  # let the groups finishing right now come along
-                await asyncio.sleep(self.linger_s)
+                await self._linger()
             batch, self._items = self._items, []
             self.calls += 1
             asked = got = 0
@@ -276,6 +284,27 @@ class Outbox:
                 self.error = (
                     self.error or f"the queue refused {len(refused)} group(s): {refused[0]}"
                 )
+
+    def nothing_generating(self) -> None:
+        """The actor has no group left generating: a linger now waits for nothing."""
+        self._looked.set()
+
+    async def _linger(self) -> None:
+        """``linger_s``, or until the actor has nothing generating (with ``slots``)."""
+        if self.slots is None:
+            await asyncio.sleep(self.linger_s)
+            return
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.linger_s
+        while self.slots.generating() > 0:
+            self._looked.clear()
+            left = end - loop.time()
+            if left <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._looked.wait(), left)
+            except TimeoutError:
+                return
 
     @property
     def pending(self) -> int:
