@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.config import ConfigError, check_ray_address
@@ -71,3 +71,5 @@ class Parts:
     learner: Any
     broker: Any
     started_ray: bool
+    # threads moved off actor.engine_cores (wiring.keep_off_engines): tid -> former cores
+    moved_affinity: dict[int, set[int]] = field(default_factory=dict)

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from asyncrl.broker.settings import BROKERS, check_broker_config  # noqa: F401 (BROKERS: re-export)
 from asyncrl.config import ConfigError, build, check_model_dir
 from asyncrl.runtime import Parts
-from asyncrl.utils.affinity import keep_off
+from asyncrl.utils.affinity import keep_off, restore
 
 log = logging.getLogger(__name__)
 
@@ -109,28 +109,32 @@ def start_parts(cfg: DictConfig, setup: Setup, out_dir: Path, started_ray: bool)
         cfg.max_steps, trajectory_log=str(out_dir / "trajectories.parquet"),
     )  # fmt: skip
     ray.get([a.start.remote() for a in actors.values()])  # engines up (~25 s each on a CPU)
-    keep_off_engines(
+    moved = keep_off_engines(
         [s["placement"] for s in ray.get([a.get_stats.remote() for a in actors.values()])]
     )
     ray.get(learner.ping.remote())
     broker = make_broker(cfg.broker, actors, learner)  # objectstore | gloo (process group)
-    return Parts(queue, actors, learner, broker, started_ray)
+    return Parts(queue, actors, learner, broker, started_ray, moved)
 
 
-def keep_off_engines(placements: list[dict[str, Any]]) -> int:
+def keep_off_engines(placements: list[dict[str, Any]]) -> dict[int, set[int]]:
     """``actor.engine_cores`` are the engines' alone: every other thread below this
     driver (a local Ray's GCS, raylet, queue, learner and idle workers, the processes
     they start later, and another actor's frontend) moves to the other cores, so none
     of them interrupts a forward pass. The engines' own threads may only run on their
     cores and stay. ``placements``: the actors' ``get_stats()["placement"]`` ({}
     without engine_cores). Processes on other nodes, or of a Ray this driver joined,
-    are not its descendants and stay as they are. Returns how many threads moved."""
+    are not its descendants and stay as they are. Returns the moved threads' former
+    affinities (``stop_parts`` gives them back: a Ray that outlives the run, as in
+    the benchmarks, is not left narrowed)."""
     cores = set().union(*(p.get("engine_cores", ()) for p in placements))
     if not cores:
-        return 0
+        return {}
     moved = keep_off(cores, os.getpid())
     log.info(
-        "actor.engine_cores %s: %d threads of other processes moved off them", sorted(cores), moved
+        "actor.engine_cores %s: %d threads of other processes moved off them",
+        sorted(cores),
+        len(moved),
     )
     return moved
 
@@ -179,6 +183,8 @@ def stop_parts(parts: Parts, checkpoint_dir: Path | None, quiet: bool = False) -
         # free its CPUs now: a second run in the same Ray (benchmarks) must fit
         ray.kill(a, no_restart=True)
     parts.actors.clear()
+    restore(parts.moved_affinity)  # the engines are gone: their cores are everyone's again
+    parts.moved_affinity = {}
     queue_stats: dict[str, Any] = {}
     try:
         ray.get(parts.queue.close.remote(), timeout=10)

@@ -261,7 +261,7 @@ def main() -> None:
         actor = start_actor(cfg, setup)
         placement = ray.get(actor.get_stats.remote())["placement"]
         if placement:  # the engine's cores are its alone, as in training (wiring.py)
-            placement["others_moved_threads"] = keep_off_engines([placement])
+            placement["others_moved_threads"] = len(keep_off_engines([placement]))
         ray.get(actor.set_min_tokens.remote(args.min_tokens))
         meter = CpuMeter(actor_pid(actor))
         # first use of each side's path (and the queue's process), untimed

@@ -421,13 +421,15 @@ def test_keep_off_engines_moves_every_other_thread_off_the_engines_cores():
     """wiring.keep_off_engines: the threads of processes below the driver (a local
     Ray's raylet and its workers) leave the engines' cores; a thread that may only run
     there (an engine's) has nowhere else to go and stays; the driver itself stays;
-    without engine_cores nothing moves."""
+    without engine_cores nothing moves; stop_parts gives the moved threads their
+    cores back (a Ray that outlives the run is not left narrowed)."""
     import os
     import subprocess
     import sys
 
+    from asyncrl.runtime import Parts
     from asyncrl.utils.affinity import pin_tree
-    from asyncrl.wiring import keep_off_engines
+    from asyncrl.wiring import keep_off_engines, stop_parts
 
     allowed = os.sched_getaffinity(0)
     if len(allowed) < 2:
@@ -458,15 +460,22 @@ def test_keep_off_engines_moves_every_other_thread_off_the_engines_cores():
         engine_thread = threads(worker)[-1]  # as an engine's: its cores alone
         os.sched_setaffinity(engine_thread, {engine_core})
 
-        assert keep_off_engines([{}]) == 0  # no engine_cores: nothing moves
+        assert keep_off_engines([{}]) == {}  # no engine_cores: nothing moves
         assert all(os.sched_getaffinity(t) == allowed for t in threads(raylet.pid))
 
         moved = keep_off_engines([{"engine_cores": [engine_core]}, {}])
-        assert moved >= 3  # at least the stand-ins' (in a full run, Ray's too)
+        assert len(moved) >= 3  # at least the stand-ins' (in a full run, Ray's too)
         for t in threads(raylet.pid) + threads(worker):
             want = {engine_core} if t == engine_thread else allowed - {engine_core}
             assert os.sched_getaffinity(t) == want
+            assert (t in moved) == (t != engine_thread)
         assert os.sched_getaffinity(0) == allowed  # the driver stays
+
+        # stop_parts gives the cores back (its Ray parts are gone here: quiet)
+        stop_parts(Parts(None, {}, None, None, False, moved), None, quiet=True)
+        for t in threads(raylet.pid) + threads(worker):
+            want = {engine_core} if t == engine_thread else allowed
+            assert os.sched_getaffinity(t) == want
     finally:
         if worker is not None:
             os.kill(worker, 9)

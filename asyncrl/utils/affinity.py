@@ -75,14 +75,14 @@ def pin_tree(pid: int, cores: set[int]) -> int:
     return sum(pin_threads(p, cores) for p in process_tree(pid))
 
 
-def keep_off(cores: set[int], root: int) -> int:
+def keep_off(cores: set[int], root: int) -> dict[int, set[int]]:
     """Take ``cores`` out of the affinity of every thread of ``root``'s descendants
     (``root`` itself stays as it is). For a driver that started a local Ray these are
     Ray's GCS, raylet and worker processes (the queue's, the learner's, the actors', the
     idle ones); the processes they start later inherit it. A thread that may only run
-    on ``cores`` (an engine's) has nowhere else to go and stays. Returns how many
-    threads moved."""
-    moved = 0
+    on ``cores`` (an engine's) has nowhere else to go and stays. Returns each moved
+    thread's affinity before the move (thread id -> cores), for :func:`restore`."""
+    moved: dict[int, set[int]] = {}
     for pid in process_tree(root):
         if pid == root:
             continue
@@ -92,10 +92,26 @@ def keep_off(cores: set[int], root: int) -> int:
                 rest = mask - cores
                 if rest and rest != mask:
                     os.sched_setaffinity(int(tid), rest)
-                    moved += 1
+                    moved[int(tid)] = mask
             except OSError:  # the thread ended meanwhile
                 pass
     return moved
+
+
+def restore(saved: dict[int, set[int]]) -> int:
+    """Give the threads :func:`keep_off` moved their affinity back (those that ended
+    meanwhile are skipped; a thread id the kernel reused is not ours: only a thread
+    still on the narrowed cores is touched). Processes started from a moved thread
+    while it was moved keep the narrowed affinity. Returns how many were restored."""
+    n = 0
+    for tid, mask in saved.items():
+        try:
+            if os.sched_getaffinity(tid) < mask:
+                os.sched_setaffinity(tid, mask)
+                n += 1
+        except OSError:  # ended
+            pass
+    return n
 
 
 def _listdir(path: str) -> list[str]:
