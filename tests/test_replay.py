@@ -355,10 +355,10 @@ class _Slots:
     def outbox_idle(self) -> None:
         self.idle += 1
 
-    generating_now = 0
+    worth = False  # the actor's answer to "may a hand-off wait for more groups?"
 
-    def generating(self) -> int:
-        return self.generating_now
+    def worth_lingering(self) -> bool:
+        return self.worth
 
 
 def test_outbox_hand_over_failure_answers_the_ask_and_frees_the_slots(ray_local):
@@ -400,10 +400,11 @@ class _OkQueue:
         self.hand_over = _HandOver()
 
 
-def test_outbox_lingers_only_while_the_actor_still_generates(ray_local):
+def test_outbox_lingers_only_while_the_actor_finds_it_worth_it(ray_local):
     """The linger waits for groups still generating to come along, and ends at once
-    when nothing is generating: the last groups before a shut staleness window (or
-    the run's end) go to the learner without waiting out the linger."""
+    when the actor says it no longer pays (nothing is generating: the last groups
+    before a shut staleness window, or the run's end, go to the learner without
+    waiting out the linger; or too many slots wait for the hand-off)."""
     from asyncrl.replay.queue import Outbox
 
     linger = 5.0
@@ -411,18 +412,18 @@ def test_outbox_lingers_only_while_the_actor_still_generates(ray_local):
     async def main():
         q, slots = _OkQueue(), _Slots(free=0)
         box = Outbox(q, linger_s=linger, slots=slots)
-        slots.generating_now = 1  # another group is generating: wait for it
+        slots.worth = True  # another group is generating: wait for it
         t0 = time.monotonic()
         box.put(*_group("g0"))
         await asyncio.sleep(0.2)
         assert q.calls == []  # still lingering
         box.put(*_group("g1"))  # the other group came
-        slots.generating_now = 0
-        box.nothing_generating()
+        slots.worth = False
+        box.look_again()
         await box.drain()
         assert len(q.calls) == 1 and q.calls[0][1] == 2  # together, in one call
         assert q.calls[0][0] - t0 < 0.2 + 1.0  # not the whole linger
-        # nothing generating from the start: no linger at all
+        # not worth it from the start: no linger at all
         t1 = time.monotonic()
         box.put(*_group("g2"))
         await box.drain()

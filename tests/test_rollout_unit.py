@@ -27,8 +27,9 @@ class _Queue:
         self.abandon = _Abandon()
 
 
-def _actor(queue, **kw) -> RolloutActor:
-    return RolloutActor(
+def _actor(queue, cls: type = RolloutActor, **kw) -> RolloutActor:
+    """A RolloutActor (or subclass ``cls``) on the addition task, not started."""
+    return cls(
         "t", "/nonexistent", AdditionTask(), queue, SamplingSettings(), EngineSettings(), **kw
     )
 
@@ -73,6 +74,7 @@ class _NoEngineActor(RolloutActor):
     takes a few ms and yields two one-token trajectories)."""
 
     peak = 0
+    seconds = (0.002, 0.004)  # a group takes the first + 0, 1 or 2 x the second
 
     async def _generate_group(self, prompt):
         import numpy as np
@@ -80,7 +82,7 @@ class _NoEngineActor(RolloutActor):
         from asyncrl.trajectory import Trajectory, TrajectoryGroup
 
         self.peak = max(self.peak, self._n_inflight)
-        await asyncio.sleep(0.002 + 0.004 * (hash(prompt.text) % 3))
+        await asyncio.sleep(self.seconds[0] + self.seconds[1] * (hash(prompt.text) % 3))
         gid = f"g{self.stats.groups}-{id(prompt)}"
         self.stats.groups += 1
         trajs = [
@@ -120,10 +122,7 @@ def test_hand_offs_ask_for_the_freed_slots(ray_local):
     q = cls.remote(max_staleness=10**6, batch_groups=1, policy="drop", capacity_groups=10**6)
 
     async def main():
-        a = _NoEngineActor(
-            "t", "/nonexistent", AdditionTask(), q, SamplingSettings(), EngineSettings(),
-            max_inflight_groups=8, handoff_linger_s=0.005,
-        )  # fmt: skip
+        a = _actor(q, _NoEngineActor, max_inflight_groups=8, handoff_linger_s=0.005)
         a.engine = object()  # resume() only needs a started engine
         await a.resume()
         while a.stats.groups < 300:
@@ -157,10 +156,7 @@ def test_the_last_groups_before_a_shut_window_do_not_wait_out_the_linger(ray_loc
     q = remote_queue(max_staleness=10**6, batch_groups=1, policy="drop", capacity_groups=4)
 
     async def main():
-        a = _NoEngineActor(
-            "t", "/nonexistent", AdditionTask(), q, SamplingSettings(), EngineSettings(),
-            max_inflight_groups=8, handoff_linger_s=5.0,
-        )  # fmt: skip
+        a = _actor(q, _NoEngineActor, max_inflight_groups=8, handoff_linger_s=5.0)
         a.engine = object()  # resume() only needs a started engine
         t0 = time.monotonic()
         await a.resume()
@@ -174,6 +170,47 @@ def test_the_last_groups_before_a_shut_window_do_not_wait_out_the_linger(ray_loc
         a, took = asyncio.run(main())
         assert a.stats.groups == 4 and a.get_stats()["handoff_groups"] == 4
         assert took < 2.5, took  # the linger is 5 s
+    finally:
+        ray.kill(q)
+
+
+def test_a_hand_off_stops_lingering_once_a_quarter_of_the_slots_wait_for_it(ray_local):
+    """Finished groups' slots are asked for again with their hand-off, so while it
+    lingers the engine has that many groups fewer queued: once a quarter of the slots
+    wait, it goes (a fast engine with short answers otherwise ran with about half
+    its groups generating). Groups still travel together, not one by one."""
+    import time
+
+    import ray
+
+    from asyncrl.replay.queue import remote_queue
+
+    q = remote_queue(max_staleness=10**6, batch_groups=1, policy="drop", capacity_groups=10**6)
+
+    async def main():
+        a = _actor(q, _NoEngineActor, max_inflight_groups=8, handoff_linger_s=5.0)
+        a.seconds = (0.01, 0.04)  # 10-90 ms: much longer than a queue call
+        a.engine = object()  # resume() only needs a started engine
+        generating = []  # the engine's groups, every millisecond from the first grant
+        t0 = time.monotonic()
+        await a.resume()
+        while a.stats.groups < 100 and time.monotonic() - t0 < 10:
+            if generating or a._n_inflight:
+                generating.append(a._n_inflight)
+            await asyncio.sleep(0.001)
+        took = time.monotonic() - t0
+        await a.halt()
+        return a, took, generating
+
+    try:
+        a, took, generating = asyncio.run(main())
+        st = a.get_stats()
+        assert st["fatal"] == ""
+        assert took < 5.0, took  # the linger was never waited out
+        # the engine kept most of its 8 groups (about 7; 4.5 when each hand-off waited
+        # until none was generating)
+        assert sum(generating) / len(generating) >= 6.0, sum(generating) / len(generating)
+        assert st["handoff_groups"] >= 1.5 * st["handoff_calls"], st  # still batched
     finally:
         ray.kill(q)
 

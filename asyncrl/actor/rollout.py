@@ -335,6 +335,14 @@ class RolloutActor:
         """Slots neither generating nor asked for."""
         return self._max_inflight - self._n_inflight - self._asking
 
+    def _worth_lingering(self) -> bool:
+        """Whether a hand-off may wait for more groups: some are still generating, and
+        fewer than a quarter of the slots wait to be asked for again. The slots of
+        finished groups are asked for with their hand-off, so each group that lingers
+        is one the engine does not have queued; with 2-3-token answers a fast engine
+        finishes a quarter of 64 groups well within one 100 ms linger."""
+        return self._n_inflight > 0 and self._free() < self._refill
+
     def _start_groups(self, n: int) -> None:
         if n and self._idle_since is not None:
             self.stats.idle_seconds += time.time() - self._idle_since
@@ -379,7 +387,8 @@ class RolloutActor:
         self._n_inflight -= 1
         if self._n_inflight == 0:
             self._idle_since = time.time()
-            self._outbox.nothing_generating()  # no linger for groups that cannot come
+        if not self._worth_lingering():
+            self._outbox.look_again()  # the hand-off goes now
         self._slot_freed.set()
         if task.cancelled():
             self._give_back(queue)  # its slot was granted and will never be put
@@ -608,8 +617,8 @@ class _HandOffSlots:
     def outbox_idle(self) -> None:
         self.actor._slot_freed.set()  # the loop may ask for slots itself again
 
-    def generating(self) -> int:
-        return self.actor._n_inflight
+    def worth_lingering(self) -> bool:
+        return self.actor._worth_lingering()
 
 
 def _meta(group: TrajectoryGroup, actor: str) -> GroupMeta:

@@ -191,8 +191,10 @@ class SlotAsker(Protocol):
         """The outbox has handed everything over and has no call in flight."""
         ...
 
-    def generating(self) -> int:
-        """How many groups the actor still has generating (worth lingering for)."""
+    def worth_lingering(self) -> bool:
+        """Whether a hand-off may still wait for more groups: some are generating, and
+        the slots that wait for this hand-off to be asked for again are still few
+        enough that the engine stays fed."""
         ...
 
 
@@ -204,10 +206,12 @@ class Outbox:
 
     With ``slots`` (an actor's :class:`SlotAsker`), each hand-off is a
     :meth:`ReplayQueueCore.hand_over` that also asks for the slots the actor has free,
-    so a steady actor needs one queue call per hand-off, not two; and the linger ends
-    as soon as the actor has nothing left generating (:meth:`nothing_generating`):
-    nothing more can come along, and the learner may be waiting for these groups (the
-    staleness window is shut, or the run's last groups).
+    so a steady actor needs one queue call per hand-off, not two. The linger ends as
+    soon as the actor says it is no longer worth it (:meth:`look_again`,
+    ``SlotAsker.worth_lingering``): when nothing is left generating, nothing more can
+    come along and the learner may be waiting for these groups (the staleness window
+    is shut, or the run's last groups); when many slots wait for this hand-off, the
+    engine is running out of work.
 
     A failed call is not retried (the queue actor is gone, or it refused a group): the
     first error is kept in :attr:`error` and the groups' slots are freed where possible.
@@ -285,18 +289,18 @@ class Outbox:
                     self.error or f"the queue refused {len(refused)} group(s): {refused[0]}"
                 )
 
-    def nothing_generating(self) -> None:
-        """The actor has no group left generating: a linger now waits for nothing."""
+    def look_again(self) -> None:
+        """The actor's groups changed: a linger asks ``slots.worth_lingering`` again."""
         self._looked.set()
 
     async def _linger(self) -> None:
-        """``linger_s``, or until the actor has nothing generating (with ``slots``)."""
+        """``linger_s``, or (with ``slots``) until lingering is no longer worth it."""
         if self.slots is None:
             await asyncio.sleep(self.linger_s)
             return
         loop = asyncio.get_running_loop()
         end = loop.time() + self.linger_s
-        while self.slots.generating() > 0:
+        while self.slots.worth_lingering():
             self._looked.clear()
             left = end - loop.time()
             if left <= 0:
