@@ -92,7 +92,7 @@ class RolloutActor:
         sampling: SamplingSettings,
         engine: EngineSettings,
         seed: int = 0,
-        max_inflight_groups: int = 64,
+        max_inflight_groups: int = 256,
         update_mode: str = "keep",
         handoff_linger_s: float = 0.1,
         engine_cores: str | None = None,
