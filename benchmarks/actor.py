@@ -21,7 +21,11 @@ processes on core 0 and the actor's own process, where vLLM's frontend and all t
 work run, on the other cores: both sides use the same engine in the same placement,
 and every other process of the run (Ray's, the queue's) runs off the engine's cores,
 as in training (``wiring.keep_off_engines``). Measurements alternate (asyncrl, vllm,
-vllm_capped, then reversed, ...) after an untimed warm-up of each side.
+vllm_capped, then reversed, ...) after an untimed warm-up of each side at full size
+(``--warmup-prompts``): with a small warm-up the first measurement, always the
+actor's, was the slowest of its run in 5 of 5 runs (8-15% under the next rounds);
+whatever is paid once (which is not shown: memory first touched, caches) is now
+paid before the clock, by neither side.
 ``ratio`` is over all rounds' tokens and seconds; ``ratio_per_round`` and
 ``ratio_median`` compare the sides within each round (this machine's throughput drifts
 by 20-30% between minutes, so one round's outlier moves ``ratio`` by several points).
@@ -68,7 +72,6 @@ from benchmarks.common import (  # noqa: E402
 SIDES = ("asyncrl", "vllm", "vllm_capped")
 IO_SIDE = "vllm_io_on_engine"  # --io-threads-ab
 UNREACHABLE_BOUND = 10**9  # no learner here: versions never advance, nothing is stale
-WARMUP_PROMPTS = 16
 
 
 class BenchActor(RolloutActor):
@@ -212,6 +215,13 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=None, help="prompts (groups) per measurement")
     p.add_argument("--rounds", type=int, default=None, help="asyncrl/vllm measurement pairs")
     p.add_argument(
+        "--warmup-prompts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompts of the untimed warm-up of each side (default: --prompts; 0: none)",
+    )
+    p.add_argument(
         "--engine-cores",
         default=None,
         metavar="LIST",
@@ -237,6 +247,8 @@ def main() -> None:
     args = p.parse_args()
     num_prompts = args.prompts or (256 if args.quick else 1024)
     rounds = args.rounds or (2 if args.quick else 6)
+    if args.warmup_prompts is not None and not 0 <= args.warmup_prompts <= num_prompts:
+        p.error(f"--warmup-prompts must be in [0, --prompts={num_prompts}]")
 
     from asyncrl.tasks.base import TaskSampler
     from asyncrl.wiring import keep_off_engines, prepare
@@ -264,9 +276,12 @@ def main() -> None:
             placement["others_moved_threads"] = len(keep_off_engines([placement]))
         ray.get(actor.set_min_tokens.remote(args.min_tokens))
         meter = CpuMeter(actor_pid(actor))
-        # first use of each side's path (and the queue's process), untimed
-        measure_vllm(actor, prompts[:WARMUP_PROMPTS], "warmup", meter)
-        measure_asyncrl(actor, cfg.seed, WARMUP_PROMPTS, meter)
+        # first use of each side's path, of the engine's memory and the queue's process,
+        # untimed
+        warm = num_prompts if args.warmup_prompts is None else args.warmup_prompts
+        if warm:
+            measure_vllm(actor, prompts[:warm], "warmup", meter)
+            measure_asyncrl(actor, cfg.seed, warm, meter)
         cap = cfg.actor.max_inflight_groups
         for r in range(rounds):
             order = sides if r % 2 == 0 else sides[::-1]

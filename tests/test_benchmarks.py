@@ -111,14 +111,22 @@ def test_actor_benchmark(tmp_path):
         assert busy[r["side"]] == pytest.approx(cpu / float(r["seconds"]))
 
 
-def test_actor_io_threads_ab_needs_a_split_engine(tmp_path):
-    """--io-threads-ab without --engine-cores has no placement to compare: it stops
-    before starting anything, and says what is missing."""
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--io-threads-ab"], "give --engine-cores"),  # no placement to compare
+        (["--prompts", "8", "--warmup-prompts", "9"], "--warmup-prompts must be in [0, "),
+        (["--prompts", "8", "--warmup-prompts", "-1"], "--warmup-prompts must be in [0, "),
+    ],
+)
+def test_actor_benchmark_refuses_bad_flags_before_starting(tmp_path, args, says):
+    """Flags that cannot make a measurement stop the benchmark before it starts
+    anything (exit 2), saying what is wrong."""
     r = subprocess.run(
-        [sys.executable, "-m", "benchmarks.actor", "--io-threads-ab", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.actor", *args, "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert r.returncode == 2 and "give --engine-cores" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "actor.csv").exists()
 
 
