@@ -289,6 +289,10 @@ def main() -> None:
     losses = args.losses or (QUICK_LOSSES if args.quick else list(LOSSES))
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
 
+    if not args.summarise:  # a config that cannot compose fails now, not hours in
+        bad = check_overrides(args.overrides, steps, ks, losses, seeds)
+        if bad:
+            p.error(bad)
     if args.summarise:
         rows, curves = load_runs(args.summarise)
         ks = sorted({r["k"] for r in rows})
@@ -298,6 +302,23 @@ def main() -> None:
     else:
         rows, curves = sweep(args, steps, ks, losses, seeds, share_k0)
     report(rows, curves, ks, losses, steps, seeds, args)
+
+
+def check_overrides(overrides: list[str], steps: int, ks, losses, seeds) -> str:
+    """'' if every run's config composes, else what is wrong: an override of one loss's
+    settings (``loss.behaviour_cap=2.0``) does not fit the others, and would otherwise
+    stop the sweep at that loss's first run."""
+    runner = Runner(overrides, steps, Path("."), max(ks))
+    for loss in losses:
+        try:
+            runner.config(loss, max(ks), seeds[0])
+        except Exception as e:  # noqa: BLE001 - Hydra's and OmegaConf's errors, reported
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            return (
+                f"the overrides {' '.join(overrides)} do not fit loss {loss} "
+                f"(conf/loss/{LOSSES[loss]}.yaml): {msg}; sweep that loss apart"
+            )
+    return ""
 
 
 def sweep(args, steps, ks, losses, seeds, share_k0) -> tuple[list[dict], list[dict]]:
@@ -485,7 +506,8 @@ def _mean(xs: list[float]) -> float:
 
 
 def table(rows, reward, retention, retention_same, gain, start, ks, losses, steps, seeds, args):
-    c = compose(*BENCH_OVERRIDES, *args.overrides)
+    # with a loss of the sweep, so that an override of that loss's settings fits
+    c = compose(*BENCH_OVERRIDES, *args.overrides, f"loss={LOSSES[losses[0]]}")
     lrs = {r["lr"] for r in rows if not math.isnan(r.get("lr", math.nan))}
     lr = f"{lrs.pop():g}" if lrs else "not recorded"  # load_runs refuses mixed lrs
     subset = f"k in {list(ks)}, losses {list(losses)}, seeds {seeds}"

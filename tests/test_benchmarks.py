@@ -283,3 +283,40 @@ def test_staleness_summarise_refuses_bad_input(tmp_path):
     )  # fmt: skip
     assert r.returncode != 0 and "different settings (lr 0.0002" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_staleness_overrides_of_one_loss(tmp_path):
+    """An override of one loss's settings (loss.behaviour_cap) is refused before
+    anything starts when the sweep has a loss it does not fit (it used to stop the
+    sweep at that loss's first run), and fits the report of a sweep of that loss
+    alone (the report used to compose the config without the loss, and failed after
+    all runs had finished)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.staleness", "--losses", "none", "decoupled_ppo",
+         "--out", str(tmp_path / "out"), "loss.behaviour_cap=2.0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and "do not fit loss none" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+    d = tmp_path / "sweep"
+    d.mkdir()
+    (d / "staleness.csv").write_text(
+        "loss,k,seed,steps,samples,final_reward,same_version_reward,first_reward,"
+        "start_reward,start_samples,ess,mismatch_kl,exact_staleness,lr\n"
+        "decoupled_ppo,0,0,2,256,0.5,0.5,0.3,0.3,128,1.0,0.0,True,0.0005\n"
+        "decoupled_ppo,8,0,2,256,0.4,0.4,0.3,0.3,128,0.7,0.2,True,0.0005\n"
+    )
+    (d / "curves.csv").write_text(
+        "run,loss,k,seed,step,samples,reward\n"
+        "0,decoupled_ppo,0,0,1,128,0.3\n0,decoupled_ppo,0,0,2,256,0.5\n"
+        "1,decoupled_ppo,8,0,1,128,0.3\n1,decoupled_ppo,8,0,2,256,0.4\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.staleness", "--summarise", str(d),
+         "--out", str(tmp_path / "report"), "loss.behaviour_cap=2.0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    f = json.loads(r.stdout.strip().splitlines()[-1])
+    assert f["retention_k8"]["decoupled_ppo"] == pytest.approx(0.8)
