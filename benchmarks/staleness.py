@@ -289,10 +289,6 @@ def main() -> None:
     losses = args.losses or (QUICK_LOSSES if args.quick else list(LOSSES))
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
 
-    if not args.summarise:  # a config that cannot compose fails now, not hours in
-        bad = check_overrides(args.overrides, steps, ks, losses, seeds)
-        if bad:
-            p.error(bad)
     if args.summarise:
         rows, curves = load_runs(args.summarise)
         ks = sorted({r["k"] for r in rows})
@@ -300,6 +296,9 @@ def main() -> None:
         seeds = sorted({r["seed"] for r in rows})
         steps = max(r["steps"] for r in rows)
     else:
+        bad = check_overrides(args.overrides, steps, ks, losses, seeds)
+        if bad:  # a config that cannot compose fails now, not hours into the sweep
+            p.error(bad)
         rows, curves = sweep(args, steps, ks, losses, seeds, share_k0)
     report(rows, curves, ks, losses, steps, seeds, args)
 
