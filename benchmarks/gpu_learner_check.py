@@ -4,10 +4,17 @@ one, bf16 mixed precision, sequence packing, weight streaming.
     1. a few optimizer steps on a random 4-layer Qwen2 (bf16 compute, fp32 master
        weights): loss and grad norm finite, parameters move, tokens/s
     2. log-probs on packed rows vs one sequence at a time (bf16 tolerance)
-    3. named_parameters_stream(): HF names and full shapes, layer by layer
+    3. named_parameters_stream(): HF names and full shapes, layer by layer, and GB/s of
+       the stream copied out to the CPU (what the broker sends from)
+
+``--size tiny`` (default) is the 4-layer model; ``--size 0.5b`` is Qwen2-0.5B's shape
+(random weights, built here: no download) on 64-768-token responses, for tokens/s at a
+real size. tokens/s leaves out the first step (CUDA's lazy set-up); ``model_tflops`` is
+6 x parameters x tokens per second, an estimate of the work done.
 
 Prints one line per check and, last, one JSON line. Exit status 1 if a check failed.
-``--dry-run-on-cpu`` runs the same code on the CPU (unsharded) to catch mistakes first.
+``--dry-run-on-cpu`` runs the same code on the CPU (unsharded, and ``0.5b`` cut to two
+layers and a small vocabulary) to catch mistakes first.
 """
 
 from __future__ import annotations
@@ -26,13 +33,29 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 DRY = "--dry-run-on-cpu" in sys.argv
+SIZE = sys.argv[sys.argv.index("--size") + 1] if "--size" in sys.argv else "tiny"
 BF16_LOGP_TOL = 0.1  # packed vs single rows differ only in bf16 kernel order
+# model: random_qwen2(vocab, hidden, layers, heads, kv_heads, intermediate, max_positions);
+# batch: trajectories per step, prompt and response lengths [lo, hi), micro-batch tokens
+SIZES = {
+    "tiny": dict(model=(64, 256, 4, 4, 2, 512, 256), n=64, prompt=(4, 20), response=(2, 40),
+                 micro=2048, steps=5),
+    "0.5b": dict(model=(151936, 896, 24, 14, 2, 4864, 2048), n=32, prompt=(64, 256),
+                 response=(64, 768), micro=8192, steps=4),
+}  # fmt: skip
+if SIZE not in SIZES:
+    sys.exit(f"--size must be one of {sorted(SIZES)}, got {SIZE!r}")
+SPEC = SIZES[SIZE]
+if DRY and SIZE != "tiny":  # the same code on the CPU in seconds: two layers, small vocabulary
+    v, h, _, nh, kv, i, mp = SPEC["model"]
+    SPEC = {**SPEC, "model": (4096, h, 2, nh, kv, i, mp), "n": 4, "steps": 2}
 
 
-def tiny_model(d: Path) -> Path:
+def build_model(d: Path) -> Path:
     from asyncrl.models.tiny import random_qwen2
 
-    random_qwen2(64, 256, 4, 4, 2, 512, max_positions=256, out_dir=d, pad_token_id=0)
+    *shape, max_positions = SPEC["model"]
+    random_qwen2(*shape, max_positions=max_positions, out_dir=d, pad_token_id=0)
     return d
 
 
@@ -40,15 +63,16 @@ def trajs(n: int, seed: int):
     from asyncrl.trajectory import Trajectory
 
     rng = np.random.default_rng(seed)
+    vocab = SPEC["model"][0]
     out = []
     for i in range(n):
-        p, r = int(rng.integers(4, 20)), int(rng.integers(2, 40))
+        p, r = int(rng.integers(*SPEC["prompt"])), int(rng.integers(*SPEC["response"]))
         out.append(
             Trajectory(
                 f"t{i}",
                 f"g{i // 8}",
-                rng.integers(1, 64, p),
-                rng.integers(1, 64, r),
+                rng.integers(1, vocab, p),
+                rng.integers(1, vocab, r),
                 -rng.random(r).astype(np.float32) * 4,
                 np.zeros(r, np.int32),
                 np.ones(r, bool),
@@ -56,6 +80,11 @@ def trajs(n: int, seed: int):
             )
         )
     return out
+
+
+def sync() -> None:
+    if not DRY:
+        torch.cuda.synchronize()
 
 
 def main() -> int:
@@ -66,35 +95,44 @@ def main() -> int:
     from asyncrl.losses.clipped import ClippedISLoss
     from asyncrl.transport.group import free_port
 
-    results, figures = [], {"device": "cpu" if DRY else torch.cuda.get_device_name(0)}
+    results = []
+    figures = {"device": "cpu" if DRY else torch.cuda.get_device_name(0), "size": SIZE}
     if not DRY and not torch.cuda.is_available():
         print("no CUDA: nothing to check (use --dry-run-on-cpu)")
         return 1
     with tempfile.TemporaryDirectory() as tmp:
-        path = tiny_model(Path(tmp))
+        path = build_model(Path(tmp))
         rdv = None if DRY else f"127.0.0.1:{free_port()}"
         L = Learner(
             str(path),
             ClippedISLoss(),
             GroupNormalized(),
             OptimSettings(lr=1e-4),
-            micro_batch_tokens=2048,
+            micro_batch_tokens=SPEC["micro"],
             rank=0,
             world_size=1,
             rendezvous=rdv,
         )
         figures["sharded"] = bool(L.sharded)
         before = {n: p.detach().float().clone().cpu() for n, p in L.named_parameters_stream()}
+        n_params = sum(t.numel() for t in before.values())
+        figures["params"] = n_params
         ok = True
-        t0, tokens = time.time(), 0
-        for step in range(5):
-            batch = collate(trajs(64, step), L.pad_id)
+        tokens, seconds = 0, 0.0
+        for step in range(SPEC["steps"]):
+            batch = collate(trajs(SPEC["n"], step), L.pad_id)
+            sync()
+            t0 = time.perf_counter()
             m = L.step_on_batch(batch, L.version)
-            tokens += int(batch.attention_mask.sum())
+            sync()
+            if step == 0:
+                figures["first_step_s"] = round(time.perf_counter() - t0, 3)
+            else:
+                seconds += time.perf_counter() - t0
+                tokens += int(batch.attention_mask.sum())
             ok &= bool(np.isfinite(m["loss/total"]) and np.isfinite(m["learner/grad_norm"]))
-        if not DRY:
-            torch.cuda.synchronize()
-        figures["tokens_per_s"] = round(tokens / (time.time() - t0), 1)
+        figures["tokens_per_s"] = round(tokens / seconds, 1)
+        figures["model_tflops"] = round(6 * n_params * tokens / seconds / 1e12, 2)
         # The stream's tensors are valid only until the next item (FSDP reshards the
         # unit behind it), so copy each one out before moving on.
         after = {n: t.detach().float().clone().cpu() for n, t in L.named_parameters_stream()}
@@ -104,9 +142,15 @@ def main() -> int:
             (
                 "fsdp steps (bf16, nccl x1)",
                 ok_step,
-                f"moved {moved:.2e}, {figures['tokens_per_s']} tok/s",
+                f"moved {moved:.2e}, {figures['tokens_per_s']} tok/s "
+                f"({figures['model_tflops']} TFLOP/s by 6N; first step {figures['first_step_s']}s)",
             )
         )
+
+        sync()
+        t0 = time.perf_counter()
+        nbytes = sum(t.numel() * t.element_size() for _, t in L.stream_weights())
+        figures["stream_to_cpu_gbps"] = round(nbytes / (time.perf_counter() - t0) / 1e9, 2)
 
         ts = trajs(16, 99)
         packed = L.logprobs_of(ts)
@@ -127,7 +171,7 @@ def main() -> int:
             (
                 "weight stream: HF names, full shapes",
                 shapes_ok and names == list(before) and len(hf) > 0,
-                f"{len(names)} tensors",
+                f"{len(names)} tensors; to the CPU {figures['stream_to_cpu_gbps']} GB/s",
             )
         )
     for name, passed, detail in results:
