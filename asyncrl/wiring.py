@@ -74,6 +74,12 @@ def prepare(cfg: DictConfig) -> Setup:
     for key in ("max_steps", "learner.batch_groups", "actor.num_actors", "actor.sampling.n"):
         if OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"{key} must be >= 1, got {OmegaConf.select(cfg, key)}")
+    batch_size = cfg.learner.batch_groups * cfg.actor.sampling.n
+    if cfg.learner.minibatches > batch_size:
+        raise ConfigError(
+            f"learner.minibatches={cfg.learner.minibatches} is more than the "
+            f"{batch_size} trajectories of a batch (learner.batch_groups x actor.sampling.n)"
+        )
     model_path = resolve_model(cfg, task)
     resources = {
         "actors": cfg.actor.num_actors * cfg.actor.num_cpus,

@@ -91,6 +91,13 @@ def test_prepare_reports_broken_model_path(tmp_path):
         prepare(cfg(f"model.path={tmp_path}"))
 
 
+def test_more_minibatches_than_trajectories_is_refused():
+    with pytest.raises(ConfigError, match=r"learner.minibatches=9 is more than the 8 traj"):
+        prepare(cfg("learner.minibatches=9", "learner.batch_groups=2", "actor.sampling.n=4"))
+    with pytest.raises(ConfigError, match="learner.minibatches must be >= 1"):
+        prepare(cfg("learner.minibatches=0"))
+
+
 def test_task_with_no_prompts(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")

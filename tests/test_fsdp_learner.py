@@ -62,11 +62,11 @@ def close(a: float, b: float) -> bool:
     return abs(a - b) <= REL_TOL * max(abs(a), abs(b), 1e-12)
 
 
-@pytest.mark.parametrize("norm", ["token", "sequence"])
-def test_two_ranks_match_one(ray_local, model_dir, norm):
+@pytest.mark.parametrize("norm, minibatches", [("token", 1), ("sequence", 1), ("token", 2)])
+def test_two_ranks_match_one(ray_local, model_dir, norm, minibatches):
     torch.set_num_threads(1)
     optim = OptimSettings(lr=LR, grad_clip=1e9)
-    kw = dict(normalisation=norm, num_threads=1)
+    kw = dict(normalisation=norm, num_threads=1, minibatches=minibatches)
     steps = [
         collate(trajs(24, seed=3, max_prompt=9, max_response=12)),
         # rank 0 gets the 30-token sequence (one micro-batch), rank 1 the six short ones
@@ -85,7 +85,8 @@ def test_two_ranks_match_one(ray_local, model_dir, norm):
         for v, batch in enumerate(steps):
             m1 = one.step_on_batch(batch, v)
             m2 = group.step_on_batch(batch, v)
-            assert m2["learner/micro_batches"] > m1["learner/micro_batches"] == 1
+            assert m2["learner/micro_batches"] >= m1["learner/micro_batches"] == minibatches
+            assert m1["learner/optimizer_steps"] == m2["learner/optimizer_steps"] == minibatches
             for k in ("loss/total", "learner/grad_norm", "learner/update_norm", "is/ratio_mean"):
                 assert close(m1[k], m2[k]), (k, m1[k], m2[k])
             p1 = one.full_state_dict()
@@ -97,7 +98,7 @@ def test_two_ranks_match_one(ray_local, model_dir, norm):
             u2 = torch.cat([(p2[k] - before[k]).flatten() for k in p1])
             assert float((u1 - u2).norm() / u1.norm()) < UPDATE_REL_L2
             before = p1
-        if norm == "token":  # weights out and log-probs in, once
+        if (norm, minibatches) == ("token", 1):  # weights out and log-probs in, once
             streamed = dict(group.named_parameters_stream())
             assert streamed.keys() == p2.keys()
             assert all(torch.equal(streamed[k], p2[k]) for k in p2)

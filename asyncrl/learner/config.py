@@ -14,7 +14,7 @@ from asyncrl.config import ConfigError
 
 RANK_KEYS = (
     "micro_batch_tokens", "normalisation", "num_threads", "pack_row_tokens", "value_head",
-    "collective_timeout_s", "attn_implementation",
+    "collective_timeout_s", "attn_implementation", "minibatches",
 )  # fmt: skip
 
 
@@ -22,8 +22,8 @@ def optim_settings(lc: DictConfig, max_steps: int):
     from asyncrl.learner.optim import OptimSettings
 
     spec = OmegaConf.to_container(lc.optim, resolve=True)
-    if spec.get("total_steps") is None:
-        spec["total_steps"] = max_steps
+    if spec.get("total_steps") is None:  # the schedule counts optimizer steps
+        spec["total_steps"] = max_steps * max(int(lc.get("minibatches", 1)), 1)
     try:
         return OptimSettings(**spec)
     except TypeError as e:
@@ -35,7 +35,7 @@ def optim_settings(lc: DictConfig, max_steps: int):
 def check_learner_config(lc: DictConfig, loss: Any, max_steps: int) -> None:
     from asyncrl.learner.learner import NORMALISATIONS, check_value_head
 
-    for key in ("world_size", "micro_batch_tokens"):
+    for key in ("world_size", "micro_batch_tokens", "minibatches"):
         if lc[key] < 1:
             raise ConfigError(f"learner.{key} must be >= 1, got {lc[key]}")
     if lc.num_cpus <= 0:

@@ -1,10 +1,12 @@
 """One learner rank: turns a global batch into an optimizer step.
 
-    train_step(items, V) ─▶ ray.get(every group) ─▶ collate ─▶ advantages, loss weights
-        (whole batch, on every rank) ─▶ plan: ranks by tokens, packed rows, micro-batches
-        ─▶ [proximal log-probs, no grad] ─▶ per micro-batch: forward, loss, backward
-           (gradients accumulate; FSDP sums them across ranks on the last one)
-        ─▶ clip, AdamW, LR schedule ─▶ version V+1 ─▶ metrics gathered on rank 0
+    train_step(items, V) ─▶ ray.get(every group) ─▶ collate ─▶ advantages (whole batch,
+        on every rank) ─▶ split into ``minibatches`` (1: the whole batch) ─▶ per minibatch:
+        loss weights, plan: ranks by tokens, packed rows, micro-batches
+        ─▶ [proximal log-probs of every minibatch, no grad, before any step]
+        ─▶ per minibatch: per micro-batch: forward, loss, backward (gradients accumulate;
+           FSDP sums them across ranks on the last one) ─▶ clip, AdamW, LR schedule
+        ─▶ version V+1 ─▶ metrics gathered on rank 0
     named_parameters_stream() / state_dict_ref() ─▶ weights for the broker
 
 Ranks never exchange data: each fetches the same groups and computes the same plan,
@@ -12,6 +14,9 @@ then trains on its share. Ranks with fewer micro-batches run empty ones so that
 FSDP's collectives line up. Normalisation is fixed once per global batch:
 ``loss_weights`` sum to one over all tokens (``token``) or give every sequence equal
 weight (``sequence``), so neither micro-batching nor world size changes the loss.
+With ``minibatches > 1`` (PPO-style: several optimizer steps per batch, one policy
+version) each minibatch is normalised on its own, and a trust-region loss's clip
+(decoupled PPO) binds from the second step on, measured against the batch's start.
 """
 
 from __future__ import annotations
@@ -79,12 +84,16 @@ class Learner:
         rendezvous: str | None = None,
         collective_timeout_s: float = 600.0,
         attn_implementation: str = "sdpa",
+        minibatches: int = 1,
     ):
         if normalisation not in NORMALISATIONS:
             raise ValueError(
                 f"learner.normalisation must be one of {NORMALISATIONS}, got {normalisation!r}"
             )
         check_value_head(loss, value_head)
+        if minibatches < 1:
+            raise ValueError(f"learner.minibatches must be >= 1, got {minibatches}")
+        self.minibatches = int(minibatches)
         if num_threads:
             torch.set_num_threads(num_threads)
         self.rank, self.world_size = rank, world_size
@@ -145,55 +154,73 @@ class Learner:
         return metrics
 
     def step_on_batch(self, batch: TrainBatch, version: int) -> dict[str, float]:
-        """One optimizer step on the global ``batch`` (every rank gets the same one).
-        Returns the metrics on rank 0, ``{}`` elsewhere."""
+        """``minibatches`` optimizer steps on the global ``batch`` (every rank gets the same
+        one), then version + 1. Returns the metrics on rank 0, ``{}`` elsewhere."""
         if version != self.version:
             raise RuntimeError(
                 f"learner holds version {self.version}, driver asked to train version {version}"
             )
         t0 = time.time()
         B = len(batch)
+        if B < self.minibatches:
+            raise ValueError(
+                f"a batch of {B} trajectories cannot be split into learner.minibatches="
+                f"{self.minibatches}"
+            )
+        # Advantages see the whole batch (whole groups); each minibatch is then one step.
         adv = self.advantage(batch.rewards.double(), batch.group_ids).float()
-        n_tokens = max(float(batch.mask.sum()), 1.0)
-        weights = loss_weights(batch.mask, self.normalisation, int(batch.mask.sum()), B)
-        pl = self._plan(batch)
-        mine = pl.ranks[self.rank]
-        packs = [
-            build_packed(batch, mine[m] if m < len(mine) else [], self.pad_id)
-            for m in range(pl.num_micro)
-        ]
-        prox = self._proximal(packs, batch) if getattr(self.loss, "needs_proximal", False) else {}
-        sums, loss_sum = MetricSums(), 0.0
-        for m, pk in enumerate(packs):
-            self._sync_grads(m == len(packs) - 1)
-            logits, values = self._forward(pk)
-            if not pk.seqs:  # an empty micro-batch: zero gradients, same collectives
-                loss = 0.0 * logits.sum() + (0.0 * values.sum() if values is not None else 0.0)
-                loss.backward()
-                continue
-            idx = torch.tensor(pk.seqs)
-            lb = self._loss_batch(batch.rows(idx), adv[idx], weights[idx], version, prox.get(m))
-            logp, vals = self._rows(pk, logits, values, tuple(lb.mask.shape))
-            out = self.loss(lb, ModelOutputs(logprobs=logp, values=vals))
-            out.loss.backward()
-            loss_sum += float(out.loss.detach())
-            sums.add(out.metrics, share=float(lb.mask.sum()) / n_tokens)
-        t_fb = time.time() - t0
-        metrics = self._optimizer_step()
-        metrics["perf/learner_fwd_bwd_seconds"] = t_fb
-        metrics["perf/learner_optim_seconds"] = time.time() - t0 - t_fb
+        parts = []
+        for idx in torch.arange(B).tensor_split(self.minibatches):
+            mb = batch.rows(idx) if self.minibatches > 1 else batch
+            pl = self._plan(mb)
+            mine = pl.ranks[self.rank]
+            packs = [
+                build_packed(mb, mine[m] if m < len(mine) else [], self.pad_id)
+                for m in range(pl.num_micro)
+            ]
+            parts.append((mb, adv[idx], pl, packs))
+        # The proximal policy is the one at the start of the batch, for every minibatch:
+        # after the first step, the clip of a trust-region loss measures against it.
+        needs_prox = getattr(self.loss, "needs_proximal", False)
+        proxs = [self._proximal(packs, mb) if needs_prox else {} for mb, _, _, packs in parts]
+        sums, loss_sum, steps, t_opt = MetricSums(), 0.0, [], 0.0
+        n_all = max(float(batch.mask.sum()), 1.0)
+        for (mb, mb_adv, _, packs), prox in zip(parts, proxs, strict=True):
+            weights = loss_weights(mb.mask, self.normalisation, int(mb.mask.sum()), len(mb))
+            for m, pk in enumerate(packs):
+                self._sync_grads(m == len(packs) - 1)
+                logits, values = self._forward(pk)
+                if not pk.seqs:  # an empty micro-batch: zero gradients, same collectives
+                    loss = 0.0 * logits.sum() + (0.0 * values.sum() if values is not None else 0.0)
+                    loss.backward()
+                    continue
+                idx = torch.tensor(pk.seqs)
+                lb = self._loss_batch(mb.rows(idx), mb_adv[idx], weights[idx], version, prox.get(m))
+                logp, vals = self._rows(pk, logits, values, tuple(lb.mask.shape))
+                out = self.loss(lb, ModelOutputs(logprobs=logp, values=vals))
+                out.loss.backward()
+                loss_sum += float(out.loss.detach()) / len(parts)
+                sums.add(out.metrics, share=float(lb.mask.sum()) / n_all)
+            t1 = time.time()
+            steps.append(self._optimizer_step())
+            t_opt += time.time() - t1
+        metrics = {k: sum(st[k] for st in steps) / len(steps) for k in steps[0]}  # step means
+        metrics["perf/learner_fwd_bwd_seconds"] = time.time() - t0 - t_opt
+        metrics["perf/learner_optim_seconds"] = t_opt
         self.version += 1
-        parts = gather_to_rank0((sums, loss_sum))
-        if parts is None:
+        parts_rank0 = gather_to_rank0((sums, loss_sum))
+        if parts_rank0 is None:
             return {}
-        metrics.update(MetricSums.merge([s for s, _ in parts]))
+        metrics.update(MetricSums.merge([s for s, _ in parts_rank0]))
         metrics.update(
             {
-                "loss/total": sum(x for _, x in parts),
+                "loss/total": sum(x for _, x in parts_rank0),
                 "learner/batch_trajectories": B,
-                "learner/batch_tokens": sum(pl.lengths),
-                "learner/micro_batches": pl.num_micro,
-                "perf/packing_efficiency": pl.efficiency(),
+                "learner/batch_tokens": sum(sum(pl.lengths) for _, _, pl, _ in parts),
+                "learner/micro_batches": sum(pl.num_micro for _, _, pl, _ in parts),
+                "learner/optimizer_steps": len(steps),
+                "perf/packing_efficiency": sum(pl.efficiency() for _, _, pl, _ in parts)
+                / len(parts),
             }
         )
         return metrics
