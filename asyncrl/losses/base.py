@@ -15,7 +15,8 @@ A loss declares what it needs with class attributes; the learner computes only
 that:
 
 * ``needs_proximal``: ``batch.proximal_logprobs`` (the learner's policy at the
-  start of the step, computed once per batch without gradient);
+  start of the batch, computed once per batch without gradient, before the first
+  of its ``learner.minibatches`` optimizer steps);
 * ``needs_values``: ``outputs.values`` (the learner's value head).
 """
 
@@ -47,7 +48,7 @@ class LossBatch:
     group_ids: torch.Tensor  # [B] int64; trajectories sampled from one prompt share a group id
     learner_version: int  # version of the weights the learner holds at the start of this step
     proximal_logprobs: torch.Tensor | None = (
-        None  # float; learner's policy at step start (if needed)
+        None  # float; learner's policy at the batch's start (if needed)
     )
 
     @property
