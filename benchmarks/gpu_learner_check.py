@@ -9,8 +9,9 @@ one, bf16 mixed precision, sequence packing, weight streaming.
 
 ``--size tiny`` (default) is the 4-layer model; ``--size 0.5b`` is Qwen2-0.5B's shape
 (random weights, built here: no download) on 64-768-token responses, for tokens/s at a
-real size. tokens/s leaves out the first step (CUDA's lazy set-up); ``model_tflops`` is
-6 x parameters x tokens per second, an estimate of the work done.
+real size; ``--minibatches N`` takes N optimizer steps per batch. tokens/s leaves out
+the first step (CUDA's lazy set-up); ``model_tflops`` is 6 x parameters x tokens per
+second, an estimate of the work done.
 
 Prints one line per check and, last, one JSON line. Exit status 1 if a check failed.
 ``--dry-run-on-cpu`` runs the same code on the CPU (unsharded, and ``0.5b`` cut to two
@@ -25,6 +26,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+import argparse  # noqa: E402
 import json  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -32,8 +34,12 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-DRY = "--dry-run-on-cpu" in sys.argv
-SIZE = sys.argv[sys.argv.index("--size") + 1] if "--size" in sys.argv else "tiny"
+_p = argparse.ArgumentParser(description="GPU check of the learner (see the docstring)")
+_p.add_argument("--dry-run-on-cpu", action="store_true", help="the same code on the CPU")
+_p.add_argument("--size", default="tiny", help="tiny | 0.5b")
+_p.add_argument("--minibatches", type=int, default=1, help="learner.minibatches (steps per batch)")
+ARGS = _p.parse_args()
+DRY, SIZE = ARGS.dry_run_on_cpu, ARGS.size
 BF16_LOGP_TOL = 0.1  # packed vs single rows differ only in bf16 kernel order
 # model: random_qwen2(vocab, hidden, layers, heads, kv_heads, intermediate, max_positions);
 # batch: trajectories per step, prompt and response lengths [lo, hi), micro-batch tokens
@@ -97,6 +103,7 @@ def main() -> int:
 
     results = []
     figures = {"device": "cpu" if DRY else torch.cuda.get_device_name(0), "size": SIZE}
+    figures["minibatches"] = ARGS.minibatches
     if not DRY and not torch.cuda.is_available():
         print("no CUDA: nothing to check (use --dry-run-on-cpu)")
         return 1
@@ -112,6 +119,7 @@ def main() -> int:
             rank=0,
             world_size=1,
             rendezvous=rdv,
+            minibatches=ARGS.minibatches,
         )
         figures["sharded"] = bool(L.sharded)
         before = {n: p.detach().float().clone().cpu() for n, p in L.named_parameters_stream()}
@@ -131,6 +139,7 @@ def main() -> int:
                 seconds += time.perf_counter() - t0
                 tokens += int(batch.attention_mask.sum())
             ok &= bool(np.isfinite(m["loss/total"]) and np.isfinite(m["learner/grad_norm"]))
+            ok &= m["learner/optimizer_steps"] == ARGS.minibatches
         figures["tokens_per_s"] = round(tokens / seconds, 1)
         figures["model_tflops"] = round(6 * n_params * tokens / seconds / 1e12, 2)
         # The stream's tensors are valid only until the next item (FSDP reshards the

@@ -36,10 +36,12 @@ def test_gpu_check_dry_run_on_cpu():
     assert len(f["nccl_one_full_seconds"]) == 2
 
 
-@pytest.mark.parametrize("size", ["tiny", "0.5b"])
-def test_gpu_learner_check_dry_run_on_cpu(size):
-    f = last_json(run_script("gpu_learner_check.py", "--dry-run-on-cpu", "--size", size))
+@pytest.mark.parametrize("size, minibatches", [("tiny", 2), ("0.5b", 1)])
+def test_gpu_learner_check_dry_run_on_cpu(size, minibatches):
+    args = ("--dry-run-on-cpu", "--size", size, "--minibatches", str(minibatches))
+    f = last_json(run_script("gpu_learner_check.py", *args))
     assert f["passed"] is True and f["size"] == size and f["sharded"] is False
+    assert f["minibatches"] == minibatches
     assert f["tokens_per_s"] > 0 and f["stream_to_cpu_gbps"] > 0 and f["first_step_s"] > 0
 
 
