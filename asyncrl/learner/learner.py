@@ -162,15 +162,12 @@ class Learner:
             )
         t0 = time.time()
         B = len(batch)
-        if B < self.minibatches:
-            raise ValueError(
-                f"a batch of {B} trajectories cannot be split into learner.minibatches="
-                f"{self.minibatches}"
-            )
         # Advantages see the whole batch (whole groups); each minibatch is then one step.
+        # A batch smaller than ``minibatches`` (the queue may hand over part of a group)
+        # takes one step per trajectory: ``learner/optimizer_steps`` says how many.
         adv = self.advantage(batch.rewards.double(), batch.group_ids).float()
         parts = []
-        for idx in torch.arange(B).tensor_split(self.minibatches):
+        for idx in torch.arange(B).tensor_split(min(self.minibatches, B)):
             mb = batch.rows(idx) if self.minibatches > 1 else batch
             pl = self._plan(mb)
             mine = pl.ranks[self.rank]
