@@ -14,7 +14,9 @@ for none, on the default task with the same sample budget and seeds.
                 {min(V, k)}: the script checks it after every run
 
 "No correction" is ``loss=plain_pg`` (REINFORCE that ignores the behaviour
-log-probs). Final reward = mean reward of the samples trained in the last 10% of
+log-probs) with the off-policy brake off (``learner.optim.mismatch_kl_target=null``:
+it reads the behaviour log-probs too); every other loss runs with the configured
+brake (on by default, docs/losses.md). Final reward = mean reward of the samples trained in the last 10% of
 steps (for k > 0 they were generated k versions before the end, so it lags by k
 versions); same-version reward = mean reward of the samples that the same policy
 versions generated in every run (the 10% of versions before ``steps - max(k)``): it
@@ -84,6 +86,8 @@ QUICK_LOSSES = ("none", "decoupled_ppo")
 FINAL_FRACTION = 0.1  # final reward: the samples of the last 10% of steps
 # Settings every run shares on top of the default config (see the module docstring).
 BENCH_OVERRIDES = ("broker=objectstore", "progress=false")
+# "No correction" corrects nothing: neither weights nor the brake, whatever the overrides.
+UNCORRECTED = {"none": ("learner.optim.mismatch_kl_target=null",)}
 POLL_S = 0.01  # how often the driver looks whether the actor finished its batch
 
 
@@ -139,6 +143,7 @@ class Runner:
             "replay.policy=throttle",
             f"seed={seed}",
             f"max_steps={self.steps}",
+            *UNCORRECTED.get(loss, ()),
         )
 
     def run(self, loss: str, k: int, seed: int) -> tuple[dict[str, Any], list[dict[str, float]]]:
@@ -177,6 +182,8 @@ class Runner:
             queue_stats, _ = stop_all(parts)
         row = summarise(loss, k, seed, rec.steps, queue_stats, time.time() - t0, self.k_max)
         row["lr"] = float(cfg.learner.optim.lr)
+        target = cfg.learner.optim.get("mismatch_kl_target")
+        row["kl_target"] = math.nan if target is None else float(target)  # nan: brake off
         return row, rec.steps
 
     def _new_actor(self, cfg: Any, setup: Any):
@@ -248,6 +255,7 @@ def summarise(
         "ess": mean("is/ess", full),
         "mismatch_kl": mean("is/mismatch_kl", full),
         "staleness_mean": mean("staleness/mean", full),
+        "lr_scale": mean("learner/lr_scale", full),
         "max_staleness": q.get("max_staleness_trained"),
         "dropped": q.get("dropped_stale"),
         "exact_staleness": hist == want,
@@ -416,6 +424,7 @@ def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
     rows: list[dict] = []
     curves: list[dict] = []
     seen: set[tuple] = set()
+    brakes: set[float | None] = set()  # the corrections' mismatch_kl_target (None: off)
     for d in dirs:
         try:
             with (d / "staleness.csv").open() as f:
@@ -425,7 +434,9 @@ def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
         except FileNotFoundError as e:
             raise SystemExit(f"--summarise {d}: no {Path(e.filename).name} there") from e
         for i, r in enumerate(got):
-            lr = r.get("lr", math.nan)
+            lr, target = r.get("lr", math.nan), r.get("kl_target", math.nan)
+            if r["loss"] not in UNCORRECTED and not r.get("shared_from"):  # not a k=0 copy
+                brakes.add(None if math.isnan(target) else target)
             key = (r["loss"], r["k"], r["seed"], None if math.isnan(lr) else lr, r["steps"])
             if key in seen:
                 print(f"--summarise: {key} met again in {d}, skipped", file=sys.stderr)
@@ -440,14 +451,15 @@ def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
     if not rows:
         raise SystemExit("--summarise: no runs found")
     settings = {key[3:] for key in seen}  # lr None: written before lr was recorded
-    if len(settings) > 1:  # one table averages over seeds: other settings would mix in
+    if len(settings) > 1 or len(brakes) > 1:  # one table averages over seeds
         shown = ", ".join(
             f"lr {'not recorded' if lr is None else f'{lr:g}'} x {n} steps"
             for lr, n in sorted(settings, key=str)
         )
+        brake = ", ".join("off" if b is None else f"{b:g}" for b in sorted(brakes, key=str))
         raise SystemExit(
-            f"--summarise: these sweeps used different settings ({shown}); "
-            "summarise each setting on its own"
+            f"--summarise: these sweeps used different settings ({shown}; "
+            f"mismatch_kl_target {brake}); summarise each setting on its own"
         )
     return rows, curves
 
@@ -481,6 +493,7 @@ def curve_rows(run: int, row: dict[str, Any], per_step: list[dict[str, float]]) 
                 "staleness": r["staleness/mean"],
                 "ess": r.get("is/ess"),
                 "mismatch_kl": r.get("is/mismatch_kl"),
+                "lr": r.get("learner/lr"),
             }
         )
     return out

@@ -172,6 +172,7 @@ def test_staleness_benchmark(tmp_path):
         assert r["exact_staleness"] == "True", r
         assert int(r["max_staleness"]) == int(r["k"]) and int(r["dropped"]) == 0
         assert int(r["samples"]) == 10 * 16 * 8
+        assert r["kl_target"] == "nan"  # no correction runs without the off-policy brake
         # version-0 samples: step 1 at k=0, steps 1-9 at k=8 (the ramp trains on them)
         assert int(r["start_samples"]) == (1 if r["k"] == "0" else 9) * 16 * 8
     curves = list(csv.DictReader((tmp_path / "curves.csv").open()))
@@ -283,6 +284,52 @@ def test_staleness_summarise_refuses_bad_input(tmp_path):
     )  # fmt: skip
     assert r.returncode != 0 and "different settings (lr 0.0002" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "out").exists()  # nothing half-written
+    # the off-policy brake: "none" runs without it beside braked losses (one sweep; a
+    # k=0 row shared from "none" too), but two targets for one correction are two settings
+    dirs = []
+    for name, rows in {
+        "a": [("none", "nan", ""), ("tis", "0.05", ""), ("mis", "nan", "none")],
+        "b": [("decoupled_ppo", "0.05", "")],
+        "c": [("decoupled_ppo", "0.1", "")],
+    }.items():
+        d = tmp_path / name
+        d.mkdir()
+        (d / "staleness.csv").write_text(
+            "loss,k,seed,steps,samples,final_reward,same_version_reward,first_reward,"
+            "start_reward,start_samples,ess,mismatch_kl,exact_staleness,lr,kl_target,"
+            "shared_from\n"
+            + "".join(
+                f"{loss},0,0,2,256,0.5,0.5,0.3,0.3,128,1.0,0.0,True,0.0005,{t},{shared}\n"
+                for loss, t, shared in rows
+            )
+        )
+        (d / "curves.csv").write_text(
+            "run,loss,k,seed,step,samples,reward\n"
+            + "".join(f"{i},{r[0]},0,0,2,256,0.5\n" for i, r in enumerate(rows))
+        )
+        dirs.append(str(d))
+    for got, ok in ((dirs[:2], True), (dirs[1:], False)):
+        r = subprocess.run(
+            [sys.executable, "-m", "benchmarks.staleness", "--summarise", *got,
+             "--out", str(tmp_path / "out2")],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert (r.returncode == 0) == ok, r.stderr[-2000:]
+    assert "mismatch_kl_target 0.05, 0.1" in r.stderr, r.stderr[-2000:]
+
+
+def test_no_correction_runs_without_the_off_policy_brake():
+    from benchmarks.staleness import Runner
+
+    runner = Runner(["learner.optim.mismatch_kl_target=0.1"], 10, Path("."), 8)
+    assert runner.config("none", 8, 0).learner.optim.mismatch_kl_target is None
+    assert runner.config("tis", 8, 0).learner.optim.mismatch_kl_target == 0.1
+    assert (
+        Runner([], 10, Path("."), 8)
+        .config("decoupled_ppo", 8, 0)
+        .learner.optim["mismatch_kl_target"]
+        == 0.05
+    )  # the default config's brake
 
 
 def test_staleness_overrides_of_one_loss(tmp_path):

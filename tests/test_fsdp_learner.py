@@ -62,10 +62,15 @@ def close(a: float, b: float) -> bool:
     return abs(a - b) <= REL_TOL * max(abs(a), abs(b), 1e-12)
 
 
-@pytest.mark.parametrize("norm, minibatches", [("token", 1), ("sequence", 1), ("token", 2)])
-def test_two_ranks_match_one(ray_local, model_dir, norm, minibatches):
+@pytest.mark.parametrize(
+    "norm, minibatches, target",
+    [("token", 1, None), ("sequence", 1, None), ("token", 2, None), ("token", 1, 1.0)],
+)
+def test_two_ranks_match_one(ray_local, model_dir, norm, minibatches, target):
+    """``target``: the off-policy brake on (the test's random behaviour log-probs are far
+    off the model's, so it binds): the KL it scales by is summed over both ranks."""
     torch.set_num_threads(1)
-    optim = OptimSettings(lr=LR, grad_clip=1e9)
+    optim = OptimSettings(lr=LR, grad_clip=1e9, mismatch_kl_target=target)
     kw = dict(normalisation=norm, num_threads=1, minibatches=minibatches)
     steps = [
         collate(trajs(24, seed=3, max_prompt=9, max_response=12)),
@@ -87,8 +92,10 @@ def test_two_ranks_match_one(ray_local, model_dir, norm, minibatches):
             m2 = group.step_on_batch(batch, v)
             assert m2["learner/micro_batches"] >= m1["learner/micro_batches"] == minibatches
             assert m1["learner/optimizer_steps"] == m2["learner/optimizer_steps"] == minibatches
-            for k in ("loss/total", "learner/grad_norm", "learner/update_norm", "is/ratio_mean"):
+            for k in ("loss/total", "learner/grad_norm", "learner/update_norm", "is/ratio_mean",
+                      "learner/lr_scale"):  # fmt: skip
                 assert close(m1[k], m2[k]), (k, m1[k], m2[k])
+            assert (m1["learner/lr_scale"] < 1) == (target is not None)
             p1 = one.full_state_dict()
             p2 = ray.get(group.state_dict_ref()[0])
             assert p1.keys() == p2.keys() and "lm_head.weight" not in p2  # tied: dropped
@@ -98,7 +105,7 @@ def test_two_ranks_match_one(ray_local, model_dir, norm, minibatches):
             u2 = torch.cat([(p2[k] - before[k]).flatten() for k in p1])
             assert float((u1 - u2).norm() / u1.norm()) < UPDATE_REL_L2
             before = p1
-        if (norm, minibatches) == ("token", 1):  # weights out and log-probs in, once
+        if (norm, minibatches, target) == ("token", 1, None):  # weights out, log-probs in
             streamed = dict(group.named_parameters_stream())
             assert streamed.keys() == p2.keys()
             assert all(torch.equal(streamed[k], p2[k]) for k in p2)

@@ -44,9 +44,10 @@ from asyncrl.learner.dist import (
 from asyncrl.learner.logprobs import to_rows, token_logprobs
 from asyncrl.learner.metrics import MetricSums, trajectory_metrics
 from asyncrl.learner.model import PolicyModel, load_lm, policy_forward
-from asyncrl.learner.optim import OptimSettings, build_optimizer, clip_grad_norm
+from asyncrl.learner.optim import OptimSettings, build_optimizer, clip_grad_norm, kl_brake
 from asyncrl.learner.packing import PackedRows, build_packed, plan
 from asyncrl.losses.base import LossBatch, ModelOutputs
+from asyncrl.losses.ratios import LOG_RATIO_CAP, log_ratio
 
 __all__ = ["Learner", "OptimSettings", "loss_weights", "trajectory_metrics"]
 
@@ -126,6 +127,7 @@ class Learner:
         self.normalisation = normalisation
         self.model_path = model_path
         self.version = 0
+        self.lr_scale = 1.0  # the off-policy brake's LR multiplier (optim.kl_brake)
         self.pad_id = self.model.config.pad_token_id or 0
         self.traj_log = None
         if trajectory_log and rank == 0:
@@ -184,6 +186,7 @@ class Learner:
         n_all = max(float(batch.mask.sum()), 1.0)
         for (mb, mb_adv, _, packs), prox in zip(parts, proxs, strict=True):
             weights = loss_weights(mb.mask, self.normalisation, int(mb.mask.sum()), len(mb))
+            kl = torch.zeros(2, dtype=torch.float64)  # this rank's k3 sum and token count
             for m, pk in enumerate(packs):
                 self._sync_grads(m == len(packs) - 1)
                 logits, values = self._forward(pk)
@@ -198,8 +201,10 @@ class Learner:
                 out.loss.backward()
                 loss_sum += float(out.loss.detach()) / len(parts)
                 sums.add(out.metrics, share=float(lb.mask.sum()) / n_all)
+                if self.optim_cfg.mismatch_kl_target is not None:
+                    kl += mismatch_kl_sum(logp, lb.behaviour_logprobs, lb.mask)
             t1 = time.time()
-            steps.append(self._optimizer_step())
+            steps.append(self._optimizer_step(self._brake(kl)))
             t_opt += time.time() - t1
         metrics = {k: sum(st[k] for st in steps) / len(steps) for k in steps[0]}  # step means
         metrics["perf/learner_fwd_bwd_seconds"] = time.time() - t0 - t_opt
@@ -239,9 +244,21 @@ class Learner:
             proximal_logprobs=prox,
         )
 
-    def _optimizer_step(self) -> dict[str, float]:
+    def _brake(self, kl: torch.Tensor) -> float:
+        """The off-policy brake's LR multiplier, moved by the minibatch's mismatch KL
+        summed over every rank's tokens (so every rank steps alike); 1 when it is off."""
+        target = self.optim_cfg.mismatch_kl_target
+        if target is None:
+            return 1.0
+        total, n = all_reduce_sum(kl.to(self.device)).tolist()
+        self.lr_scale = kl_brake(self.lr_scale, total / max(n, 1.0), target)
+        return self.lr_scale
+
+    def _optimizer_step(self, lr_scale: float = 1.0) -> dict[str, float]:
         params = [p for g in self.opt.param_groups for p in g["params"]]
         grad_norm = clip_grad_norm(params, self.optim_cfg.grad_clip)
+        for g in self.opt.param_groups:  # the schedule sets every group's LR anew below
+            g["lr"] *= lr_scale
         lr = self.opt.param_groups[0]["lr"]  # the LR this step uses
         with torch.no_grad():  # this rank's shards only: 1/N of the parameters
             before = torch._foreach_mul([local(p) for p in params], 1.0)
@@ -256,6 +273,7 @@ class Learner:
             "learner/grad_norm": float(grad_norm),
             "learner/update_norm": math.sqrt(float(upd)),
             "learner/lr": float(lr),
+            "learner/lr_scale": lr_scale,
         }
 
     def _plan(self, batch: TrainBatch):
@@ -354,6 +372,7 @@ class Learner:
             "world_size": self.world_size,
             "normalisation": self.normalisation,
             "value_head": self.value_head is not None,
+            "lr_scale": self.lr_scale,
         }
         out = checkpoint.save(
             path, self.policy, self.opt, self.sched, meta, self.rank, driver_state
@@ -373,6 +392,7 @@ class Learner:
                 f"this run has {self.value_head is not None}"
             )
         self.version = int(meta["version"])
+        self.lr_scale = float(meta.get("lr_scale", 1.0))  # older checkpoints: no brake state
         return meta
 
     def ping(self) -> bool:
@@ -386,6 +406,14 @@ class Learner:
             self.traj_log = None
         if self.sharded and dist.is_initialized():
             dist.destroy_process_group()
+
+
+@torch.no_grad()
+def mismatch_kl_sum(current: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor):
+    """``[k3 sum, tokens]`` over ``mask``: ``sum(r - 1 - log r)``, ``r = current / behaviour``
+    (the estimator of ``is/mismatch_kl``, losses/diagnostics.py), in float64."""
+    lr = log_ratio(current.detach(), behaviour, mask).double().clamp(max=LOG_RATIO_CAP)
+    return torch.stack([(lr.exp() - 1 - lr).sum(), mask.sum().double()]).cpu()
 
 
 def check_value_head(loss: Any, value_head: bool) -> None:

@@ -8,6 +8,17 @@ The LR at optimizer step ``k`` (0-based) is ``lr * factor(k)``::
                                  p = (k - warmup_steps) / (total_steps - warmup_steps), capped at 1
 
 The value head (when on) has its own base LR (``value_lr``) under the same factor.
+
+The off-policy brake (``mismatch_kl_target``, off when null) scales that LR by a factor
+in [MIN_LR_SCALE, 1] that it moves before every optimizer step, by the mismatch KL of
+the step's batch (``is/mismatch_kl``: the k3 estimate of KL(behaviour || current))::
+
+    scale <- clip(scale * (target / KL) ** KL_GAIN, MIN_LR_SCALE, 1)
+
+so the policy's drift from the versions that generated its data settles near the
+target. On-policy the KL is ~0 and the scale stays 1: nothing changes. Under staleness
+that drift is what makes importance weights noisy and their truncation biased
+(docs/losses.md). The scale is the learner's state (saved in checkpoints).
 """
 
 from __future__ import annotations
@@ -19,6 +30,10 @@ from dataclasses import dataclass
 import torch
 
 SCHEDULES = ("constant", "cosine")
+# The off-policy brake: the log-scale moves by KL_GAIN * log(target / KL) a step (the
+# KL answers a change of LR over the next few versions, so the steps are small).
+KL_GAIN = 0.05
+MIN_LR_SCALE = 0.01
 
 
 @dataclass
@@ -32,6 +47,7 @@ class OptimSettings:
     total_steps: int | None = None  # cosine horizon; None: the run's max_steps
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of the base LR
     value_lr: float | None = None  # value head's base LR; None: ``lr``
+    mismatch_kl_target: float | None = None  # off-policy brake (see above); None: off
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -48,6 +64,11 @@ class OptimSettings:
             raise ValueError(
                 f"learner.optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}"
             )
+        if self.mismatch_kl_target is not None and not self.mismatch_kl_target > 0:
+            raise ValueError(
+                "learner.optim.mismatch_kl_target must be > 0 or null, "
+                f"got {self.mismatch_kl_target}"
+            )
         self.betas = tuple(self.betas)
 
 
@@ -60,6 +81,18 @@ def lr_factor(step: int, s: OptimSettings) -> float:
     span = max(1, int(s.total_steps) - s.warmup_steps)
     p = min(1.0, (step - s.warmup_steps) / span)
     return s.min_lr_ratio + (1.0 - s.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+def kl_brake(scale: float, kl: float, target: float | None) -> float:
+    """The brake's LR multiplier for a step whose batch has mismatch KL ``kl``, from the
+    previous one, ``scale`` (1 at the start; always 1 with no target). A NaN KL (broken
+    log-probs, which the loss reports itself) leaves it as it was."""
+    if target is None:
+        return 1.0
+    if math.isnan(kl):
+        return scale
+    nxt = scale * (target / max(kl, 1e-12)) ** KL_GAIN
+    return min(1.0, max(MIN_LR_SCALE, nxt))
 
 
 def build_optimizer(
