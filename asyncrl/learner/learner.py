@@ -47,7 +47,7 @@ from asyncrl.learner.model import PolicyModel, load_lm, policy_forward
 from asyncrl.learner.optim import OptimSettings, build_optimizer, clip_grad_norm, kl_brake
 from asyncrl.learner.packing import PackedRows, build_packed, plan
 from asyncrl.losses.base import LossBatch, ModelOutputs
-from asyncrl.losses.ratios import LOG_RATIO_CAP, log_ratio
+from asyncrl.losses.diagnostics import mismatch_kl_sum
 
 __all__ = ["Learner", "OptimSettings", "loss_weights", "trajectory_metrics"]
 
@@ -406,14 +406,6 @@ class Learner:
             self.traj_log = None
         if self.sharded and dist.is_initialized():
             dist.destroy_process_group()
-
-
-@torch.no_grad()
-def mismatch_kl_sum(current: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor):
-    """``[k3 sum, tokens]`` over ``mask``: ``sum(r - 1 - log r)``, ``r = current / behaviour``
-    (the estimator of ``is/mismatch_kl``, losses/diagnostics.py), in float64."""
-    lr = log_ratio(current.detach(), behaviour, mask).double().clamp(max=LOG_RATIO_CAP)
-    return torch.stack([(lr.exp() - 1 - lr).sum(), mask.sum().double()]).cpu()
 
 
 def check_value_head(loss: Any, value_head: bool) -> None:
