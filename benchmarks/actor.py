@@ -16,10 +16,13 @@ One engine serves both sides (one start-up, no engine-to-engine variance): only
 what the actor adds around ``generate`` differs. The task's answers are 2-3 tokens, so
 the default measures per-group costs above all; ``--min-tokens N
 actor.sampling.max_tokens=M`` makes every sample N to M tokens long on both sides, as
-real completions are. ``--engine-cores 0`` (``actor.engine_cores=0``) runs the engine's
-processes on core 0 and the actor's own process, where vLLM's frontend and all the actor's
-work run, on the other cores: both sides use the same engine in the same placement,
-and every other process of the run (Ray's, the queue's) runs off the engine's cores,
+real completions are. By default (``--engine-cores auto``, on two or more cores) the
+engine's processes run on the lowest usable core (here ``actor.engine_cores=0``) and
+the actor's own process, where vLLM's frontend and all the actor's work run, on the
+other cores (``--engine-cores os`` leaves every process to the OS, which on 2 cores
+puts the actor's work on the engine's core part of the time: ``ratio`` 0.78-0.86
+there, README): both sides use the same engine in the same placement, and every
+other process of the run (Ray's, the queue's) runs off the engine's cores,
 as in training (``wiring.keep_off_engines``). Measurements alternate (asyncrl, vllm,
 vllm_capped, then reversed, ...) after an untimed warm-up of each side at full size
 (``--warmup-prompts``): with a small warm-up the first measurement, always the
@@ -50,6 +53,7 @@ if __package__ in (None, ""):  # run as a file: see the note in benchmarks/commo
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import asyncio  # noqa: E402
+import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
@@ -210,6 +214,21 @@ def start_actor(cfg: Any, setup: Any):
     return actor
 
 
+def auto_engine_cores(flag: str, configured: Any) -> Any:
+    """``--engine-cores``: ``os`` -> None (the OS places every process); ``auto`` -> the
+    config's ``actor.engine_cores`` if set, else the lowest core this process may use
+    when it may use two or more (the engine alone there, the actor's process and
+    vLLM's frontend beside it), else None; anything else is the CPU list itself."""
+    if flag == "os":
+        return None
+    if flag != "auto":
+        return flag
+    if configured is not None:
+        return configured
+    allowed = sorted(os.sched_getaffinity(0))
+    return str(allowed[0]) if len(allowed) >= 2 else None
+
+
 def main() -> None:
     p = parser("actor", __doc__)
     p.add_argument("--prompts", type=int, default=None, help="prompts (groups) per measurement")
@@ -223,10 +242,11 @@ def main() -> None:
     )
     p.add_argument(
         "--engine-cores",
-        default=None,
+        default="auto",
         metavar="LIST",
         help="actor.engine_cores: the engine's processes on these cores (e.g. 0), the "
-        "actor's own process on the others; default: the config's (null: the OS places them)",
+        "actor's own process on the others; 'os': the OS places them; default 'auto': the "
+        "config's if set, else the lowest usable core when there are two or more",
     )
     p.add_argument(
         "--min-tokens",
@@ -254,11 +274,16 @@ def main() -> None:
     from asyncrl.wiring import keep_off_engines, prepare
 
     overrides = list(args.overrides)
-    if args.engine_cores is not None:
-        overrides.append(f"actor.engine_cores='{args.engine_cores}'")
     cfg = compose(*overrides)
+    cores = auto_engine_cores(args.engine_cores, cfg.actor.engine_cores)
+    if cores != cfg.actor.engine_cores:
+        overrides.append(f"actor.engine_cores={'null' if cores is None else repr(cores)}")
+        cfg = compose(*overrides)
     if args.io_threads_ab and cfg.actor.engine_cores is None:
-        p.error("--io-threads-ab compares placements of a split engine: give --engine-cores")
+        p.error(
+            "--io-threads-ab compares placements of a split engine: give --engine-cores "
+            "(it has no split on one core or with --engine-cores os)"
+        )
     sides = SIDES + ((IO_SIDE,) if args.io_threads_ab else ())
     setup = prepare(cfg)  # builds the tiny model once if it is not cached
     sampler = TaskSampler(setup.task, cfg.seed)  # the RolloutActor draws the same prompts

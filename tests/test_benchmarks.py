@@ -114,7 +114,7 @@ def test_actor_benchmark(tmp_path):
 @pytest.mark.parametrize(
     "args, says",
     [
-        (["--io-threads-ab"], "give --engine-cores"),  # no placement to compare
+        (["--engine-cores", "os", "--io-threads-ab"], "give --engine-cores"),  # no split
         (["--prompts", "8", "--warmup-prompts", "9"], "--warmup-prompts must be in [0, "),
         (["--prompts", "8", "--warmup-prompts", "-1"], "--warmup-prompts must be in [0, "),
     ],
@@ -128,6 +128,21 @@ def test_actor_benchmark_refuses_bad_flags_before_starting(tmp_path, args, says)
     )  # fmt: skip
     assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "actor.csv").exists()
+
+
+def test_actor_benchmark_places_the_engine_alone_by_default(monkeypatch):
+    """--engine-cores auto: the config's placement if it sets one, else the engine on
+    the lowest usable core when there are two or more, else the OS's; 'os' and a
+    CPU list are taken as they are."""
+    from benchmarks.actor import auto_engine_cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 5})
+    assert auto_engine_cores("auto", None) == "3"
+    assert auto_engine_cores("auto", "5") == "5"
+    assert auto_engine_cores("os", "5") is None
+    assert auto_engine_cores("1-2", None) == "1-2"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4})
+    assert auto_engine_cores("auto", None) is None
 
 
 @pytest.mark.slow
