@@ -22,7 +22,8 @@ versions); same-version reward = mean reward of the samples that the same policy
 versions generated in every run (the 10% of versions before ``steps - max(k)``): it
 compares policies after equally many updates. ESS and mismatch KL (``is/ess``,
 ``is/mismatch_kl``: current policy vs behaviour) are averaged over the steps at
-full staleness. Start reward = the reward of the initial policy's samples (version 0),
+full staleness, as are the gradient norm before clipping (``grad_norm``) and the share
+of those steps whose gradient was clipped (``grad_clip_frac``). Start reward = the reward of the initial policy's samples (version 0),
 pooled over all runs; gain retention = (reward(k=8) - start) / (reward(k=0) - start):
 the share of what was learnt at k=0 that survives k=8 (``retention_k8``, the ratio of
 rewards, stays near 1 when little is learnt at all).
@@ -184,6 +185,11 @@ class Runner:
         row["lr"] = float(cfg.learner.optim.lr)
         target = cfg.learner.optim.get("mismatch_kl_target")
         row["kl_target"] = math.nan if target is None else float(target)  # nan: brake off
+        clip = float(cfg.learner.optim.grad_clip)
+        norms = [r["learner/grad_norm"] for r in rec.steps[k:] if "learner/grad_norm" in r]
+        row["grad_clip_frac"] = (  # steps at full staleness whose gradient was clipped
+            sum(n > clip for n in norms) / len(norms) if clip > 0 and norms else math.nan
+        )
         return row, rec.steps
 
     def _new_actor(self, cfg: Any, setup: Any):
@@ -256,6 +262,7 @@ def summarise(
         "mismatch_kl": mean("is/mismatch_kl", full),
         "staleness_mean": mean("staleness/mean", full),
         "lr_scale": mean("learner/lr_scale", full),
+        "grad_norm": mean("learner/grad_norm", full),
         "max_staleness": q.get("max_staleness_trained"),
         "dropped": q.get("dropped_stale"),
         "exact_staleness": hist == want,
@@ -493,6 +500,7 @@ def curve_rows(run: int, row: dict[str, Any], per_step: list[dict[str, float]]) 
                 "staleness": r["staleness/mean"],
                 "ess": r.get("is/ess"),
                 "mismatch_kl": r.get("is/mismatch_kl"),
+                "grad_norm": r.get("learner/grad_norm"),
                 "lr": r.get("learner/lr"),
             }
         )

@@ -188,10 +188,12 @@ def test_staleness_benchmark(tmp_path):
         assert int(r["max_staleness"]) == int(r["k"]) and int(r["dropped"]) == 0
         assert int(r["samples"]) == 10 * 16 * 8
         assert r["kl_target"] == "nan"  # no correction runs without the off-policy brake
+        assert float(r["grad_norm"]) > 0 and 0 <= float(r["grad_clip_frac"]) <= 1
         # version-0 samples: step 1 at k=0, steps 1-9 at k=8 (the ramp trains on them)
         assert int(r["start_samples"]) == (1 if r["k"] == "0" else 9) * 16 * 8
     curves = list(csv.DictReader((tmp_path / "curves.csv").open()))
     stale = [float(c["staleness"]) for c in curves if c["k"] == "8"]
+    assert all(float(c["grad_norm"]) > 0 for c in curves)
     assert stale == [min(v, 8) for v in range(10)]
     # --summarise re-reports a finished sweep (its start reward rebuilt from the curves
     # when the rows lack it) without running anything, to the same figures
