@@ -135,14 +135,26 @@ def ref_mis(
 
 
 def ref_decoupled(
-    batch: LossBatch, out: ModelOutputs, clip_low: float, clip_high: float, cap: float
+    batch: LossBatch,
+    out: ModelOutputs,
+    clip_low: float,
+    clip_high: float,
+    cap: float,
+    level: str = "token",
 ) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64)
     for b in range(batch.mask.shape[0]):
-        for t in _valid(batch, b):
+        ts = _valid(batch, b)
+        seq_w = 1.0
+        for t in ts:
+            seq_w *= math.exp(
+                _f(batch.proximal_logprobs, b, t) - _f(batch.behaviour_logprobs, b, t)
+            )
+        for t in ts:
             a = _f(batch.advantages, b, t)
             prox = _f(batch.proximal_logprobs, b, t)
-            behave_w = min(math.exp(prox - _f(batch.behaviour_logprobs, b, t)), cap)
+            tok_w = math.exp(prox - _f(batch.behaviour_logprobs, b, t))
+            behave_w = min(seq_w if level == "sequence" else tok_w, cap)
             r = torch.exp(torch.clamp(out.logprobs[b, t].double() - prox, max=LOG_RATIO_CAP))
             surrogate = -torch.minimum(r * a, torch.clamp(r, 1 - clip_low, 1 + clip_high) * a)
             total = total + _f(batch.loss_weights, b, t) * behave_w * surrogate

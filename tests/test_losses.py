@@ -40,6 +40,11 @@ CASES = [
         DecoupledPPOLoss(0.2, 0.3, 1.3),
         lambda b, o: ref_decoupled(b, o, 0.2, 0.3, 1.3),
     ),
+    (
+        "decoupled_ppo_sequence",
+        DecoupledPPOLoss(0.2, 0.3, 1.3, level="sequence"),
+        lambda b, o: ref_decoupled(b, o, 0.2, 0.3, 1.3, level="sequence"),
+    ),
 ]
 IDS = [c[0] for c in CASES]
 
@@ -223,6 +228,7 @@ def test_built_from_target(cfg):
         (lambda: TISLoss(cap=0.0), "loss.cap"),
         (lambda: MaskedISLoss(low=1.5, high=2.0), "loss.low"),
         (lambda: DecoupledPPOLoss(behaviour_cap=-1), "loss.behaviour_cap"),
+        (lambda: DecoupledPPOLoss(level="tokens"), "loss.level"),
         (lambda: VTraceLoss(lam=2.0), "loss.lam"),
         (lambda: VTraceLoss(baseline="mean"), "loss.baseline"),
     ],

@@ -12,6 +12,13 @@ off-policyness of the data is corrected by a separate, truncated, constant weigh
 
 With ``pi_prox == mu`` this is ``ClippedISLoss``; on-policy its gradient is the plain
 policy gradient.
+
+``level="sequence"`` makes the behaviour weight the sequence's: the product of its
+tokens' ``pi_prox / mu`` (``exp`` of their summed log-ratios), truncated at
+``behaviour_cap`` and shared by all its tokens, as ``TISLoss(level="sequence")`` does.
+That is the exact importance weight of a whole answer under a sequence-level reward,
+where the token level ignores how the earlier tokens' odds moved; its variance grows
+with the length, so it suits short answers (the default task's are 2-3 tokens).
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ import torch
 
 from asyncrl.losses.base import LossBatch, LossOutput, ModelOutputs, masked_mean, weighted_sum
 from asyncrl.losses.diagnostics import is_diagnostics
-from asyncrl.losses.ratios import LOG_RATIO_CAP, log_ratio, safe_log, truncated_exp
+from asyncrl.losses.ratios import LOG_RATIO_CAP, log_ratio, safe_log, sequence_sum, truncated_exp
+from asyncrl.losses.tis import LEVELS
 
 
 class DecoupledPPOLoss:
@@ -30,7 +38,15 @@ class DecoupledPPOLoss:
     needs_proximal = True
     needs_values = False
 
-    def __init__(self, clip_low: float = 0.2, clip_high: float = 0.2, behaviour_cap: float = 5.0):
+    def __init__(
+        self,
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        behaviour_cap: float = 5.0,
+        level: str = "token",
+    ):
+        if level not in LEVELS:
+            raise ValueError(f"loss.level must be one of {LEVELS}, got {level!r}")
         if not 0 <= clip_low < 1 or clip_high < 0:
             raise ValueError(
                 f"loss.clip_low must be in [0, 1) and loss.clip_high >= 0, got {clip_low}, {clip_high}"
@@ -40,6 +56,7 @@ class DecoupledPPOLoss:
         self.clip_low = float(clip_low)
         self.clip_high = float(clip_high)
         self.behaviour_cap = float(behaviour_cap)
+        self.level = level
 
     def __call__(self, batch: LossBatch, outputs: ModelOutputs) -> LossOutput:
         if batch.proximal_logprobs is None:
@@ -47,6 +64,8 @@ class DecoupledPPOLoss:
         mask = batch.mask
         with torch.no_grad():
             behaviour_lr = log_ratio(batch.proximal_logprobs, batch.behaviour_logprobs, mask)
+            if self.level == "sequence":
+                behaviour_lr = sequence_sum(behaviour_lr, mask).expand_as(behaviour_lr)
             behaviour_w = truncated_exp(behaviour_lr, self.behaviour_cap)
         ratio = (
             log_ratio(outputs.logprobs, batch.proximal_logprobs, mask)
