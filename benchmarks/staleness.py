@@ -23,8 +23,8 @@ versions generated in every run (the 10% of versions before ``steps - max(k)``):
 compares policies after equally many updates. ESS and mismatch KL (``is/ess``,
 ``is/mismatch_kl``: current policy vs behaviour) are averaged over the steps at
 full staleness, as are the gradient norm before clipping (``grad_norm``) and the share
-of those steps whose gradient was clipped (``grad_clip_frac``). Start reward = the reward of the initial policy's samples (version 0),
-pooled over all runs; gain retention = (reward(k=8) - start) / (reward(k=0) - start):
+of those steps whose gradient was clipped (``grad_clip_frac``). Start reward = the
+reward of the initial policy's samples (version 0), pooled over all runs; gain retention = (reward(k=8) - start) / (reward(k=0) - start):
 the share of what was learnt at k=0 that survives k=8 (``retention_k8``, the ratio of
 rewards, stays near 1 when little is learnt at all).
 
