@@ -181,15 +181,13 @@ class Runner:
                 ray.get(self.actor.halt.remote())
             parts.actors = {}  # stop_all must not stop the shared engine
             queue_stats, _ = stop_all(parts)
-        row = summarise(loss, k, seed, rec.steps, queue_stats, time.time() - t0, self.k_max)
+        row = summarise(
+            loss, k, seed, rec.steps, queue_stats, time.time() - t0, self.k_max,
+            grad_clip=float(cfg.learner.optim.grad_clip),
+        )  # fmt: skip
         row["lr"] = float(cfg.learner.optim.lr)
         target = cfg.learner.optim.get("mismatch_kl_target")
         row["kl_target"] = math.nan if target is None else float(target)  # nan: brake off
-        clip = float(cfg.learner.optim.grad_clip)
-        norms = [r["learner/grad_norm"] for r in rec.steps[k:] if "learner/grad_norm" in r]
-        row["grad_clip_frac"] = (  # steps at full staleness whose gradient was clipped
-            sum(n > clip for n in norms) / len(norms) if clip > 0 and norms else math.nan
-        )
         return row, rec.steps
 
     def _new_actor(self, cfg: Any, setup: Any):
@@ -224,6 +222,7 @@ def summarise(
     q: dict[str, Any],
     seconds: float,
     k_max: int,
+    grad_clip: float = 0.0,
 ) -> dict[str, Any]:
     """One run's row. ``final_reward``: samples trained in the last 10% of steps (for
     k > 0 generated k versions before the end). ``same_version_reward``: samples
@@ -247,6 +246,11 @@ def summarise(
         vals = [r[key] for r in rows if key in r]
         return sum(vals) / len(vals) if vals else float("nan")
 
+    norms = [r["learner/grad_norm"] for r in full if "learner/grad_norm" in r]
+    clip_frac = (
+        sum(n > grad_clip for n in norms) / len(norms) if grad_clip > 0 and norms else math.nan
+    )
+
     return {
         "loss": loss,
         "k": k,
@@ -263,6 +267,7 @@ def summarise(
         "staleness_mean": mean("staleness/mean", full),
         "lr_scale": mean("learner/lr_scale", full),
         "grad_norm": mean("learner/grad_norm", full),
+        "grad_clip_frac": clip_frac,  # steps at full staleness whose gradient was clipped
         "max_staleness": q.get("max_staleness_trained"),
         "dropped": q.get("dropped_stale"),
         "exact_staleness": hist == want,
