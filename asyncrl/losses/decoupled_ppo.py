@@ -27,8 +27,14 @@ import torch
 
 from asyncrl.losses.base import LossBatch, LossOutput, ModelOutputs, masked_mean, weighted_sum
 from asyncrl.losses.diagnostics import is_diagnostics
-from asyncrl.losses.ratios import LOG_RATIO_CAP, log_ratio, safe_log, sequence_sum, truncated_exp
-from asyncrl.losses.tis import LEVELS
+from asyncrl.losses.ratios import (
+    LOG_RATIO_CAP,
+    check_level,
+    log_ratio,
+    safe_log,
+    sequence_sum,
+    truncated_exp,
+)
 
 
 class DecoupledPPOLoss:
@@ -45,8 +51,7 @@ class DecoupledPPOLoss:
         behaviour_cap: float = 5.0,
         level: str = "token",
     ):
-        if level not in LEVELS:
-            raise ValueError(f"loss.level must be one of {LEVELS}, got {level!r}")
+        check_level(level)
         if not 0 <= clip_low < 1 or clip_high < 0:
             raise ValueError(
                 f"loss.clip_low must be in [0, 1) and loss.clip_high >= 0, got {clip_low}, {clip_high}"

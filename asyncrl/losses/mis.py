@@ -20,9 +20,7 @@ import torch
 
 from asyncrl.losses.base import LossBatch, LossOutput, ModelOutputs, masked_mean, weighted_sum
 from asyncrl.losses.diagnostics import is_diagnostics
-from asyncrl.losses.ratios import LOG_RATIO_CAP, log_ratio, safe_log, sequence_mean
-
-LEVELS = ("token", "sequence")
+from asyncrl.losses.ratios import LOG_RATIO_CAP, check_level, log_ratio, safe_log, sequence_mean
 
 
 class MaskedISLoss:
@@ -33,8 +31,7 @@ class MaskedISLoss:
     needs_values = False
 
     def __init__(self, level: str = "token", low: float = 0.5, high: float = 2.0):
-        if level not in LEVELS:
-            raise ValueError(f"loss.level must be one of {LEVELS}, got {level!r}")
+        check_level(level)
         if not 0 <= low <= 1 <= high:
             raise ValueError(
                 f"loss.low/loss.high must satisfy 0 <= low <= 1 <= high, got {low}, {high}"

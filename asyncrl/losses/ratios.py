@@ -42,6 +42,16 @@ def sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return sequence_sum(x, mask) / n
 
 
+LEVELS = ("token", "sequence")  # where an importance weight is formed: per token or per answer
+
+
+def check_level(level: str) -> str:
+    """``loss.level`` as given, or a ValueError naming the key."""
+    if level not in LEVELS:
+        raise ValueError(f"loss.level must be one of {LEVELS}, got {level!r}")
+    return level
+
+
 def safe_log(x: float) -> float:
     """``log`` of a non-negative threshold, with ``log(0) = -inf`` and ``log(inf) = inf``."""
     if x < 0:

@@ -18,9 +18,7 @@ import torch
 
 from asyncrl.losses.base import LossBatch, LossOutput, ModelOutputs, masked_mean, weighted_sum
 from asyncrl.losses.diagnostics import is_diagnostics
-from asyncrl.losses.ratios import log_ratio, safe_log, sequence_sum, truncated_exp
-
-LEVELS = ("token", "sequence")
+from asyncrl.losses.ratios import check_level, log_ratio, safe_log, sequence_sum, truncated_exp
 
 
 class TISLoss:
@@ -32,8 +30,7 @@ class TISLoss:
     needs_values = False
 
     def __init__(self, level: str = "token", cap: float = 2.0):
-        if level not in LEVELS:
-            raise ValueError(f"loss.level must be one of {LEVELS}, got {level!r}")
+        check_level(level)
         if not cap > 0:
             raise ValueError(f"loss.cap must be > 0, got {cap}")
         self.level = level
