@@ -29,7 +29,8 @@ the share of what was learnt at k=0 that survives k=8 (``retention_k8``, the rat
 rewards, stays near 1 when little is learnt at all).
 
 ``--summarise DIR...`` runs nothing: it merges the CSVs of earlier sweeps (e.g. one
-per ``--losses`` subset, run apart) and reports them as one.
+per ``--losses`` subset, run apart) and reports them as one; with ``--share-k0`` a
+correction swept without k=0 gets the seed's k=0 run of another (V-trace excepted).
 
 The full sweep (5 k x 5 losses x 3 seeds x 300 steps) takes hours on a 2-core CPU;
 ``--quick`` runs k in {0, 8} for no correction and decoupled PPO, one seed, 40
@@ -291,7 +292,8 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help=f"run k=0 once for {', '.join(SAME_ON_POLICY)} (on-policy they make the same "
-        "update; V-trace runs its own); default: on with --quick",
+        "update; V-trace runs its own); default: on with --quick. With --summarise: give "
+        "those of them that lack a seed's k=0 run a copy of another's",
     )
     p.add_argument(
         "--summarise",
@@ -311,6 +313,8 @@ def main() -> None:
 
     if args.summarise:
         rows, curves = load_runs(args.summarise)
+        if args.share_k0:  # explicitly asked for: fill in the k=0 a loss's sweep left out
+            share_missing_k0(rows, curves)
         ks = sorted({r["k"] for r in rows})
         losses = [name for name in LOSSES if any(r["loss"] == name for r in rows)]
         seeds = sorted({r["seed"] for r in rows})
@@ -474,6 +478,30 @@ def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
             f"mismatch_kl_target {brake}); summarise each setting on its own"
         )
     return rows, curves
+
+
+def share_missing_k0(rows: list[dict], curves: list[dict]) -> int:
+    """``--summarise --share-k0``: a loss of ``SAME_ON_POLICY`` without a k=0 run for a
+    seed gets a copy of that seed's k=0 run of another one (on-policy they make the same
+    update), marked ``shared_from`` as ``--share-k0`` marks it in a sweep; e.g. masked IS
+    swept at k=8 alone, beside a sweep whose k=0 ran for decoupled PPO. Returns how many
+    rows were added."""
+    present = [name for name in SAME_ON_POLICY if any(r["loss"] == name for r in rows)]
+    added = 0
+    for seed in sorted({r["seed"] for r in rows}):
+        k0 = {r["loss"]: r for r in rows if r["k"] == 0 and r["seed"] == seed}
+        src = next((k0[name] for name in SAME_ON_POLICY if name in k0), None)
+        if src is None:
+            continue
+        for loss in present:
+            if loss in k0:
+                continue
+            run = len(rows)
+            origin = src.get("shared_from") or src["loss"]
+            rows.append(dict(src, loss=loss, shared_from=origin, run=run))
+            curves += [dict(c, loss=loss, run=run) for c in curves if c["run"] == src["run"]]
+            added += 1
+    return added
 
 
 def _start_from_curves(curves: list[dict], k: int) -> dict[str, Any]:

@@ -335,6 +335,53 @@ def test_staleness_summarise_refuses_bad_input(tmp_path):
     assert "mismatch_kl_target 0.05, 0.1" in r.stderr, r.stderr[-2000:]
 
 
+def test_staleness_summarise_shares_a_missing_k0(tmp_path):
+    """--summarise --share-k0: masked IS swept at k=8 alone is rated against the seed's
+    k=0 of decoupled PPO (the same update on-policy); V-trace never borrows one, and
+    without the flag nothing is filled in."""
+    header = (
+        "loss,k,seed,steps,samples,final_reward,same_version_reward,first_reward,"
+        "start_reward,start_samples,ess,mismatch_kl,exact_staleness,lr,kl_target\n"
+    )
+    sweeps = {
+        "dppo": [("decoupled_ppo", 0, 0.6), ("decoupled_ppo", 8, 0.57)],
+        "mis": [("mis", 8, 0.54), ("vtrace", 8, 0.5)],
+    }
+    dirs = []
+    for name, runs in sweeps.items():
+        d = tmp_path / name
+        d.mkdir()
+        (d / "staleness.csv").write_text(
+            header
+            + "".join(
+                f"{loss},{k},0,2,256,{r},{r},0.3,0.3,128,1.0,0.0,True,0.0003,0.05\n"
+                for loss, k, r in runs
+            )
+        )
+        (d / "curves.csv").write_text(
+            "run,loss,k,seed,step,samples,reward\n"
+            + "".join(
+                f"{i},{loss},{k},0,1,128,0.3\n{i},{loss},{k},0,2,256,{r}\n"
+                for i, (loss, k, r) in enumerate(runs)
+            )
+        )
+        dirs.append(str(d))
+    plain = run_bench("staleness", tmp_path / "plain", "--summarise", *dirs, timeout=120)
+    assert plain["retention_k8"]["mis"] is None  # no k=0 for masked IS: nothing to rate
+    f = run_bench(
+        "staleness", tmp_path / "out", "--summarise", *dirs, "--share-k0", timeout=120
+    )  # fmt: skip
+    assert f["reward"]["mis"]["0"] == 0.6 and math.isclose(f["retention_k8"]["mis"], 0.54 / 0.6)
+    assert f["retention_k8"]["vtrace"] is None  # V-trace's k=0 is its own, never shared
+    assert f["retention_k8"] == {**plain["retention_k8"], "mis": f["retention_k8"]["mis"]}
+    rows = list(csv.DictReader((tmp_path / "out" / "staleness.csv").open()))
+    copy = [r for r in rows if r["loss"] == "mis" and r["k"] == "0"]
+    assert len(copy) == 1 and copy[0]["shared_from"] == "decoupled_ppo"
+    curves = list(csv.DictReader((tmp_path / "out" / "curves.csv").open()))
+    assert [c["reward"] for c in curves if c["loss"] == "mis" and c["k"] == "0"] == ["0.3", "0.6"]
+    assert math.isclose(f["start_reward"], plain["start_reward"])  # a copy is not a new run
+
+
 def test_no_correction_runs_without_the_off_policy_brake():
     from benchmarks.staleness import Runner
 
