@@ -29,8 +29,9 @@ the share of what was learnt at k=0 that survives k=8 (``retention_k8``, the rat
 rewards, stays near 1 when little is learnt at all).
 
 ``--summarise DIR...`` runs nothing: it merges the CSVs of earlier sweeps (e.g. one
-per ``--losses`` subset, run apart) and reports them as one; with ``--share-k0`` a
-correction swept without k=0 gets the seed's k=0 run of another (V-trace excepted).
+per ``--losses`` subset, run apart) and reports them as one; ``--ks``, ``--losses``
+and ``--seeds`` pick the runs to report, and with ``--share-k0`` a correction swept
+without k=0 gets the seed's k=0 run of another (V-trace excepted).
 
 The full sweep (5 k x 5 losses x 3 seeds x 300 steps) takes hours on a 2-core CPU;
 ``--quick`` runs k in {0, 8} for no correction and decoupled PPO, one seed, 40
@@ -301,7 +302,8 @@ def main() -> None:
         nargs="+",
         metavar="DIR",
         help="run nothing: merge the staleness.csv and curves.csv of earlier sweeps (e.g. "
-        "one per --losses, run apart), report them and write the merged files into --out",
+        "one per --losses, run apart), report them and write the merged files into --out; "
+        "--ks, --losses and --seeds then pick the runs to report",
     )
     p.add_argument("overrides", nargs="*", help="training-config overrides for every run")
     args = p.parse_args()
@@ -313,6 +315,7 @@ def main() -> None:
 
     if args.summarise:
         rows, curves = load_runs(args.summarise)
+        rows, curves = pick_runs(rows, curves, args.ks, args.losses, args.seeds)
         if args.share_k0:  # explicitly asked for: fill in the k=0 a loss's sweep left out
             share_missing_k0(rows, curves)
         ks = sorted({r["k"] for r in rows})
@@ -360,7 +363,7 @@ def sweep(args, steps, ks, losses, seeds, share_k0) -> tuple[list[dict], list[di
                         i, src_loss = k0_run["row"], rows[k0_run["row"]]["loss"]
                         rows.append(dict(rows[i], loss=loss, shared_from=src_loss))
                         src = [c for c in curves if c["run"] == i and c["loss"] == src_loss]
-                        curves += [dict(c, loss=loss) for c in src]
+                        curves += [dict(c, loss=loss, run=len(rows) - 1) for c in src]
                         continue
                     row, per_step = runner.run(loss, k, seed)
                     rows.append(row)
@@ -449,7 +452,10 @@ def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
                 got_curves = [typed(r, _CURVE_INT) for r in csv.DictReader(f)]
         except FileNotFoundError as e:
             raise SystemExit(f"--summarise {d}: no {Path(e.filename).name} there") from e
-        for i, r in enumerate(got):
+        by_run: dict[tuple, list[dict]] = {}
+        for c in got_curves:
+            by_run.setdefault((c["loss"], c["k"], c["seed"]), []).append(c)
+        for r in got:
             lr, target = r.get("lr", math.nan), r.get("kl_target", math.nan)
             if r["loss"] not in UNCORRECTED and not r.get("shared_from"):  # not a k=0 copy
                 brakes.add(None if math.isnan(target) else target)
@@ -458,7 +464,9 @@ def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
                 print(f"--summarise: {key} met again in {d}, skipped", file=sys.stderr)
                 continue
             seen.add(key)
-            mine = [c for c in got_curves if c["run"] == i and c["loss"] == r["loss"]]
+            # by (loss, k, seed), unique in a sweep: a shared k=0 copy's curves carried
+            # the source run's number in sweeps before 2026-12-01
+            mine = by_run.get((r["loss"], r["k"], r["seed"]), [])
             if "start_samples" not in r:
                 r.update(_start_from_curves(mine, r["k"]))
             r["run"] = len(rows)
@@ -478,6 +486,25 @@ def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
             f"mismatch_kl_target {brake}); summarise each setting on its own"
         )
     return rows, curves
+
+
+def pick_runs(rows, curves, ks, losses, seeds) -> tuple[list[dict], list[dict]]:
+    """``--summarise`` with ``--ks`` / ``--losses`` / ``--seeds``: only those runs (e.g.
+    the seeds every k was run on, for a table whose columns average the same seeds)."""
+    keep = [
+        r
+        for r in rows
+        if (ks is None or r["k"] in ks)
+        and (losses is None or r["loss"] in losses)
+        and (seeds is None or r["seed"] in seeds)
+    ]
+    if not keep:
+        raise SystemExit("--summarise: no run matches --ks/--losses/--seeds")
+    new = {r["run"]: i for i, r in enumerate(keep)}  # run = the row's place, as written
+    return (
+        [dict(r, run=new[r["run"]]) for r in keep],
+        [dict(c, run=new[c["run"]]) for c in curves if c["run"] in new],
+    )
 
 
 def share_missing_k0(rows: list[dict], curves: list[dict]) -> int:

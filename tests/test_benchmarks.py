@@ -382,6 +382,94 @@ def test_staleness_summarise_shares_a_missing_k0(tmp_path):
     assert math.isclose(f["start_reward"], plain["start_reward"])  # a copy is not a new run
 
 
+def test_staleness_summarise_picks_runs_and_keeps_shared_curves(tmp_path):
+    """--summarise --seeds/--ks/--losses reports only those runs (renumbered, so the
+    merged files load again), and a k=0 copy that an older sweep wrote with its source
+    run's number in curves.csv keeps its curve."""
+    d = tmp_path / "sweep"
+    d.mkdir()
+    runs = [  # loss, k, seed, final reward, shared_from; none's k=0 shared with tis
+        ("none", 0, 0, 0.6, ""), ("tis", 0, 0, 0.6, "none"), ("tis", 8, 0, 0.5, ""),
+        ("none", 0, 1, 0.7, ""), ("tis", 0, 1, 0.7, "none"), ("tis", 8, 1, 0.56, ""),
+    ]  # fmt: skip
+    (d / "staleness.csv").write_text(
+        "loss,k,seed,steps,samples,final_reward,same_version_reward,first_reward,"
+        "start_reward,start_samples,ess,mismatch_kl,exact_staleness,lr,kl_target,shared_from\n"
+        + "".join(
+            f"{loss},{k},{seed},2,256,{r},{r},0.3,0.3,128,1.0,0.0,True,0.0003,0.05,{sh}\n"
+            for loss, k, seed, r, sh in runs
+        )
+    )
+    source = {1: 0, 4: 3}  # the copies' curves carry their source's run, as sweeps did
+    (d / "curves.csv").write_text(
+        "run,loss,k,seed,step,samples,reward\n"
+        + "".join(
+            f"{source.get(i, i)},{loss},{k},{seed},1,128,0.3\n"
+            f"{source.get(i, i)},{loss},{k},{seed},2,256,{r}\n"
+            for i, (loss, k, seed, r, _) in enumerate(runs)
+        )
+    )
+    f = run_bench("staleness", tmp_path / "one", "--summarise", str(d), "--seeds", "1")
+    assert f["reward"] == {"none": {"0": 0.7, "8": None}, "tis": {"0": 0.7, "8": 0.56}}
+    rows = list(csv.DictReader((tmp_path / "one" / "staleness.csv").open()))
+    assert [(r["loss"], r["seed"], r["run"]) for r in rows] == [
+        ("none", "1", "0"), ("tis", "1", "1"), ("tis", "1", "2")
+    ]  # fmt: skip
+    curves = list(csv.DictReader((tmp_path / "one" / "curves.csv").open()))
+    assert {(c["run"], c["loss"], c["k"]) for c in curves} == {
+        ("0", "none", "0"),
+        ("1", "tis", "0"),
+        ("2", "tis", "8"),
+    }  # fmt: skip  (tis's k=0 copy kept its curve)
+    again = run_bench("staleness", tmp_path / "again", "--summarise", str(tmp_path / "one"))
+    assert again["reward"] == f["reward"]  # the picked, renumbered files load again
+    f = run_bench("staleness", tmp_path / "k8", "--summarise", str(d), "--ks", "8")
+    assert list(f["reward"]) == ["tis"] and list(f["reward"]["tis"]) == ["8"]
+    assert math.isclose(f["reward"]["tis"]["8"], 0.53)  # both seeds
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.staleness", "--summarise", str(d), "--seeds", "7",
+         "--out", str(tmp_path / "none")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode != 0 and "no run matches" in r.stderr
+
+
+def test_staleness_sweep_shares_k0_with_its_own_run_numbers(monkeypatch, tmp_path):
+    """--share-k0 in a sweep: k=0 runs once per seed and the other same-on-policy losses
+    get copies whose curves carry the copy's own run number (its row's place)."""
+    import argparse
+
+    from benchmarks import staleness
+
+    ran = []
+
+    class FakeRunner:  # the Ray/vLLM side of a run, faked at that boundary
+        def __init__(self, *a, **kw):
+            pass
+
+        def run(self, loss, k, seed):
+            ran.append((loss, k, seed))
+            step = {"step": 1, "reward/count": 128, "reward/mean": 0.5, "staleness/mean": 0}
+            return {"loss": loss, "k": k, "seed": seed, "final_reward": 0.5, "seconds": 0}, [step]
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(staleness, "Runner", FakeRunner)
+    monkeypatch.setattr(staleness, "start_ray", lambda: None)
+    args = argparse.Namespace(overrides=[], out=tmp_path)
+    rows, curves = staleness.sweep(args, 1, [0, 8], ["none", "tis", "vtrace"], [0, 1], True)
+    assert [x for x in ran if x[1] == 0] == [("none", 0, 0), ("vtrace", 0, 0), ("none", 0, 1),
+                                             ("vtrace", 0, 1)]  # fmt: skip
+    assert [r.get("shared_from") for r in rows if r["loss"] == "tis" and r["k"] == 0] == [
+        "none",
+        "none",
+    ]
+    for i, r in enumerate(rows):  # every row has exactly its own curve, numbered by place
+        mine = [c for c in curves if c["run"] == i]
+        assert [(c["loss"], c["k"], c["seed"]) for c in mine] == [(r["loss"], r["k"], r["seed"])]
+
+
 def test_no_correction_runs_without_the_off_policy_brake():
     from benchmarks.staleness import Runner
 
