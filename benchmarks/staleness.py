@@ -33,7 +33,10 @@ per ``--losses`` subset, run apart) and reports them as one; ``--ks``, ``--losse
 and ``--seeds`` pick the runs to report, and with ``--share-k0`` a correction swept
 without k=0 gets the seed's k=0 run of another (V-trace excepted).
 
-The full sweep (5 k x 5 losses x 3 seeds x 300 steps) takes hours on a 2-core CPU;
+``clipped`` is the training job's default loss (PPO's clipped surrogate against the
+sampler), swept beside the four corrections and none.
+
+The full sweep (5 k x 6 losses x 3 seeds x 300 steps) takes hours on a 2-core CPU;
 ``--quick`` runs k in {0, 8} for no correction and decoupled PPO, one seed, 40
 steps, and runs k=0 once for both (on-policy they make the same update,
 docs/losses.md; ``--share-k0`` does the same in any sweep, V-trace excepted).
@@ -77,6 +80,9 @@ LOSSES = {  # benchmark name -> conf/loss/<name>.yaml
     "mis": "mis",
     "decoupled_ppo": "decoupled_ppo",
     "vtrace": "vtrace",
+    # the training job's default loss (PPO's clipped surrogate, the sampler as the "old"
+    # policy): what a run with replay.max_staleness > 0 gets unless it picks another
+    "clipped": "clipped",
 }
 KS = (0, 1, 2, 4, 8)
 QUICK_KS = (0, 8)
@@ -84,7 +90,7 @@ QUICK_KS = (0, 8)
 # is 1, nothing is clipped or masked, the advantages are the estimator's), so
 # --share-k0 runs k=0 once for them. V-trace is not among them: its critic-free
 # advantages are r - group mean, whatever learner.advantage says.
-SAME_ON_POLICY = ("none", "tis", "mis", "decoupled_ppo")
+SAME_ON_POLICY = ("none", "tis", "mis", "decoupled_ppo", "clipped")
 QUICK_LOSSES = ("none", "decoupled_ppo")
 FINAL_FRACTION = 0.1  # final reward: the samples of the last 10% of steps
 # Settings every run shares on top of the default config (see the module docstring).

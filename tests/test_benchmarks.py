@@ -476,6 +476,9 @@ def test_no_correction_runs_without_the_off_policy_brake():
     runner = Runner(["learner.optim.mismatch_kl_target=0.1"], 10, Path("."), 8)
     assert runner.config("none", 8, 0).learner.optim.mismatch_kl_target is None
     assert runner.config("tis", 8, 0).learner.optim.mismatch_kl_target == 0.1
+    clipped = runner.config("clipped", 8, 0)  # the training job's default loss, swept too
+    assert clipped.loss._target_ == "asyncrl.losses.clipped.ClippedISLoss"
+    assert clipped.learner.optim.mismatch_kl_target == 0.1
     assert (
         Runner([], 10, Path("."), 8)
         .config("decoupled_ppo", 8, 0)
