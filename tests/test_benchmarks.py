@@ -335,37 +335,39 @@ def test_staleness_summarise_refuses_bad_input(tmp_path):
     assert "mismatch_kl_target 0.05, 0.1" in r.stderr, r.stderr[-2000:]
 
 
+def write_sweep(d: Path, runs, curve_run=lambda i: i) -> str:
+    """A finished sweep's staleness.csv and curves.csv, written by hand: runs are
+    (loss, k, seed, final reward, shared_from); each run's curve has two steps, the
+    second at its final reward. ``curve_run(i)``: the run number its curve carries."""
+    d.mkdir()
+    (d / "staleness.csv").write_text(
+        "loss,k,seed,steps,samples,final_reward,same_version_reward,first_reward,"
+        "start_reward,start_samples,ess,mismatch_kl,exact_staleness,lr,kl_target,shared_from\n"
+        + "".join(
+            f"{loss},{k},{seed},2,256,{r},{r},0.3,0.3,128,1.0,0.0,True,0.0003,0.05,{sh}\n"
+            for loss, k, seed, r, sh in runs
+        )
+    )
+    (d / "curves.csv").write_text(
+        "run,loss,k,seed,step,samples,reward\n"
+        + "".join(
+            f"{curve_run(i)},{loss},{k},{seed},1,128,0.3\n"
+            f"{curve_run(i)},{loss},{k},{seed},2,256,{r}\n"
+            for i, (loss, k, seed, r, _) in enumerate(runs)
+        )
+    )
+    return str(d)
+
+
 def test_staleness_summarise_shares_a_missing_k0(tmp_path):
     """--summarise --share-k0: masked IS swept at k=8 alone is rated against the seed's
     k=0 of decoupled PPO (the same update on-policy); V-trace never borrows one, and
     without the flag nothing is filled in."""
-    header = (
-        "loss,k,seed,steps,samples,final_reward,same_version_reward,first_reward,"
-        "start_reward,start_samples,ess,mismatch_kl,exact_staleness,lr,kl_target\n"
-    )
-    sweeps = {
-        "dppo": [("decoupled_ppo", 0, 0.6), ("decoupled_ppo", 8, 0.57)],
-        "mis": [("mis", 8, 0.54), ("vtrace", 8, 0.5)],
-    }
-    dirs = []
-    for name, runs in sweeps.items():
-        d = tmp_path / name
-        d.mkdir()
-        (d / "staleness.csv").write_text(
-            header
-            + "".join(
-                f"{loss},{k},0,2,256,{r},{r},0.3,0.3,128,1.0,0.0,True,0.0003,0.05\n"
-                for loss, k, r in runs
-            )
-        )
-        (d / "curves.csv").write_text(
-            "run,loss,k,seed,step,samples,reward\n"
-            + "".join(
-                f"{i},{loss},{k},0,1,128,0.3\n{i},{loss},{k},0,2,256,{r}\n"
-                for i, (loss, k, r) in enumerate(runs)
-            )
-        )
-        dirs.append(str(d))
+    dirs = [
+        write_sweep(tmp_path / "dppo", [("decoupled_ppo", 0, 0, 0.6, ""),
+                                        ("decoupled_ppo", 8, 0, 0.57, "")]),
+        write_sweep(tmp_path / "mis", [("mis", 8, 0, 0.54, ""), ("vtrace", 8, 0, 0.5, "")]),
+    ]  # fmt: skip
     plain = run_bench("staleness", tmp_path / "plain", "--summarise", *dirs, timeout=120)
     assert plain["retention_k8"]["mis"] is None  # no k=0 for masked IS: nothing to rate
     f = run_bench(
@@ -386,30 +388,13 @@ def test_staleness_summarise_picks_runs_and_keeps_shared_curves(tmp_path):
     """--summarise --seeds/--ks/--losses reports only those runs (renumbered, so the
     merged files load again), and a k=0 copy that an older sweep wrote with its source
     run's number in curves.csv keeps its curve."""
-    d = tmp_path / "sweep"
-    d.mkdir()
     runs = [  # loss, k, seed, final reward, shared_from; none's k=0 shared with tis
         ("none", 0, 0, 0.6, ""), ("tis", 0, 0, 0.6, "none"), ("tis", 8, 0, 0.5, ""),
         ("none", 0, 1, 0.7, ""), ("tis", 0, 1, 0.7, "none"), ("tis", 8, 1, 0.56, ""),
     ]  # fmt: skip
-    (d / "staleness.csv").write_text(
-        "loss,k,seed,steps,samples,final_reward,same_version_reward,first_reward,"
-        "start_reward,start_samples,ess,mismatch_kl,exact_staleness,lr,kl_target,shared_from\n"
-        + "".join(
-            f"{loss},{k},{seed},2,256,{r},{r},0.3,0.3,128,1.0,0.0,True,0.0003,0.05,{sh}\n"
-            for loss, k, seed, r, sh in runs
-        )
-    )
     source = {1: 0, 4: 3}  # the copies' curves carry their source's run, as sweeps did
-    (d / "curves.csv").write_text(
-        "run,loss,k,seed,step,samples,reward\n"
-        + "".join(
-            f"{source.get(i, i)},{loss},{k},{seed},1,128,0.3\n"
-            f"{source.get(i, i)},{loss},{k},{seed},2,256,{r}\n"
-            for i, (loss, k, seed, r, _) in enumerate(runs)
-        )
-    )
-    f = run_bench("staleness", tmp_path / "one", "--summarise", str(d), "--seeds", "1")
+    d = write_sweep(tmp_path / "sweep", runs, lambda i: source.get(i, i))
+    f = run_bench("staleness", tmp_path / "one", "--summarise", d, "--seeds", "1")
     assert f["reward"] == {"none": {"0": 0.7, "8": None}, "tis": {"0": 0.7, "8": 0.56}}
     rows = list(csv.DictReader((tmp_path / "one" / "staleness.csv").open()))
     assert [(r["loss"], r["seed"], r["run"]) for r in rows] == [
@@ -420,14 +405,14 @@ def test_staleness_summarise_picks_runs_and_keeps_shared_curves(tmp_path):
         ("0", "none", "0"),
         ("1", "tis", "0"),
         ("2", "tis", "8"),
-    }  # fmt: skip  (tis's k=0 copy kept its curve)
+    }  # tis's k=0 copy kept its curve
     again = run_bench("staleness", tmp_path / "again", "--summarise", str(tmp_path / "one"))
     assert again["reward"] == f["reward"]  # the picked, renumbered files load again
-    f = run_bench("staleness", tmp_path / "k8", "--summarise", str(d), "--ks", "8")
+    f = run_bench("staleness", tmp_path / "k8", "--summarise", d, "--ks", "8")
     assert list(f["reward"]) == ["tis"] and list(f["reward"]["tis"]) == ["8"]
     assert math.isclose(f["reward"]["tis"]["8"], 0.53)  # both seeds
     r = subprocess.run(
-        [sys.executable, "-m", "benchmarks.staleness", "--summarise", str(d), "--seeds", "7",
+        [sys.executable, "-m", "benchmarks.staleness", "--summarise", d, "--seeds", "7",
          "--out", str(tmp_path / "none")],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
