@@ -8,6 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from asyncrl.config import ConfigError
+from asyncrl.learner.config import optim_settings
 from asyncrl.learner.optim import OptimSettings, lr_factor
 from asyncrl.runtime import check_resources
 from asyncrl.wiring import prepare
@@ -54,3 +55,13 @@ def test_lr_schedule_shapes():
     f = [lr_factor(k, cos) for k in range(8)]
     assert f[:3] == [0.5, 1.0, 1.0] and f[4] == pytest.approx(0.55)
     assert f[6] == f[7] == pytest.approx(0.1) and all(a >= b for a, b in zip(f[2:], f[3:]))
+
+
+def test_the_default_lr_decays_over_the_run():
+    """The default the staleness benchmark measured (README, Benchmarks): the peak LR
+    at the first step, a cosine to 0 at the run's last, whatever ``max_steps`` is."""
+    c = cfg("max_steps=100")
+    s = optim_settings(c.learner, c.max_steps)
+    f = [lr_factor(k, s) for k in range(100)]
+    assert f[0] == 1.0 and f[50] == pytest.approx(0.5) and f[99] < 1e-3
+    assert all(a >= b for a, b in zip(f, f[1:]))
