@@ -191,6 +191,10 @@ def load(
         raise CheckpointError(f"cannot load {root / STATE_DIR}: {type(e).__name__}: {e}") from e
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     sched.load_state_dict(meta["scheduler"])
+    # The first resumed step's LR comes from the schedule as configured now, not from the
+    # saved optimizer's last LR: a run resumed with a larger max_steps has a longer cosine.
+    for g, base, factor in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
+        g["lr"] = base * factor(sched.last_epoch)
     rng = root / "rng" / f"rank{rank}.pt"
     if rng.is_file():  # absent when resuming on more ranks than were saved
         set_rng_state(torch.load(rng, weights_only=False))
