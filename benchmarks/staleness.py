@@ -194,6 +194,7 @@ class Runner:
             grad_clip=float(cfg.learner.optim.grad_clip),
         )  # fmt: skip
         row["lr"] = float(cfg.learner.optim.lr)
+        row["schedule"] = schedule_name(cfg.learner.optim)
         target = cfg.learner.optim.get("mismatch_kl_target")
         row["kl_target"] = math.nan if target is None else float(target)  # nan: brake off
         return row, rec.steps
@@ -428,9 +429,9 @@ _CURVE_INT = ("run", "k", "seed", "step", "samples")
 def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
     """The rows and curves of earlier sweeps (their staleness.csv and curves.csv), one
     list across ``dirs``; a (loss, k, seed) met again is skipped, and sweeps of
-    different learning rates (recorded or not) or step counts are refused: one table
-    averages over seeds. Rows written before ``start_reward`` existed get it from
-    their curves."""
+    different learning rates or LR schedules (recorded or not) or step counts are
+    refused: one table averages over seeds. Rows written before ``start_reward``
+    existed get it from their curves."""
     import csv
 
     def typed(r: dict[str, str], ints) -> dict[str, Any]:
@@ -438,7 +439,7 @@ def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
         for key, v in r.items():
             if key in ints:
                 out[key] = int(v)
-            elif key in ("loss", "shared_from"):
+            elif key in ("loss", "shared_from", "schedule"):
                 out[key] = v
             elif key == "exact_staleness":
                 out[key] = v == "True"
@@ -466,6 +467,7 @@ def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
             if r["loss"] not in UNCORRECTED and not r.get("shared_from"):  # not a k=0 copy
                 brakes.add(None if math.isnan(target) else target)
             key = (r["loss"], r["k"], r["seed"], None if math.isnan(lr) else lr, r["steps"])
+            key += (r.get("schedule") or None,)  # None: written before it was recorded
             if key in seen:
                 print(f"--summarise: {key} met again in {d}, skipped", file=sys.stderr)
                 continue
@@ -483,8 +485,9 @@ def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
     settings = {key[3:] for key in seen}  # lr None: written before lr was recorded
     if len(settings) > 1 or len(brakes) > 1:  # one table averages over seeds
         shown = ", ".join(
-            f"lr {'not recorded' if lr is None else f'{lr:g}'} x {n} steps"
-            for lr, n in sorted(settings, key=str)
+            f"lr {'not recorded' if lr is None else f'{lr:g}'} x {n} steps, "
+            f"schedule {sched or 'not recorded'}"
+            for lr, n, sched in sorted(settings, key=str)
         )
         brake = ", ".join("off" if b is None else f"{b:g}" for b in sorted(brakes, key=str))
         raise SystemExit(
@@ -587,6 +590,17 @@ def retention_k8(by_k: dict[str, float]) -> float:
     return ratio(by_k.get("8", math.nan), by_k.get("0", math.nan))
 
 
+def schedule_name(optim: Any) -> str:
+    """The LR schedule in a CSV cell: ``constant`` or ``cosine``, with a warm-up and the
+    cosine's floor when set (``cosine/warmup 10/floor 0.1``); ``lr`` is its peak."""
+    name = str(optim.schedule)
+    if optim.get("warmup_steps"):
+        name += f"/warmup {optim.warmup_steps}"
+    if name.startswith("cosine") and optim.get("min_lr_ratio"):
+        name += f"/floor {optim.min_lr_ratio:g}"
+    return name
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
@@ -596,6 +610,8 @@ def table(rows, reward, retention, retention_same, gain, start, ks, losses, step
     c = compose(*BENCH_OVERRIDES, *args.overrides, f"loss={LOSSES[losses[0]]}")
     lrs = {r["lr"] for r in rows if not math.isnan(r.get("lr", math.nan))}
     lr = f"{lrs.pop():g}" if lrs else "not recorded"  # load_runs refuses mixed lrs
+    scheds = {r["schedule"] for r in rows if r.get("schedule")}  # and mixed schedules
+    lr += f" ({scheds.pop()})" if scheds else ""
     subset = f"k in {list(ks)}, losses {list(losses)}, seeds {seeds}"
     if args.quick:
         subset = "--quick subset: " + subset

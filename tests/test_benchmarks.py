@@ -188,6 +188,7 @@ def test_staleness_benchmark(tmp_path):
         assert int(r["max_staleness"]) == int(r["k"]) and int(r["dropped"]) == 0
         assert int(r["samples"]) == 10 * 16 * 8
         assert r["kl_target"] == "nan"  # no correction runs without the off-policy brake
+        assert r["schedule"] == "cosine"  # the default's, recorded for --summarise
         assert float(r["grad_norm"]) > 0 and 0 <= float(r["grad_clip_frac"]) <= 1
         # version-0 samples: step 1 at k=0, steps 1-9 at k=8 (the ramp trains on them)
         assert int(r["start_samples"]) == (1 if r["k"] == "0" else 9) * 16 * 8
@@ -301,6 +302,26 @@ def test_staleness_summarise_refuses_bad_input(tmp_path):
     )  # fmt: skip
     assert r.returncode != 0 and "different settings (lr 0.0002" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "out").exists()  # nothing half-written
+    # one peak LR, two schedules (a constant 5e-4 of 2026-11-30 and today's cosine)
+    dirs = []
+    for sched in ("constant", "cosine"):
+        d = tmp_path / sched
+        d.mkdir()
+        (d / "staleness.csv").write_text(
+            "loss,k,seed,steps,samples,final_reward,start_reward,start_samples,lr,schedule\n"
+            f"none,0,0,2,256,0.5,0.3,128,0.0005,{sched}\n"
+        )
+        (d / "curves.csv").write_text(
+            "run,loss,k,seed,step,samples,reward\n0,none,0,0,1,128,0.3\n0,none,0,0,2,256,0.5\n"
+        )
+        dirs.append(str(d))
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.staleness", "--summarise", *dirs,
+         "--out", str(tmp_path / "out")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode != 0 and "schedule constant" in r.stderr, r.stderr[-2000:]
+    assert "schedule cosine" in r.stderr and not (tmp_path / "out").exists()
     # the off-policy brake: "none" runs without it beside braked losses (one sweep; a
     # k=0 row shared from "none" too), but two targets for one correction are two settings
     dirs = []
