@@ -283,43 +283,35 @@ def test_staleness_summarise_refuses_bad_input(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode != 0 and "no staleness.csv there" in r.stderr
-    dirs = []
-    for lr in (2e-4, 5e-4):
-        d = tmp_path / f"lr{lr}"
-        d.mkdir()
-        (d / "staleness.csv").write_text(
-            "loss,k,seed,steps,samples,final_reward,start_reward,start_samples,lr\n"
-            f"none,0,0,2,256,0.5,0.3,128,{lr}\n"
-        )
-        (d / "curves.csv").write_text(
-            "run,loss,k,seed,step,samples,reward\n0,none,0,0,1,128,0.3\n0,none,0,0,2,256,0.5\n"
-        )
-        dirs.append(str(d))
-    r = subprocess.run(
-        [sys.executable, "-m", "benchmarks.staleness", "--summarise", *dirs,
-         "--out", str(tmp_path / "out")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+
+    def summarise_one_run_sweeps(settings: dict[str, tuple[float, str]]):
+        """One one-run sweep per name, at its (lr, schedule; "" writes no schedule
+        column, as sweeps before it was recorded), then --summarise over them all."""
+        dirs = []
+        for name, (lr, sched) in settings.items():
+            d = tmp_path / name
+            d.mkdir()
+            (d / "staleness.csv").write_text(
+                "loss,k,seed,steps,samples,final_reward,start_reward,start_samples,lr"
+                + (",schedule\n" if sched else "\n")
+                + f"none,0,0,2,256,0.5,0.3,128,{lr}"
+                + (f",{sched}\n" if sched else "\n")
+            )
+            (d / "curves.csv").write_text(
+                "run,loss,k,seed,step,samples,reward\n0,none,0,0,1,128,0.3\n0,none,0,0,2,256,0.5\n"
+            )
+            dirs.append(str(d))
+        return subprocess.run(
+            [sys.executable, "-m", "benchmarks.staleness", "--summarise", *dirs,
+             "--out", str(tmp_path / "out")],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    r = summarise_one_run_sweeps({"lr2": (2e-4, ""), "lr5": (5e-4, "")})
     assert r.returncode != 0 and "different settings (lr 0.0002" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "out").exists()  # nothing half-written
     # one peak LR, two schedules (a constant 5e-4 of 2026-11-30 and today's cosine)
-    dirs = []
-    for sched in ("constant", "cosine"):
-        d = tmp_path / sched
-        d.mkdir()
-        (d / "staleness.csv").write_text(
-            "loss,k,seed,steps,samples,final_reward,start_reward,start_samples,lr,schedule\n"
-            f"none,0,0,2,256,0.5,0.3,128,0.0005,{sched}\n"
-        )
-        (d / "curves.csv").write_text(
-            "run,loss,k,seed,step,samples,reward\n0,none,0,0,1,128,0.3\n0,none,0,0,2,256,0.5\n"
-        )
-        dirs.append(str(d))
-    r = subprocess.run(
-        [sys.executable, "-m", "benchmarks.staleness", "--summarise", *dirs,
-         "--out", str(tmp_path / "out")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    r = summarise_one_run_sweeps({"constant": (5e-4, "constant"), "cosine": (5e-4, "cosine")})
     assert r.returncode != 0 and "schedule constant" in r.stderr, r.stderr[-2000:]
     assert "schedule cosine" in r.stderr and not (tmp_path / "out").exists()
     # the off-policy brake: "none" runs without it beside braked losses (one sweep; a
