@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from test_learner_unit import build_tiny_qwen, trajs
+from helpers import build_tiny_qwen, trajs
 
 from asyncrl.learner.batch import collate
 from asyncrl.learner.checkpoint import CheckpointError, verify

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import ray
 import torch
-from test_learner_unit import build_tiny_qwen, trajs
+from helpers import build_tiny_qwen, trajs
 
 from asyncrl.config import ConfigError
 from asyncrl.learner.batch import collate

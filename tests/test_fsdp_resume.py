@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
-from test_learner_unit import build_tiny_qwen, trajs
+from helpers import build_tiny_qwen, trajs
 
 from asyncrl.learner.batch import collate
 from asyncrl.learner.group import LearnerGroup

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from omegaconf import OmegaConf
-from test_learner_unit import build_tiny_qwen, trajs
+from helpers import build_tiny_qwen, trajs
 
 from asyncrl.config import ConfigError
 from asyncrl.learner.batch import collate

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from test_learner_unit import build_tiny_qwen, trajs
+from helpers import build_tiny_qwen, trajs
 
 from asyncrl.learner.batch import collate
 from asyncrl.learner.logprobs import to_rows, token_logprobs
