@@ -95,8 +95,8 @@ def sync() -> None:
 
 def main() -> int:
     from asyncrl.learner.batch import collate
+    from asyncrl.learner.config import LearnerSettings, OptimSettings
     from asyncrl.learner.learner import Learner
-    from asyncrl.learner.optim import OptimSettings
     from asyncrl.losses.advantages import GroupNormalized
     from asyncrl.losses.clipped import ClippedISLoss
     from asyncrl.transport.group import free_port
@@ -114,12 +114,13 @@ def main() -> int:
             str(path),
             ClippedISLoss(),
             GroupNormalized(),
-            OptimSettings(lr=1e-4),
-            micro_batch_tokens=SPEC["micro"],
+            LearnerSettings(
+                optim=OptimSettings(lr=1e-4),
+                micro_batch_tokens=SPEC["micro"],
+                minibatches=ARGS.minibatches,
+            ),
             rank=0,
-            world_size=1,
             rendezvous=rdv,
-            minibatches=ARGS.minibatches,
         )
         figures["sharded"] = bool(L.sharded)
         before = {n: p.detach().float().clone().cpu() for n, p in L.named_parameters_stream()}

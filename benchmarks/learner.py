@@ -41,8 +41,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from asyncrl.learner.batch import collate  # noqa: E402
+from asyncrl.learner.config import LearnerSettings, OptimSettings  # noqa: E402
 from asyncrl.learner.learner import Learner  # noqa: E402
-from asyncrl.learner.optim import OptimSettings  # noqa: E402
 from asyncrl.losses.advantages import GroupNormalized  # noqa: E402
 from asyncrl.losses.clipped import ClippedISLoss  # noqa: E402
 from asyncrl.models.tiny import random_qwen2  # noqa: E402
@@ -141,15 +141,16 @@ def measure(model_dir: Path, steps: int, threads: int, world_size: int = 1) -> d
     group = None
     if world_size == 1:
         learner = Learner(
-            str(model_dir), ClippedISLoss(), GroupNormalized(), optim, num_threads=threads
-        )
+            str(model_dir), ClippedISLoss(), GroupNormalized(),
+            LearnerSettings(optim=optim, num_threads=threads),
+        )  # fmt: skip
         step = learner.step_on_batch
     else:
         from asyncrl.learner.group import LearnerGroup
 
         group = LearnerGroup(
-            str(model_dir), ClippedISLoss(), GroupNormalized(), optim, world_size=world_size,
-            num_threads=threads,
+            str(model_dir), ClippedISLoss(), GroupNormalized(),
+            LearnerSettings(optim=optim, world_size=world_size, num_threads=threads),
         )  # fmt: skip
         group.ping()
         step = group.step_on_batch

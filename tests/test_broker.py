@@ -13,6 +13,7 @@ import asyncio
 import re
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,8 +21,9 @@ import torch
 
 from asyncrl.actor.worker_ext import AsyncRLWorkerExtension
 from asyncrl.broker.plan import ActorView, SyncSet, plan_waves
-from asyncrl.broker.settings import PAYLOAD_MODES, BrokerSettings, check_broker_config
+from asyncrl.broker.settings import PAYLOAD_MODES, BrokerKind, BrokerSettings
 from asyncrl.config import ConfigError
+from asyncrl.learner.weights import WeightsOut
 from asyncrl.transport.broadcast import NO_VERSION
 from asyncrl.transport.delta import Mode
 from asyncrl.transport.endpoint import digests
@@ -50,11 +52,13 @@ def test_plan_groups_by_held_version_and_rolls_most_stale_first():
 
 def test_settings_name_the_key_to_fix():
     assert PAYLOAD_MODES == tuple(m.value for m in Mode)
-    ok = check_broker_config({"kind": "gloo", "mode": "changed_buckets", "rolling_k": 2})
-    assert ok.mode == "changed_buckets" and ok.rolling_k == 2
-    assert check_broker_config({"kind": "objectstore", "timeout_s": 5}) is None
+    ok = BrokerSettings.from_config({"kind": "gloo", "mode": "changed_buckets", "rolling_k": 2})
+    assert ok.mode == "changed_buckets" and ok.rolling_k == 2 and ok.kind is BrokerKind.GLOO
+    store = BrokerSettings.from_config({"kind": "objectstore", "timeout_s": 5})
+    assert store.kind is BrokerKind.OBJECTSTORE and store.timeout_s == 5.0
     for bad, key in [
         ({"kind": "nope"}, "broker.kind"),
+        ({"kind": "gloo", "timeout_s": "soon"}, "broker.timeout_s"),
         ({"kind": "gloo", "mode": "rolling"}, "broker.mode"),
         ({"kind": "gloo", "rolling_k": -1}, "broker.rolling_k"),
         ({"kind": "gloo", "timeout_s": 0}, "broker.timeout_s"),
@@ -62,7 +66,38 @@ def test_settings_name_the_key_to_fix():
         ({"kind": "gloo", "bucket_size": 1}, "bucket_size"),
     ]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            check_broker_config(bad)
+            BrokerSettings.from_config(bad)
+
+
+def test_settings_defaults_are_the_gloo_yaml():
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.load(Path(__file__).parents[1] / "conf" / "broker" / "gloo.yaml")
+    assert BrokerSettings.from_config(conf) == BrokerSettings()
+
+
+def test_objectstore_payload_travels_out_of_band(ray_local):
+    """The payload pickles every tensor as an out-of-band buffer (what Ray keeps in the
+    object store and maps back without a copy), unpickles as the same tensors sharing
+    those buffers, and survives a real ray.put / ray.get bit-exactly, bf16 included."""
+    import pickle
+
+    import numpy as np
+
+    from asyncrl.broker.payload import PackedWeights
+
+    sd = {"a": torch.randn(256, 512).to(torch.bfloat16), "b": torch.arange(70_000.0)}
+    packed = PackedWeights(sd.items())
+    assert packed.nbytes == 256 * 512 * 2 + 70_000 * 4
+    buffers: list = []
+    data = pickle.dumps(packed, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 2 and len(data) < 2048  # the bytes travel beside the pickle
+    views = [np.frombuffer(b.raw(), np.uint8) for b in buffers]
+    got = pickle.loads(data, buffers=buffers)
+    assert {got[k].data_ptr() for k in sd} == {v.ctypes.data for v in views}  # no copy
+    got = ray_local.get(ray_local.put(packed))
+    for k, t in sd.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t)
 
 
 class _EventEngine:
@@ -207,8 +242,9 @@ def make_model(seed: int) -> torch.nn.ModuleDict:
     return m
 
 
-class FakeLearner:
-    """A learner rank as the broker sees it: ``model`` (read by the default export)."""
+class FakeLearner(WeightsOut):
+    """A learner rank as the broker sees it: the real weight methods, on a plain
+    ``model`` (the default stream: its state dict)."""
 
     def __init__(self, seed: int = 0) -> None:
         self.model = make_model(seed)
@@ -255,7 +291,7 @@ def _start(actors, learner, **kw):
     settings = BrokerSettings(
         bucket_mb=BUCKET_MB, timeout_s=TIMEOUT_S, join_timeout_s=30.0, verify=True, **kw
     )
-    return start_weight_broker(actors, learner, settings)
+    return start_weight_broker(settings, actors, [learner])
 
 
 def _assert_bit_exact(ray, broker, actors) -> None:

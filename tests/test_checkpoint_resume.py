@@ -15,8 +15,9 @@ from helpers import build_tiny_qwen, trajs
 
 from asyncrl.learner.batch import collate
 from asyncrl.learner.checkpoint import CheckpointError, verify
+from asyncrl.learner.config import LearnerSettings, OptimSettings
 from asyncrl.learner.learner import Learner
-from asyncrl.learner.optim import OptimSettings, lr_factor
+from asyncrl.learner.optim import lr_factor
 from asyncrl.losses.advantages import GroupNormalized
 from asyncrl.losses.clipped import ClippedISLoss
 from asyncrl.losses.decoupled_ppo import DecoupledPPOLoss
@@ -53,8 +54,8 @@ def make(model_dir, setup: str) -> Learner:
     torch.set_num_threads(1)
     loss, value_head, optim = SETUPS[setup]
     return Learner(
-        str(model_dir), loss(), GroupNormalized(), optim, micro_batch_tokens=40,
-        value_head=value_head, seed=1,
+        str(model_dir), loss(), GroupNormalized(),
+        LearnerSettings(optim=optim, micro_batch_tokens=40, value_head=value_head), seed=1,
     )  # fmt: skip
 
 
@@ -99,13 +100,19 @@ def test_resume_with_a_longer_run_follows_the_longer_cosine(model_dir, tmp_path)
     """A run resumed with a larger max_steps (a longer cosine horizon) takes its first
     step at the longer cosine's LR, not at the finished schedule's last LR (0)."""
     short = OptimSettings(lr=1e-2, schedule="cosine", total_steps=K)
-    a = Learner(str(model_dir), ClippedISLoss(), GroupNormalized(), short, micro_batch_tokens=40)
+    a = Learner(
+        str(model_dir), ClippedISLoss(), GroupNormalized(),
+        LearnerSettings(optim=short, micro_batch_tokens=40),
+    )  # fmt: skip
     for v, b in enumerate(batches(K)):
         a.step_on_batch(b, v)
     assert a.opt.param_groups[0]["lr"] == 0.0  # the short schedule has ended
     a.save(str(tmp_path / "ck"))
     longer = OptimSettings(lr=1e-2, schedule="cosine", total_steps=4 * K)
-    b = Learner(str(model_dir), ClippedISLoss(), GroupNormalized(), longer, micro_batch_tokens=40)
+    b = Learner(
+        str(model_dir), ClippedISLoss(), GroupNormalized(),
+        LearnerSettings(optim=longer, micro_batch_tokens=40),
+    )  # fmt: skip
     b.load(str(tmp_path / "ck"))
     m = b.step_on_batch(batches(K + 1)[K], K)
     assert m["learner/lr"] == pytest.approx(1e-2 * lr_factor(K, longer)) and m["learner/lr"] > 0

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import ray
 import torch
 from helpers import build_tiny_qwen, trajs
 
 from asyncrl.config import ConfigError
 from asyncrl.learner.batch import collate
+from asyncrl.learner.config import LearnerSettings, OptimSettings
 from asyncrl.learner.group import LearnerGroup
 from asyncrl.learner.learner import Learner
-from asyncrl.learner.optim import OptimSettings
 from asyncrl.losses.advantages import GroupNormalized
 from asyncrl.losses.clipped import ClippedISLoss
 from asyncrl.trajectory import Trajectory
@@ -71,7 +70,7 @@ def test_two_ranks_match_one(ray_local, model_dir, norm, minibatches, target):
     off the model's, so it binds): the KL it scales by is summed over both ranks."""
     torch.set_num_threads(1)
     optim = OptimSettings(lr=LR, grad_clip=1e9, mismatch_kl_target=target)
-    kw = dict(normalisation=norm, num_threads=1, minibatches=minibatches)
+    kw = dict(normalisation=norm, num_threads=1, minibatches=minibatches, optim=optim)
     steps = [
         collate(trajs(24, seed=3, max_prompt=9, max_response=12)),
         # rank 0 gets the 30-token sequence (one micro-batch), rank 1 the six short ones
@@ -79,11 +78,12 @@ def test_two_ranks_match_one(ray_local, model_dir, norm, minibatches, target):
         collate(sized([(10, 20)] + [(4, 4)] * 6)),
     ]
     one = Learner(
-        str(model_dir), ClippedISLoss(), GroupNormalized(), optim, micro_batch_tokens=10_000, **kw
-    )
+        str(model_dir), ClippedISLoss(), GroupNormalized(),
+        LearnerSettings(micro_batch_tokens=10_000, **kw),
+    )  # fmt: skip
     group = LearnerGroup(
-        str(model_dir), ClippedISLoss(), GroupNormalized(), optim, world_size=2,
-        micro_batch_tokens=30, **kw,
+        str(model_dir), ClippedISLoss(), GroupNormalized(),
+        LearnerSettings(world_size=2, micro_batch_tokens=30, **kw),
     )  # fmt: skip
     try:
         before = one.full_state_dict()
@@ -97,7 +97,7 @@ def test_two_ranks_match_one(ray_local, model_dir, norm, minibatches, target):
                 assert close(m1[k], m2[k]), (k, m1[k], m2[k])
             assert (m1["learner/lr_scale"] < 1) == (target is not None)
             p1 = one.full_state_dict()
-            p2 = ray.get(group.state_dict_ref()[0])
+            p2 = group.full_state_dict()
             assert p1.keys() == p2.keys() and "lm_head.weight" not in p2  # tied: dropped
             worst = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
             assert worst < PARAM_ATOL, worst
@@ -119,5 +119,5 @@ def test_two_ranks_match_one(ray_local, model_dir, norm, minibatches, target):
 def test_world_size_beyond_the_cluster_fails_at_start(ray_local, model_dir):
     with pytest.raises(ConfigError, match=r"learner.world_size=64 .* need 64 CPUs .* has 4 CPUs"):
         LearnerGroup(
-            str(model_dir), ClippedISLoss(), GroupNormalized(), OptimSettings(), world_size=64
+            str(model_dir), ClippedISLoss(), GroupNormalized(), LearnerSettings(world_size=64)
         )

@@ -8,14 +8,13 @@ order, so nothing is left to chance on CPU).
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
 from helpers import build_tiny_qwen, trajs
 
 from asyncrl.learner.batch import collate
+from asyncrl.learner.config import LearnerSettings, OptimSettings
 from asyncrl.learner.group import LearnerGroup
 from asyncrl.learner.learner import Learner
-from asyncrl.learner.optim import OptimSettings
 from asyncrl.losses.advantages import GroupNormalized
 from asyncrl.losses.vtrace import VTraceLoss
 
@@ -31,10 +30,12 @@ def model_dir(tmp_path_factory):
 
 
 def group(model_dir) -> LearnerGroup:
+    settings = LearnerSettings(
+        optim=OPTIM, world_size=2, micro_batch_tokens=40, value_head=True, num_threads=1
+    )
     return LearnerGroup(
-        str(model_dir), VTraceLoss(use_value_head=True), GroupNormalized(), OPTIM,
-        world_size=2, micro_batch_tokens=40, value_head=True, num_threads=1, seed=1,
-    )  # fmt: skip
+        str(model_dir), VTraceLoss(use_value_head=True), GroupNormalized(), settings, seed=1
+    )
 
 
 def test_resume_on_two_ranks_is_bit_exact(ray_local, model_dir, tmp_path):
@@ -46,9 +47,9 @@ def test_resume_on_two_ranks_is_bit_exact(ray_local, model_dir, tmp_path):
         for v in range(K):
             a.step_on_batch(bs[v], v)
         a.save(ck, {"samplers": {"actor0": {"drawn": 7}}})
-        at_k = ray.get(a.state_dict_ref()[0])
+        at_k = a.full_state_dict()
         tail_a = [a.step_on_batch(bs[v], v) for v in range(K, K + M)]
-        final_a = ray.get(a.state_dict_ref()[0])
+        final_a = a.full_state_dict()
     finally:
         a.close()
     b = group(model_dir)
@@ -56,7 +57,7 @@ def test_resume_on_two_ranks_is_bit_exact(ray_local, model_dir, tmp_path):
         meta = b.load(ck)
         assert meta["version"] == K and meta["driver_state"]["samplers"]["actor0"]["drawn"] == 7
         tail_b = [b.step_on_batch(bs[v], v) for v in range(K, K + M)]
-        final_b = ray.get(b.state_dict_ref()[0])
+        final_b = b.full_state_dict()
     finally:
         b.close()
     assert final_a.keys() == final_b.keys()
@@ -68,8 +69,8 @@ def test_resume_on_two_ranks_is_bit_exact(ray_local, model_dir, tmp_path):
 
     # the same checkpoint, resharded onto one rank
     one = Learner(
-        str(model_dir), VTraceLoss(use_value_head=True), GroupNormalized(), OPTIM,
-        micro_batch_tokens=40, value_head=True,
+        str(model_dir), VTraceLoss(use_value_head=True), GroupNormalized(),
+        LearnerSettings(optim=OPTIM, micro_batch_tokens=40, value_head=True),
     )  # fmt: skip
     assert one.load(ck)["version"] == K
     sd = one.full_state_dict()

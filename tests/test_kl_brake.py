@@ -8,15 +8,16 @@ import dataclasses
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from helpers import build_tiny_qwen, trajs
+from omegaconf import OmegaConf
 
 from asyncrl.config import ConfigError
 from asyncrl.learner.batch import collate
-from asyncrl.learner.config import optim_settings
+from asyncrl.learner.config import LearnerSettings
 from asyncrl.learner.learner import Learner
 from asyncrl.learner.optim import KL_GAIN, MIN_LR_SCALE, OptimSettings, kl_brake
 from asyncrl.losses.advantages import GroupNormalized
+from asyncrl.losses.clipped import ClippedISLoss
 from asyncrl.losses.decoupled_ppo import DecoupledPPOLoss
 
 LR = 1e-2
@@ -31,7 +32,9 @@ def model_dir(tmp_path_factory):
 def learner(model_dir, lr: float = LR, target: float | None = None) -> Learner:
     torch.set_num_threads(1)
     optim = OptimSettings(lr=lr, grad_clip=1e9, mismatch_kl_target=target)
-    return Learner(str(model_dir), DecoupledPPOLoss(), GroupNormalized(), optim)
+    return Learner(
+        str(model_dir), DecoupledPPOLoss(), GroupNormalized(), LearnerSettings(optim=optim)
+    )
 
 
 def test_the_rule():
@@ -96,4 +99,4 @@ def test_bad_targets_are_refused():
     lc = OmegaConf.load("conf/learner/default.yaml")
     lc.optim.mismatch_kl_target = -0.1
     with pytest.raises(ConfigError, match="mismatch_kl_target must be > 0 or null"):
-        optim_settings(lc, 10)
+        LearnerSettings.from_config(lc, ClippedISLoss(), 10)

@@ -8,8 +8,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from asyncrl.config import ConfigError
-from asyncrl.learner.config import optim_settings
-from asyncrl.learner.optim import OptimSettings, lr_factor
+from asyncrl.learner.config import LearnerSettings, OptimSettings
+from asyncrl.learner.optim import lr_factor
+from asyncrl.losses.clipped import ClippedISLoss
 from asyncrl.runtime import check_resources
 from asyncrl.wiring import prepare
 
@@ -27,8 +28,8 @@ def cfg(*overrides: str):
         (["learner.value_head=true"], r"learner.value_head=true but the loss .* does not use"),
         (["loss=vtrace", "loss.use_value_head=true"], r"set learner.value_head=true"),
         (["learner.world_size=0"], r"learner.world_size must be >= 1"),
-        (["learner.normalisation=batch"], r"learner.normalisation must be one of"),
-        (["learner.optim.schedule=linear"], r"learner.optim.schedule must be one of"),
+        (["learner.normalisation=batch"], r"learner.normalisation='batch': expected one of"),
+        (["learner.optim.schedule=linear"], r"learner.optim.schedule=.linear.: expected one of"),
         (["learner.pack_row_tokens=0"], r"learner.pack_row_tokens must be >= 1"),
     ],
 )
@@ -61,7 +62,18 @@ def test_the_default_lr_decays_over_the_run():
     """The default the staleness benchmark measured (README, Benchmarks): the peak LR
     at the first step, a cosine to 0 at the run's last, whatever ``max_steps`` is."""
     c = cfg("max_steps=100")
-    s = optim_settings(c.learner, c.max_steps)
+    s = LearnerSettings.from_config(c.learner, ClippedISLoss(), c.max_steps).optim
     f = [lr_factor(k, s) for k in range(100)]
     assert f[0] == 1.0 and f[50] == pytest.approx(0.5) and f[99] < 1e-3
     assert all(a >= b for a, b in zip(f, f[1:]))
+
+
+def test_settings_defaults_are_the_yaml():
+    """One source of truth: LearnerSettings' defaults are conf/learner/default.yaml's."""
+    from dataclasses import fields
+
+    yaml = LearnerSettings.from_config(cfg().learner, ClippedISLoss(), 10)
+    plain = LearnerSettings()
+    for f in fields(LearnerSettings):
+        if f.name != "optim":  # the YAML's optim is the run's; the dataclass's the plain one
+            assert getattr(yaml, f.name) == getattr(plain, f.name), f.name

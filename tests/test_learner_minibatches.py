@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from helpers import build_tiny_qwen, trajs
+from omegaconf import OmegaConf
 
 from asyncrl.config import ConfigError
 from asyncrl.learner.batch import collate
-from asyncrl.learner.config import check_learner_config, optim_settings
-from asyncrl.learner.learner import Learner, OptimSettings
+from asyncrl.learner.config import LearnerSettings, OptimSettings
+from asyncrl.learner.learner import Learner
 from asyncrl.losses.advantages import GroupNormalized
 from asyncrl.losses.clipped import ClippedISLoss
 from asyncrl.losses.decoupled_ppo import DecoupledPPOLoss
@@ -27,7 +27,8 @@ def model_dir(tmp_path_factory):
 def learner(model_dir, loss, minibatches: int) -> Learner:
     torch.set_num_threads(1)
     optim = OptimSettings(lr=1e-2, grad_clip=1e9)
-    return Learner(str(model_dir), loss, GroupNormalized(), optim, minibatches=minibatches)
+    settings = LearnerSettings(optim=optim, minibatches=minibatches)
+    return Learner(str(model_dir), loss, GroupNormalized(), settings)
 
 
 def test_two_minibatches_are_two_steps_on_the_halves(model_dir):
@@ -83,12 +84,13 @@ def test_minibatches_bad_values_and_a_short_batch(model_dir):
     lc = OmegaConf.load(CONF)
     lc.minibatches = 0
     with pytest.raises(ConfigError, match="learner.minibatches must be >= 1"):
-        check_learner_config(lc, ClippedISLoss(), 10)
+        LearnerSettings.from_config(lc, ClippedISLoss(), 10)
 
 
 def test_the_schedule_horizon_counts_optimizer_steps():
     lc = OmegaConf.load(CONF)
     lc.minibatches = 4
-    assert optim_settings(lc, 300).total_steps == 1200
+    loss = ClippedISLoss()
+    assert LearnerSettings.from_config(lc, loss, 300).optim.total_steps == 1200
     lc.optim.total_steps = 50
-    assert optim_settings(lc, 300).total_steps == 50
+    assert LearnerSettings.from_config(lc, loss, 300).optim.total_steps == 50

@@ -9,7 +9,8 @@ import torch
 from helpers import build_tiny_qwen, trajs
 
 from asyncrl.learner.batch import collate, token_budget_chunks
-from asyncrl.learner.learner import Learner, OptimSettings
+from asyncrl.learner.config import LearnerSettings, OptimSettings
+from asyncrl.learner.learner import Learner
 from asyncrl.learner.logprobs import process_logits
 from asyncrl.losses.advantages import GroupNormalized
 from asyncrl.losses.clipped import ClippedISLoss
@@ -51,9 +52,11 @@ def test_micro_batching_does_not_change_the_step(model_dir, norm):
             str(model_dir),
             ClippedISLoss(),
             GroupNormalized(),
-            OptimSettings(lr=1e-2, grad_clip=1e9),
-            micro_batch_tokens=budget,
-            normalisation=norm,
+            LearnerSettings(
+                optim=OptimSettings(lr=1e-2, grad_clip=1e9),
+                micro_batch_tokens=budget,
+                normalisation=norm,
+            ),
         )
         m = L.step_on_batch(collate(ts), 0)
         results.append((m, [p.detach().clone() for p in L.model.parameters()]))

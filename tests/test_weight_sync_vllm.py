@@ -105,7 +105,7 @@ def world(ray_local, tiny_model, task):
     from asyncrl.actor.rollout import RolloutActor, SamplingSettings
     from asyncrl.broker.client import start_weight_broker
     from asyncrl.broker.settings import BrokerSettings
-    from asyncrl.learner.config import start_learner
+    from asyncrl.learner.config import LearnerSettings, start_learner
     from asyncrl.losses.advantages import GroupNormalized
     from asyncrl.losses.clipped import ClippedISLoss
     from asyncrl.replay.queue import remote_queue
@@ -127,15 +127,17 @@ def world(ray_local, tiny_model, task):
             "actor1", str(tiny_model), SharedPrefixTask(), queue, sampling, cached, 1, 2
         ),
     }
+    loss = ClippedISLoss()
+    learner_settings = LearnerSettings.from_config(cfg.learner, loss, 10)
     learner = start_learner(
-        cfg.learner, str(tiny_model), ClippedISLoss(), GroupNormalized(), sampling, 0, 10, None
+        learner_settings, str(tiny_model), loss, GroupNormalized(), sampling, 0, 10, None
     )
-    ray.get(learner.ping.remote())
+    learner.ping()
     ray.get([a.start.remote() for a in actors.values()])  # the engines: minutes on 2 busy cores
     settings = BrokerSettings(
         mode="full", bucket_mb=BUCKET_MB, timeout_s=TIMEOUT_S, join_timeout_s=120.0, verify=True
     )
-    broker = start_weight_broker(actors, learner, settings)
+    broker = start_weight_broker(settings, actors, learner.ranks)
     yield {"actors": actors, "learner": learner, "broker": broker, "queue": queue}
     try:
         broker.close()

@@ -1,18 +1,13 @@
-"""Building the broker from ``broker.*``, and the driver's handle on the WeightBroker.
-
-The driver calls ``publish(version, weights, nbytes=...)``, ``wait()`` and reads
-``actor_versions`` / ``dead`` whichever broker runs, so ``train.py`` is the same
-for both. The process-group broker is a Ray actor; :class:`BrokerClient` makes
-its calls blocking with a deadline and logs the errors it reports.
-"""
+"""The driver's handle on the process-group broker (a Ray actor): its calls made
+blocking with a backstop deadline, the errors each call brings back logged here."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from asyncrl.broker.objectstore import BrokerError, ObjectStoreBroker
-from asyncrl.broker.settings import BrokerSettings, check_broker_config
+from asyncrl.broker.base import BrokerError
+from asyncrl.broker.settings import BrokerSettings
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +20,6 @@ class BrokerClient:
     def __init__(self, handle: Any, settings: BrokerSettings):
         self.handle = handle
         self.settings = settings
-        self._errors_seen = 0
 
     def _get(self, ref: Any) -> Any:
         import ray
@@ -41,18 +35,19 @@ class BrokerClient:
             cause = e.as_instanceof_cause()
             raise (cause if isinstance(cause, BrokerError) else BrokerError(str(e))) from None
 
-    def publish(self, version: int, weights: Any = None, nbytes: int = 0) -> dict[str, float]:
-        """Snapshot ``version`` from the learner and sync it in the background; returns
-        the previous sync's metrics. ``weights`` (an object-store ref) is not needed:
-        the broker reads the learner's weights itself."""
-        metrics = self._get(self.handle.publish.remote(version, nbytes))
-        self._log_new_errors()
+    def _metrics(self, ref: Any) -> dict[str, float]:
+        metrics, new_errors = self._get(ref)
+        for msg in new_errors:
+            log.error("weight broker: %s", msg)
         return metrics
 
+    def publish(self, version: int) -> dict[str, float]:
+        """Snapshot ``version`` from the learner and sync it in the background; returns
+        the previous sync's metrics."""
+        return self._metrics(self.handle.publish.remote(version))
+
     def wait(self) -> dict[str, float]:
-        metrics = self._get(self.handle.wait.remote())
-        self._log_new_errors()
-        return metrics
+        return self._metrics(self.handle.wait.remote())
 
     def state(self) -> dict[str, Any]:
         return self._get(self.handle.state.remote())
@@ -83,24 +78,9 @@ class BrokerClient:
         finally:
             ray.kill(self.handle)
 
-    def _log_new_errors(self) -> None:
-        errors = self.state()["errors"]
-        for msg in errors[self._errors_seen :]:
-            log.error("weight broker: %s", msg)
-        self._errors_seen = len(errors)
-
-
-def learner_ranks(learner: Any) -> list[Any]:
-    """Rank actor handles of a learner: a LearnerGroup's ``ranks``, or the one actor."""
-    ranks = getattr(learner, "ranks", None)
-    return list(ranks) if ranks else [learner]
-
 
 def start_weight_broker(
-    actors: dict[str, Any],
-    learner: Any,
-    settings: BrokerSettings,
-    export: Any = None,
+    settings: BrokerSettings, actors: dict[str, Any], learner_ranks: list[Any]
 ) -> BrokerClient:
     """Start the WeightBroker actor, attach it to learner rank 0 and every actor,
     prime version 0 (``settings.prime``); returns the driver's handle."""
@@ -109,17 +89,7 @@ def start_weight_broker(
     from asyncrl.broker.weight_broker import WeightBroker
 
     cls = ray.remote(WeightBroker).options(num_cpus=0, max_concurrency=1000)
-    handle = cls.remote(actors, learner_ranks(learner), settings, export)
+    handle = cls.remote(actors, list(learner_ranks), settings)
     client = BrokerClient(handle, settings)
     client._get(handle.start.remote())
     return client
-
-
-def make_broker(
-    node: Any, actors: dict[str, Any], learner: Any
-) -> ObjectStoreBroker | BrokerClient:
-    """The broker ``broker.kind`` names (``node`` is the ``broker`` config)."""
-    settings = check_broker_config(node)
-    if settings is None:
-        return ObjectStoreBroker(actors, timeout_s=node.timeout_s)
-    return start_weight_broker(actors, learner, settings)

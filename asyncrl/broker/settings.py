@@ -1,28 +1,36 @@
 """``broker.*`` in config: which broker, and how the process-group broker syncs.
 
-Checked at start-up (``check_broker_config``), before Ray starts, so a wrong
-value stops the run with a message naming the key.
+Checked at start-up (``BrokerSettings.from_config``), before Ray starts, so a wrong
+value stops the run with one line naming the ``broker.<key>``. conf/broker/gloo.yaml
+lists the same values as the defaults here (tests/test_broker.py holds them equal).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import enum
+from dataclasses import dataclass
 from typing import Any
 
-BROKERS = ("objectstore", "gloo")  # gloo = "process group": NCCL where both ends have CUDA
+from asyncrl.config import ConfigError, settings_from
+
 BACKENDS = ("auto", "gloo", "nccl")
 # transport.delta.Mode's values, spelled out so that checking a config needs no torch
 PAYLOAD_MODES = ("full", "changed_buckets", "sparse_delta")
 
 
+class BrokerKind(enum.StrEnum):
+    OBJECTSTORE = "objectstore"  # the learner ray.put()s its weights, actors reload them
+    GLOO = "gloo"  # process group: gloo on CPU, NCCL where both ends have CUDA
+
+
 @dataclass
 class BrokerSettings:
-    kind: str = "gloo"
+    kind: BrokerKind = BrokerKind.GLOO
     backend: str = "auto"  # auto: NCCL when the learner has CUDA, else gloo
     mode: str = "sparse_delta"  # full | changed_buckets | sparse_delta (all lossless)
     rolling_k: int = 0  # > 0: at most k actors update at once, the rest keep generating
     bucket_mb: float = 64.0  # flat bucket size per dtype
-    timeout_s: float = 60.0  # per collective / store wait: a stuck peer is named after this
+    timeout_s: float = 60.0  # per collective / store wait (objectstore: per sync)
     join_timeout_s: float = 120.0  # forming a group (workers answer between engine steps)
     pause_timeout_s: float = 300.0  # `wait` mode: in-flight requests must finish within this
     hold_copy: bool = True  # workers keep a copy for deltas (one model of memory per worker)
@@ -37,26 +45,17 @@ class BrokerSettings:
 
     @classmethod
     def from_config(cls, node: Any) -> BrokerSettings:
-        """From a ``broker`` config node; ValueError names the ``broker.<key>`` to fix."""
-        from omegaconf import DictConfig, OmegaConf
-
-        raw = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
-        raw = dict(raw or {})
-        raw.pop("_target_", None)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"broker: unknown key(s) {unknown}; known: {sorted(known)}")
-        s = cls(**raw)
-        s.check()
-        return s
+        """From a ``broker`` config node (or a dict); ConfigError names ``broker.<key>``."""
+        return settings_from(cls, node, "broker")
 
     def check(self) -> None:
         def bad(key: str, why: str) -> None:
-            raise ValueError(f"broker.{key}={getattr(self, key)!r}: {why}")
+            raise ConfigError(f"broker.{key}={getattr(self, key)!r}: {why}")
 
-        if self.kind not in BROKERS:
-            bad("kind", f"expected one of {BROKERS}")
+        try:
+            self.kind = BrokerKind(self.kind)
+        except ValueError:
+            bad("kind", f"expected one of {[k.value for k in BrokerKind]}")
         if self.backend not in BACKENDS:
             bad("backend", f"expected one of {BACKENDS}")
         if self.mode not in PAYLOAD_MODES:
@@ -73,19 +72,3 @@ class BrokerSettings:
             bad("shadow_device", "expected null, cpu or cuda")
         if not self.hold_copy and self.mode != "full":
             bad("mode", "partial modes need broker.hold_copy=true (the receiver's base)")
-
-
-def check_broker_config(node: Any) -> BrokerSettings | None:
-    """Validate ``broker.*``; the process-group settings, or None for the object store.
-    Raises asyncrl.config.ConfigError naming the key."""
-    from asyncrl.config import ConfigError
-
-    kind = node.get("kind") if hasattr(node, "get") else None
-    if kind not in BROKERS:
-        raise ConfigError(f"broker.kind={kind!r}: expected one of {BROKERS}")
-    if kind == "objectstore":
-        return None
-    try:
-        return BrokerSettings.from_config(node)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(str(e)) from e

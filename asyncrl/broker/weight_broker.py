@@ -3,7 +3,7 @@ receives what, and drives process-group transfers (learner rank 0 → vLLM worke
 
     driver              WeightBroker (async Ray actor)              learner rank 0 / actors
     publish(V) ───────▶ wait for sync V-1 (bounded)
-                        snapshot V ──────────── __ray_call__ ─────▶ pack a copy (shadows)
+                        snapshot V ───────── snapshot_weights ────▶ pack a copy (shadows)
                ◀─────── metrics of sync V-1
                         sync V, in the background:
                           waves of sync sets (plan.py: rolling_k, grouped by held version)
@@ -26,16 +26,15 @@ import itertools
 import logging
 import time
 import uuid
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import OrderedDict
 from typing import Any
 
-from asyncrl.broker import learner_side
-from asyncrl.broker.objectstore import BrokerError
+from asyncrl.broker.base import BrokerError
+from asyncrl.broker.learner_side import CommandQueue
 from asyncrl.broker.plan import ActorView, SyncSet, plan_waves, ranks_of
 from asyncrl.broker.settings import BrokerSettings
+from asyncrl.broker.sync import Group, SyncTally, culprits, digest_mismatch, no_report, where
 from asyncrl.transport.broadcast import NO_VERSION
-from asyncrl.transport.group import HEADER_BUCKET
 
 log = logging.getLogger(__name__)
 
@@ -46,56 +45,27 @@ SLACK_S = 30.0
 SNAPSHOT_TIMEOUTS = 5
 
 
-@dataclass
-class _Group:
-    key: str
-    ranks: dict[str, int]  # first rank of each member's workers
-    world: int
-    port: int = 0
-
-
-@dataclass
-class _Sync:
-    """Accounting of one sync (one published version)."""
-
-    version: int
-    t0: float
-    pack_seconds: float = 0.0
-    bytes_sent: int = 0
-    bytes_full: int = 0
-    buckets_skipped: int = 0
-    buckets_sparse: int = 0
-    transfer_seconds: float = 0.0
-    pause_max: float = 0.0
-    sets: int = 0
-    updated: int = 0
-    errors: list[str] = field(default_factory=list)
-
-
 class WeightBroker:
     def __init__(
         self,
         actors: dict[str, Any],
         learner_ranks: list[Any],
         settings: BrokerSettings,
-        export: learner_side.Export | None = None,
     ):
         self.s = settings
         self.actors = dict(actors)
         self.ranks = list(learner_ranks)
-        self.export = export
         self.id = uuid.uuid4().hex[:8]
         self.version = 0
         self.views: dict[str, ActorView] = {}
         self.dead: dict[str, str] = {}
         self.errors: list[str] = []  # every error so far, oldest first
+        self._errors_returned = 0  # errors[:this] went back to the driver already
         self.host = ""
         self.backend = ""
         self.totals = {"broker/syncs": 0, "broker/bytes_sent": 0.0, "broker/sync_seconds": 0.0}
-        self._cmds: deque[dict[str, Any]] = deque()
-        self._cmd_ready = asyncio.Event()
-        self._waiters: dict[int, dict[str, asyncio.Future]] = {}
-        self._groups: OrderedDict[tuple[str, ...], _Group] = OrderedDict()
+        self.commands = CommandQueue()
+        self._groups: OrderedDict[tuple[str, ...], Group] = OrderedDict()
         self._ids = itertools.count()
         self._sync: asyncio.Task | None = None
         self._n_buckets = 1
@@ -108,7 +78,7 @@ class WeightBroker:
         me = ray.get_runtime_context().current_actor
         settings = {k: getattr(self.s, k) for k in vars(self.s)}
         info = await self._bounded(
-            self.ranks[0].__ray_call__.remote(learner_side.attach, self.id, me, settings),
+            self.ranks[0].attach_broker.remote(self.id, me, settings),
             self.s.join_timeout_s,
             "attaching to learner rank 0",
         )
@@ -124,37 +94,49 @@ class WeightBroker:
         if self.s.prime:
             snap = await self._snapshot(self.version)
             self._sync = asyncio.create_task(self._run_sync(self.version, snap, force=True))
-            await self.wait()
+            await self._wait()
             if self.errors:
                 raise BrokerError(f"the first weight sync (version 0) failed: {self.errors}")
         return {"host": self.host, "backend": self.backend, "actors": sorted(self.views)}
 
     async def close(self) -> None:
         try:
-            await self.wait()
+            await self._wait()
         finally:
-            self._post({"op": "stop"})
+            self.commands.post({"op": "stop"})
             names = [n for n in self.views]
             await asyncio.gather(
-                *[self._quiet(self.actors[n].close_weight_groups.remote(None)) for n in names]
+                self._quiet(self.ranks[0].detach_broker.remote()),
+                *[self._quiet(self.actors[n].close_weight_groups.remote(None)) for n in names],
             )
 
     # ---- driver-facing --------------------------------------------------------------------
-    async def publish(self, version: int, nbytes: int = 0) -> dict[str, float]:
-        """Finish the sync in flight (returns its metrics), snapshot ``version`` from
-        the learner and start syncing it in the background."""
+    async def publish(self, version: int) -> tuple[dict[str, float], list[str]]:
+        """Finish the sync in flight, snapshot ``version`` from the learner and start
+        syncing it in the background. Returns the finished sync's metrics and the errors
+        not returned before."""
         if version <= self.version:
             raise BrokerError(
                 f"publish({version}) after version {self.version}: versions must grow"
             )
-        metrics = await self.wait()
+        metrics = await self._wait()
         snap = await self._snapshot(version)
         self.version = version
         self._sync = asyncio.create_task(self._run_sync(version, snap))
-        return metrics
+        return metrics, self._new_errors()
 
-    async def wait(self) -> dict[str, float]:
-        """Metrics of the sync in flight once it is done ({} if none)."""
+    async def wait(self) -> tuple[dict[str, float], list[str]]:
+        """The sync in flight's metrics once it is done ({} if none), and the errors
+        not returned before."""
+        metrics = await self._wait()
+        return metrics, self._new_errors()
+
+    def _new_errors(self) -> list[str]:
+        new = self.errors[self._errors_returned :]
+        self._errors_returned = len(self.errors)
+        return new
+
+    async def _wait(self) -> dict[str, float]:
         if self._sync is None:
             return {}
         task, self._sync = self._sync, None
@@ -189,46 +171,24 @@ class WeightBroker:
 
     async def learner_digests(self) -> dict[str, str]:
         """Per-tensor digests of the learner's live weights, for bit-exactness checks."""
-        refs = [
-            r.__ray_call__.remote(learner_side.learner_digests, self.export) for r in self.ranks
-        ]
+        refs = [r.weight_digests.remote() for r in self.ranks]
         done = await self._bounded(asyncio.gather(*refs), 10 * self.s.timeout_s, "learner digests")
         return done[0]
 
     # ---- the learner-side command loop ------------------------------------------------------
     async def next_command(self, timeout_s: float) -> dict[str, Any] | None:
         """Long poll by the sender thread in learner rank 0 (single consumer)."""
-        if not self._cmds:
-            self._cmd_ready.clear()
-            try:
-                await asyncio.wait_for(self._cmd_ready.wait(), timeout_s)
-            except TimeoutError:
-                return None
-        return self._cmds.popleft() if self._cmds else None
+        return await self.commands.next(timeout_s)
 
     def report(self, cid: int, kind: str, value: Any) -> None:
-        fut = self._waiters.get(cid, {}).get(kind)
-        if fut is not None and not fut.done():
-            fut.set_result(value)
-
-    def _post(self, cmd: dict[str, Any]) -> dict[str, asyncio.Future]:
-        loop = asyncio.get_running_loop()
-        futs: dict[str, asyncio.Future] = {}
-        if "id" in cmd:
-            futs = {"port": loop.create_future(), "done": loop.create_future()}
-            self._waiters[cmd["id"]] = futs
-        self._cmds.append(cmd)
-        self._cmd_ready.set()
-        return futs
+        self.commands.report(cid, kind, value)
 
     # ---- one sync ---------------------------------------------------------------------------
     async def _snapshot(self, version: int) -> dict[str, Any]:
         retain = sorted({v.held for v in self.views.values() if v.held != NO_VERSION})
         refs = [
-            self.ranks[0].__ray_call__.remote(
-                learner_side.snapshot, self.id, version, retain, self.s.verify, self.export
-            )
-        ] + [r.__ray_call__.remote(learner_side.drain, self.export) for r in self.ranks[1:]]
+            r.snapshot_weights.remote(self.id, version, retain, self.s.verify) for r in self.ranks
+        ]
         snaps = await self._bounded(
             asyncio.gather(*refs),
             SNAPSHOT_TIMEOUTS * self.s.timeout_s,
@@ -238,7 +198,7 @@ class WeightBroker:
         return snaps[0]
 
     async def _run_sync(self, version: int, snap: dict[str, Any], force: bool = False) -> dict:
-        acc = _Sync(version, time.monotonic(), pack_seconds=snap["pack_seconds"])
+        acc = SyncTally(version, time.monotonic(), snap["pack_seconds"], snap["nbytes"])
         waves = plan_waves(self.views, version, self.s.rolling_k, only_stale=not force)
         for wave in waves:
             retry = await self._run_wave(version, wave, snap, acc)
@@ -249,7 +209,7 @@ class WeightBroker:
         return self._finish(acc)
 
     async def _run_wave(
-        self, version: int, wave: list[SyncSet], snap: dict, acc: _Sync
+        self, version: int, wave: list[SyncSet], snap: dict, acc: SyncTally
     ) -> list[str]:
         """Transfer to each set in turn (one sender), then await every member's reload.
         Returns the live members that failed only because a peer did (retry them)."""
@@ -263,11 +223,11 @@ class WeightBroker:
             retry += await self._settle(version, sset, group, sender, refs, snap, acc)
         return retry
 
-    async def _transfer(self, version: int, sset: SyncSet, acc: _Sync):
+    async def _transfer(self, version: int, sset: SyncSet, acc: SyncTally):
         """Start one broadcast; returns once the sender is done (the members reload after)."""
         group, new = self._group_for(sset.members)
         cid = next(self._ids)
-        futs = self._post(
+        futs = self.commands.post(
             {"op": "send", "id": cid, "key": group.key, "version": version, "base": sset.base,
              "mode": self.s.mode, "world": group.world if new else None}
         )  # fmt: skip
@@ -280,7 +240,7 @@ class WeightBroker:
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 if not futs["port"].done():
-                    sender = futs["done"].result() if futs["done"].done() else _no_report("open")
+                    sender = futs["done"].result() if futs["done"].done() else no_report("open")
                     return sset, group, sender, refs
                 group.port = futs["port"].result()
             order = self._order(version, group, sset)
@@ -291,23 +251,17 @@ class WeightBroker:
             try:
                 sender = await asyncio.wait_for(futs["done"], self._transfer_deadline_s() + SLACK_S)
             except TimeoutError:
-                sender = _no_report("send")
+                sender = no_report("send")
         finally:
-            self._waiters.pop(cid, None)
-        acc.sets += 1
-        if sender["ok"]:
-            acc.bytes_sent += sender["bytes_sent"]
-            acc.bytes_full += sender["bytes_full"]
-            acc.buckets_skipped += sender["buckets_skipped"]
-            acc.buckets_sparse += sender["buckets_sparse"]
-            acc.transfer_seconds += sender["seconds"]
+            self.commands.forget(cid)
+        acc.add_sender(sender)
         return sset, group, sender, refs
 
     async def _settle(self, version, sset, group, sender, refs, snap, acc) -> list[str]:
         """Judge each member of one set from its own result and the sender's report."""
         if not sender["ok"]:
             self._forget(sset.members, group)
-        culprits = self._culprits(group, sender)
+        bad_ranks = culprits(group, sender, self.views)
         retry = []
         deadline = self._transfer_deadline_s() + self.s.pause_timeout_s + 2 * self.s.timeout_s
         for name in sset.members:
@@ -317,19 +271,19 @@ class WeightBroker:
                 view.loaded, view.held, view.failures = version, res["held"], 0
                 acc.updated += 1
                 acc.pause_max = max(acc.pause_max, res.get("pause_seconds", 0.0))
-                bad = self._verify(name, res, snap)
+                bad = digest_mismatch(name, res, snap)
                 if bad:
                     self._error(acc, bad)
                 continue
             view.held = res.get("held", NO_VERSION)
-            where = _where(sender if name in culprits or not res.get("error") else res)
+            at = where(sender if name in bad_ranks or not res.get("error") else res)
             why = [res.get("error")] + ([f"sender: {sender['error']}"] if not sender["ok"] else [])
             why_s = " | ".join(w for w in why if w) or "no result"
-            msg = f"weight sync of version {version} to actor {name!r} failed at {where}: {why_s}"
+            msg = f"weight sync of version {version} to actor {name!r} failed at {at}: {why_s}"
             if res.get("dead") or not await self._alive(name):
                 self._error(acc, msg)
                 self._drop(name, msg)
-            elif name in culprits or sender["ok"]:
+            elif name in bad_ranks or sender["ok"]:
                 view.failures += 1
                 self._error(acc, msg)
                 if view.failures >= self.s.max_failures:
@@ -337,21 +291,6 @@ class WeightBroker:
             else:
                 retry.append(name)  # a peer broke the group under it
         return retry
-
-    def _verify(self, name: str, res: dict, snap: dict) -> str | None:
-        """With ``verify``: every worker loaded exactly the snapshot's bytes."""
-        want = snap.get("digests")
-        if not want:
-            return None
-        for w, got in enumerate(res.get("digests") or [None]):
-            if got != want:
-                got = got or {}
-                diff = sorted(k for k in set(want) | set(got) if got.get(k) != want.get(k))
-                return (
-                    f"actor {name!r} worker {w} loaded version {snap['version']} "
-                    f"with different bytes in {diff[:5]} ({len(diff)} tensors)"
-                )
-        return None
 
     async def _actor_result(self, name: str, ref: Any, timeout_s: float) -> dict[str, Any]:
         import ray
@@ -373,39 +312,16 @@ class WeightBroker:
         except Exception:  # noqa: BLE001 - any failure to answer means it cannot serve
             return False
 
-    def _culprits(self, group: _Group, sender: dict[str, Any]) -> set[str]:
-        peers = set(sender.get("peer_ranks") or [])
-        out = set()
-        for name, first in group.ranks.items():
-            if peers & set(range(first, first + self.views.get(name, ActorView(0)).workers)):
-                out.add(name)
-        return out
-
-    def _finish(self, acc: _Sync) -> dict[str, float]:
-        dt = time.monotonic() - acc.t0
-        gbps = acc.bytes_sent / acc.transfer_seconds / 1e9 if acc.transfer_seconds else 0.0
+    def _finish(self, acc: SyncTally) -> dict[str, float]:
+        metrics = acc.metrics(time.monotonic() - acc.t0, len(self.dead))
         self.totals["broker/syncs"] += 1
-        self.totals["broker/bytes_sent"] += acc.bytes_sent
-        self.totals["broker/sync_seconds"] += dt
-        return {
-            "broker/sync_seconds": dt,
-            "broker/bytes_sent": float(acc.bytes_sent),
-            "broker/bytes_full": float(acc.bytes_full),
-            "broker/buckets_skipped": float(acc.buckets_skipped),
-            "broker/buckets_sparse": float(acc.buckets_sparse),
-            "broker/transfer_seconds": acc.transfer_seconds,
-            "broker/gbps": gbps,
-            "broker/pack_seconds": acc.pack_seconds,
-            "broker/pause_seconds_max": acc.pause_max,
-            "broker/sets": float(acc.sets),
-            "broker/actors_updated": float(acc.updated),
-            "broker/errors": float(len(acc.errors)),
-            "broker/dead": float(len(self.dead)),
-            **{f"broker/version/{n}": float(v.loaded) for n, v in self.views.items()},
-        }
+        for k in ("broker/bytes_sent", "broker/sync_seconds"):
+            self.totals[k] += metrics[k]
+        metrics.update({f"broker/version/{n}": float(v.loaded) for n, v in self.views.items()})
+        return metrics
 
     # ---- groups ---------------------------------------------------------------------------
-    def _group_for(self, members: tuple[str, ...]) -> tuple[_Group, bool]:
+    def _group_for(self, members: tuple[str, ...]) -> tuple[Group, bool]:
         if members in self._groups:
             self._groups.move_to_end(members)
             return self._groups[members], False
@@ -413,22 +329,22 @@ class WeightBroker:
             old_members, old = self._groups.popitem(last=False)
             self._close_group(old_members, old)
         ranks, world = ranks_of(members, self.views)
-        group = _Group(f"{self.id}-g{next(self._ids)}", ranks, world)
+        group = Group(f"{self.id}-g{next(self._ids)}", ranks, world)
         self._groups[members] = group
         return group, True
 
-    def _forget(self, members: tuple[str, ...], group: _Group) -> None:
+    def _forget(self, members: tuple[str, ...], group: Group) -> None:
         if self._groups.get(members) is group:
             del self._groups[members]
         self._close_group(members, group)
 
-    def _close_group(self, members: tuple[str, ...], group: _Group) -> None:
-        self._post({"op": "close", "keys": [group.key]})
+    def _close_group(self, members: tuple[str, ...], group: Group) -> None:
+        self.commands.post({"op": "close", "keys": [group.key]})
         for n in members:
             if n in self.views:
                 self.actors[n].close_weight_groups.remote([group.key])  # best effort
 
-    def _order(self, version: int, group: _Group, sset: SyncSet) -> dict[str, Any]:
+    def _order(self, version: int, group: Group, sset: SyncSet) -> dict[str, Any]:
         return {
             "key": group.key,
             "host": self.host,
@@ -454,7 +370,7 @@ class WeightBroker:
         per_set = self._transfer_deadline_s() + self.s.pause_timeout_s + 3 * self.s.timeout_s
         return 2 * (len(self.views) + 1) * (per_set + SLACK_S)
 
-    def _error(self, acc: _Sync, msg: str) -> None:
+    def _error(self, acc: SyncTally, msg: str) -> None:
         log.error("%s", msg)
         acc.errors.append(msg)
         self.errors.append(msg)
@@ -479,19 +395,3 @@ class WeightBroker:
             await asyncio.wait_for(aw, 10.0)
         except Exception:  # noqa: BLE001 - best-effort cleanup
             pass
-
-
-def _no_report(stage: str) -> dict[str, Any]:
-    return {
-        "ok": False,
-        "error": f"learner rank 0 did not report the {stage} in time (dead or stuck)",
-        "peer_ranks": [0],
-        "bucket": HEADER_BUCKET,
-    }
-
-
-def _where(res: dict[str, Any]) -> str:
-    bucket = res.get("bucket")
-    if bucket is None:
-        return "setup"
-    return "header" if bucket == HEADER_BUCKET else f"bucket {bucket}"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asyncrl.learner.config import Normalisation
 from asyncrl.trajectory import Trajectory
 
 
@@ -106,3 +107,21 @@ def token_budget_chunks(lengths: list[int], budget: int) -> list[list[int]]:
     if cur:
         chunks.append(cur)
     return chunks
+
+
+def _token_weights(m: torch.Tensor, total_tokens: int, total_seqs: int) -> torch.Tensor:
+    return m / max(total_tokens, 1)
+
+
+def _sequence_weights(m: torch.Tensor, total_tokens: int, total_seqs: int) -> torch.Tensor:
+    return m / m.sum(1, keepdim=True).clamp(min=1) / max(total_seqs, 1)
+
+
+_WEIGHTS = {Normalisation.TOKEN: _token_weights, Normalisation.SEQUENCE: _sequence_weights}
+
+
+def loss_weights(
+    mask: torch.Tensor, norm: Normalisation, total_tokens: int, total_seqs: int
+) -> torch.Tensor:
+    """``[B, T]`` per-token weights under the global normalisation (0 off the mask)."""
+    return _WEIGHTS[Normalisation(norm)](mask.float(), total_tokens, total_seqs)

@@ -1,56 +1,163 @@
-"""``learner`` config: start-up checks and the keyword arguments of the ranks.
+"""``learner.*`` as typed settings, checked once in the driver before Ray starts.
 
-Everything here runs in the driver before any rank starts, so a mistake stops the run
-with the key to change.
+conf/learner/default.yaml holds the run's values; :class:`LearnerSettings`' defaults are
+the same (tests/test_learner_config.py fails when they drift), so a learner built in
+Python (tests, benchmarks) trains as a run's does. :class:`OptimSettings`' defaults are
+the plain optimizer (constant LR, no brake); a run takes every ``learner.optim`` value
+from the YAML. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
-from asyncrl.config import ConfigError
-
-RANK_KEYS = (
-    "micro_batch_tokens", "normalisation", "num_threads", "pack_row_tokens", "value_head",
-    "collective_timeout_s", "attn_implementation", "minibatches",
-)  # fmt: skip
+from asyncrl.config import ConfigError, settings_from
 
 
-def optim_settings(lc: DictConfig, max_steps: int):
-    from asyncrl.learner.optim import OptimSettings
+class Schedule(enum.StrEnum):
+    """The LR after warm-up (learner/optim.py: ``lr_factor``)."""
 
-    spec = OmegaConf.to_container(lc.optim, resolve=True)
-    if spec.get("total_steps") is None:  # the schedule counts optimizer steps
-        spec["total_steps"] = max_steps * max(int(lc.get("minibatches", 1)), 1)
-    try:
-        return OptimSettings(**spec)
-    except TypeError as e:
-        raise ConfigError(f"learner.optim: {e}") from e
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
+    CONSTANT = "constant"
+    COSINE = "cosine"  # to ``min_lr_ratio`` x lr at ``total_steps``
 
 
-def check_learner_config(lc: DictConfig, loss: Any, max_steps: int) -> None:
-    from asyncrl.learner.learner import NORMALISATIONS, check_value_head
+class Normalisation(enum.StrEnum):
+    """How per-token loss weights are normalised over a (mini)batch."""
 
-    for key in ("world_size", "micro_batch_tokens", "minibatches"):
-        if lc[key] < 1:
-            raise ConfigError(f"learner.{key} must be >= 1, got {lc[key]}")
-    if lc.num_cpus <= 0:
-        raise ConfigError(f"learner.num_cpus must be > 0 (Ray CPUs per rank), got {lc.num_cpus}")
-    if lc.normalisation not in NORMALISATIONS:
+    TOKEN = "token"  # every token of the batch counts alike
+    SEQUENCE = "sequence"  # every sequence counts alike, its tokens share its weight
+
+
+@dataclass
+class OptimSettings:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0  # max global grad norm; <= 0 turns clipping off
+    warmup_steps: int = 0
+    schedule: Schedule = Schedule.CONSTANT
+    total_steps: int | None = None  # cosine horizon; None: the run's optimizer steps
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of the base LR
+    value_lr: float | None = None  # value head's base LR; None: ``lr``
+    mismatch_kl_target: float | None = None  # off-policy brake (learner/optim.py); None: off
+
+    def __post_init__(self) -> None:
+        def bad(key: str, why: str) -> None:
+            raise ConfigError(f"learner.optim.{key} {why}, got {getattr(self, key)!r}")
+
+        try:
+            self.schedule = Schedule(self.schedule)
+        except ValueError:
+            bad("schedule", f"must be one of {[x.value for x in Schedule]}")
+        if self.lr <= 0:
+            bad("lr", "must be > 0")
+        if self.warmup_steps < 0:
+            bad("warmup_steps", "must be >= 0")
+        if self.schedule is Schedule.COSINE and not self.total_steps:
+            bad("total_steps", "must be set for learner.optim.schedule=cosine")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            bad("min_lr_ratio", "must be in [0, 1]")
+        if self.mismatch_kl_target is not None and not self.mismatch_kl_target > 0:
+            bad("mismatch_kl_target", "must be > 0 or null")
+        self.betas = tuple(self.betas)
+
+
+@dataclass
+class LearnerSettings:
+    world_size: int = 1  # ranks: Ray actors, one FSDP group
+    num_cpus: float = 1.0  # Ray CPUs per rank
+    num_gpus: float = 0.0  # GPUs per rank
+    num_threads: int = 1  # torch intra-op threads per rank (0: torch's default)
+    batch_groups: int = 16  # groups per batch (read by the driver's loop)
+    minibatches: int = 1  # optimizer steps per batch, one policy version
+    micro_batch_tokens: int = 4096  # token slots per micro-batch
+    pack_row_tokens: int | None = None  # packed row width; None: 8 x the longest sequence
+    normalisation: Normalisation = Normalisation.TOKEN
+    value_head: bool = False
+    attn_implementation: str = "sdpa"
+    collective_timeout_s: float = 300.0  # a rank stuck this long in a collective raises
+    checkpoint_every: int = 0  # read by the driver's loop
+    optim: OptimSettings = field(default_factory=OptimSettings)
+    advantage: dict[str, Any] = field(
+        default_factory=lambda: {"_target_": "asyncrl.losses.advantages.GroupNormalized"}
+    )  # built by the driver (asyncrl.config.build)
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """ConfigError naming ``learner.<key>`` for a value no rank could run with."""
+        try:
+            self.normalisation = Normalisation(self.normalisation)
+        except ValueError:
+            raise ConfigError(
+                f"learner.normalisation must be one of {[n.value for n in Normalisation]}, "
+                f"got {self.normalisation!r}"
+            ) from None
+        for key in ("world_size", "micro_batch_tokens", "minibatches"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"learner.{key} must be >= 1, got {getattr(self, key)}")
+        if self.num_cpus <= 0:
+            raise ConfigError(
+                f"learner.num_cpus must be > 0 (Ray CPUs per rank), got {self.num_cpus}"
+            )
+        if self.num_gpus < 0 or self.num_threads < 0 or self.checkpoint_every < 0:
+            raise ConfigError(
+                "learner.num_gpus, learner.num_threads and learner.checkpoint_every must be "
+                f">= 0, got {self.num_gpus}, {self.num_threads}, {self.checkpoint_every}"
+            )
+        if self.pack_row_tokens is not None and self.pack_row_tokens < 1:
+            raise ConfigError(
+                f"learner.pack_row_tokens must be >= 1 or null, got {self.pack_row_tokens}"
+            )
+        if self.collective_timeout_s <= 0:
+            raise ConfigError(
+                f"learner.collective_timeout_s must be > 0, got {self.collective_timeout_s}"
+            )
+
+    @classmethod
+    def from_config(cls, node: Any, loss: Any, max_steps: int) -> LearnerSettings:
+        """The ``learner`` config node, checked (keys, types, values, the loss's need for a
+        value head); ``optim.total_steps`` null becomes the run's optimizer steps."""
+        from omegaconf import DictConfig, OmegaConf
+
+        raw = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+        raw = dict(raw or {})
+        optim = dict(raw.get("optim") or {})
+        if optim.get("total_steps") is None:  # the schedule counts optimizer steps
+            mb = raw.get("minibatches", 1)
+            optim["total_steps"] = max_steps * (mb if isinstance(mb, int) and mb > 0 else 1)
+        raw["optim"] = optim
+        try:
+            s = settings_from(cls, raw, "learner")
+        except (TypeError, ValueError) as e:
+            raise e if isinstance(e, ConfigError) else ConfigError(f"learner: {e}") from e
+        check_value_head(loss, s.value_head)
+        return s
+
+    def rank_kwargs(self) -> dict[str, Any]:
+        """What every :class:`~asyncrl.learner.learner.Learner` rank takes from here."""
+        skip = {"optim", "advantage", "batch_groups", "checkpoint_every", "num_cpus", "num_gpus"}
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip
+        }
+
+
+def check_value_head(loss: Any, value_head: bool) -> None:
+    needs = bool(getattr(loss, "needs_values", False))
+    if needs and not value_head:
         raise ConfigError(
-            f"learner.normalisation must be one of {NORMALISATIONS}, got {lc.normalisation!r}"
+            f"the loss ({type(loss).__name__}) needs values (needs_values=True): set "
+            f"learner.value_head=true"
         )
-    if lc.pack_row_tokens is not None and lc.pack_row_tokens < 1:
-        raise ConfigError(f"learner.pack_row_tokens must be >= 1 or null, got {lc.pack_row_tokens}")
-    try:
-        check_value_head(loss, bool(lc.value_head))
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    optim_settings(lc, max_steps)
+    if value_head and not needs:
+        raise ConfigError(
+            f"learner.value_head=true but the loss ({type(loss).__name__}) does not use values "
+            f"(needs_values=False): set learner.value_head=false"
+        )
 
 
 def check_resume(path: str) -> None:
@@ -64,16 +171,17 @@ def check_resume(path: str) -> None:
 
 
 def start_learner(
-    lc: DictConfig, model_path: str, loss: Any, advantage: Any, sampling: Any, seed: int,
-    max_steps: int, trajectory_log: str | None,
+    settings: LearnerSettings, model_path: str, loss: Any, advantage: Any, sampling: Any,
+    seed: int, max_steps: int, trajectory_log: str | None,
 ):  # fmt: skip
-    """The :class:`LearnerGroup` of ``learner`` config (ranks start in the background)."""
+    """The :class:`~asyncrl.learner.group.LearnerGroup` of ``settings`` (the ranks load
+    the model in the background; ``group.ping()`` waits for them). ``sampling``: the
+    actors' sampling settings, whose temperature / top-k / top-p the log-probs follow;
+    ``max_steps`` is already in ``settings.optim.total_steps``."""
     from asyncrl.learner.group import LearnerGroup
 
-    kw = {k: lc[k] for k in RANK_KEYS}
+    del max_steps  # from_config folded it into the LR schedule
     return LearnerGroup(
-        model_path, loss, advantage, optim_settings(lc, max_steps),
-        world_size=lc.world_size, num_cpus=lc.num_cpus, num_gpus=lc.num_gpus,
-        trajectory_log=trajectory_log, temperature=sampling.temperature, top_k=sampling.top_k,
-        top_p=sampling.top_p, seed=seed, **kw,
+        model_path, loss, advantage, settings, trajectory_log=trajectory_log,
+        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=seed,
     )  # fmt: skip

@@ -1,20 +1,17 @@
-"""LearnerGroup: N learner ranks on Ray, driven like one learner.
+"""LearnerGroup: N learner ranks on Ray, called like one learner.
 
-    driver ──group.train_step.remote(items, V)──▶ rank 0 … rank N-1 (same call, same args)
+    driver ──group.submit_train_step(items, V)──▶ rank 0 … rank N-1 (same call, same args)
                  ◀── rank 0's ObjectRef ──────── rank 0 gathers every rank's metrics
     ranks: one Ray actor each, one bundle each of a placement group (PACK), one
            torch.distributed group (gloo on CPU, NCCL on GPU) rendezvousing at an address
            the driver picks (127.0.0.1 and a free port when the group sits on its node)
 
-The driver-facing methods of :class:`~asyncrl.learner.learner.Learner` (``train_step``,
-``step_on_batch``, ``state_dict_ref``, ``logprobs_of``, ``save``, ``load``, ``ping``,
-``close``) are here under the same names. ``group.m.remote(*args)`` returns an
-ObjectRef, as for a plain Ray actor, so the driver code is the same for one rank or
-many; ``group.m(*args)`` waits and returns rank 0's value, raising the first rank's
-error as soon as any rank fails. Hot-path methods return rank 0's ref at once; a peer
-that fails there surfaces as rank 0's collective timing out
-(``learner.collective_timeout_s``) or at the next call. ``group.ranks`` are the rank
-actors (for ``__ray_call__`` by the weight broker; rank 0 holds the full weights' stream).
+Every method calls every rank (the ranks' collectives must line up) and returns rank 0's
+value, raising the first rank's error as soon as any rank fails. ``submit_train_step``
+alone returns at once (rank 0's ref): a peer that fails there surfaces as rank 0's
+collective timing out (``learner.collective_timeout_s``) or at the next call.
+``group.ranks`` are the rank actors: the brokers call the weight methods of
+:class:`~asyncrl.learner.weights.WeightsOut` on them.
 """
 
 from __future__ import annotations
@@ -24,13 +21,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from asyncrl.config import ConfigError
+from asyncrl.learner.config import LearnerSettings
 
 PLACEMENT_TIMEOUT_S = 60.0  # a placement group not ready by then will not become ready
 CALL_TIMEOUT_S = 3600.0  # waiting on every rank (save, load, ping): generous, not forever
 STREAM_BACKPRESSURE = 4  # weight tensors buffered ahead of the consumer, per stream
-
-ASYNC_METHODS = ("train_step", "step_on_batch", "state_dict_ref")
-SYNC_METHODS = ("logprobs_of", "save", "load", "ping")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -74,46 +69,25 @@ def check_fits(world_size: int, num_cpus: float, num_gpus: float) -> None:
         )
 
 
-class _Method:
-    def __init__(self, group: LearnerGroup, name: str, sync: bool):
-        self.group, self.name, self.sync = group, name, sync
-
-    def _submit(self, args, kwargs) -> list:
-        self.group._check_inflight()
-        return [getattr(r, self.name).remote(*args, **kwargs) for r in self.group.ranks]
-
-    def remote(self, *args: Any, **kwargs: Any):
-        import ray
-
-        refs = self._submit(args, kwargs)
-        if self.sync:
-            return ray.put(wait_all(refs)[0])
-        self.group._inflight = refs[1:]
-        return refs[0]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return wait_all(self._submit(args, kwargs))[0]
-
-
 class LearnerGroup:
     def __init__(
         self,
         model_path: str,
         loss: Any,
         advantage: Any,
-        optim: Any,
-        world_size: int = 1,
-        num_cpus: float = 1.0,
-        num_gpus: float = 0.0,
+        settings: LearnerSettings,
         trajectory_log: str | None = None,
-        **learner_kwargs: Any,
+        **rank_kwargs: Any,
     ):
+        """``rank_kwargs``: the rest of :class:`~asyncrl.learner.learner.Learner`'s
+        keywords (sampling temperature / top_k / top_p, seed)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from asyncrl.learner.learner import Learner
 
+        world_size, num_cpus, num_gpus = settings.world_size, settings.num_cpus, settings.num_gpus
         self.world_size = world_size
         self._inflight: list = []
         check_fits(world_size, num_cpus, num_gpus)
@@ -141,20 +115,55 @@ class LearnerGroup:
                 model_path,
                 loss,
                 advantage,
-                optim,
+                settings,
                 rank=r,
-                world_size=world_size,
                 rendezvous=rendezvous,
                 trajectory_log=trajectory_log if r == 0 else None,
-                **learner_kwargs,
+                **rank_kwargs,
             )  # fmt: skip
             for r in range(world_size)
         ]
-        for name in ASYNC_METHODS:
-            setattr(self, name, _Method(self, name, sync=False))
-        for name in SYNC_METHODS:
-            setattr(self, name, _Method(self, name, sync=True))
-        self.close = _Close(self)
+
+    # ---- what the driver calls --------------------------------------------------------
+    def submit_train_step(self, items: list, version: int) -> Any:
+        """Start one step on every rank; rank 0's ObjectRef (its metrics dict)."""
+        refs = self._submit("train_step", items, version)
+        self._inflight = refs[1:]
+        return refs[0]
+
+    def train_step(self, items: list, version: int) -> dict[str, float]:
+        return self._call("train_step", items, version)
+
+    def step_on_batch(self, batch: Any, version: int) -> dict[str, float]:
+        """One step on a collated batch every rank gets whole (tests, benchmarks)."""
+        return self._call("step_on_batch", batch, version)
+
+    def save(self, path: str, driver_state: dict | None = None) -> str:
+        return self._call("save", path, driver_state)
+
+    def load(self, path: str) -> dict[str, Any]:
+        return self._call("load", path)
+
+    def ping(self) -> bool:
+        """Every rank has loaded its model."""
+        return self._call("ping")
+
+    def logprobs_of(self, trajs: list) -> list:
+        return self._call("logprobs_of", trajs)
+
+    def weight_digests(self) -> dict[str, str]:
+        return self._call("weight_digests")
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Rank 0's full weights, fetched one tensor at a time (tests, checks)."""
+        return dict(self.named_parameters_stream())
+
+    def _submit(self, method: str, *args: Any) -> list:
+        self._check_inflight()
+        return [getattr(r, method).remote(*args) for r in self.ranks]
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return wait_all(self._submit(method, *args))[0]
 
     def _rendezvous(self) -> str:
         """``host:port`` for rank 0's store: loopback when rank 0 shares the driver's node."""
@@ -195,30 +204,18 @@ class LearnerGroup:
             for ref in g:
                 ray.get(ref)
 
-
-class _Close:
-    """Close every rank, then free the actors and the placement group."""
-
-    def __init__(self, group: LearnerGroup):
-        self.group = group
-
-    def __call__(self, timeout_s: float = 60.0) -> None:
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Close every rank, then free the actors and the placement group (twice is
+        harmless)."""
         import ray
 
-        g = self.group
         try:
-            if g.ranks:
-                wait_all([r.close.remote() for r in g.ranks], timeout_s)
+            if self.ranks:
+                wait_all([r.close.remote() for r in self.ranks], timeout_s)
         finally:
-            for r in g.ranks:
+            for r in self.ranks:
                 ray.kill(r)
-            g.ranks = []
-            if g.pg is not None:  # closing twice is harmless
-                ray.util.remove_placement_group(g.pg)
-                g.pg = None
-
-    def remote(self, timeout_s: float = 60.0):
-        import ray
-
-        self(timeout_s)
-        return ray.put(None)
+            self.ranks = []
+            if self.pg is not None:
+                ray.util.remove_placement_group(self.pg)
+                self.pg = None

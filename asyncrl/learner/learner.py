@@ -7,7 +7,7 @@
         ─▶ per minibatch: per micro-batch: forward, loss, backward (gradients accumulate;
            FSDP sums them across ranks on the last one) ─▶ clip, AdamW, LR schedule
         ─▶ version V+1 ─▶ metrics gathered on rank 0
-    named_parameters_stream() / state_dict_ref() ─▶ weights for the broker
+    named_parameters_stream() ─▶ weights for the brokers (learner/weights.py)
 
 Ranks never exchange data: each fetches the same groups and computes the same plan,
 then trains on its share. Ranks with fewer micro-batches run empty ones so that
@@ -24,13 +24,15 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from asyncrl.learner import checkpoint
-from asyncrl.learner.batch import TrainBatch, collate
+from asyncrl.learner.batch import TrainBatch, collate, loss_weights
+from asyncrl.learner.config import LearnerSettings, OptimSettings
 from asyncrl.learner.dist import (
     all_reduce_sum,
     gather_to_rank0,
@@ -44,71 +46,61 @@ from asyncrl.learner.dist import (
 from asyncrl.learner.logprobs import to_rows, token_logprobs
 from asyncrl.learner.metrics import MetricSums, trajectory_metrics
 from asyncrl.learner.model import PolicyModel, load_lm, policy_forward
-from asyncrl.learner.optim import OptimSettings, build_optimizer, clip_grad_norm, kl_brake
-from asyncrl.learner.packing import PackedRows, build_packed, plan
+from asyncrl.learner.optim import build_optimizer, clip_grad_norm, kl_brake
+from asyncrl.learner.packing import PackedRows, PackPlan, build_packed, plan
+from asyncrl.learner.weights import WeightsOut
 from asyncrl.losses.base import LossBatch, ModelOutputs
 from asyncrl.losses.diagnostics import mismatch_kl_sum
 
 __all__ = ["Learner", "OptimSettings", "loss_weights", "trajectory_metrics"]
 
-NORMALISATIONS = ("token", "sequence")
+
+@dataclass
+class _Minibatch:
+    """One optimizer step's share of the batch: its rows, their advantages ``[b]``, the
+    packing plan over every rank and this rank's packed micro-batches."""
+
+    rows: TrainBatch
+    adv: torch.Tensor
+    plan: PackPlan
+    packs: list[PackedRows]
 
 
-def loss_weights(mask: torch.Tensor, norm: str, total_tokens: int, total_seqs: int) -> torch.Tensor:
-    """``[B, T]`` per-token weights under the global normalisation (0 off the mask)."""
-    m = mask.float()
-    if norm == "token":
-        return m / max(total_tokens, 1)
-    lens = m.sum(1, keepdim=True).clamp(min=1)
-    return m / lens / max(total_seqs, 1)
-
-
-class Learner:
+class Learner(WeightsOut):
     def __init__(
         self,
         model_path: str,
         loss: Any,
         advantage: Any,
-        optim: OptimSettings,
+        settings: LearnerSettings,
+        *,
+        rank: int = 0,
+        rendezvous: str | None = None,
+        seed: int = 0,
         temperature: float = 1.0,
         top_k: int = 0,
         top_p: float = 1.0,
-        micro_batch_tokens: int = 4096,
-        normalisation: str = "token",
-        seed: int = 0,
-        num_threads: int = 0,
         trajectory_log: str | None = None,
-        pack_row_tokens: int | None = None,
-        value_head: bool = False,
-        rank: int = 0,
-        world_size: int = 1,
-        rendezvous: str | None = None,
-        collective_timeout_s: float = 600.0,
-        attn_implementation: str = "sdpa",
-        minibatches: int = 1,
     ):
-        if normalisation not in NORMALISATIONS:
-            raise ValueError(
-                f"learner.normalisation must be one of {NORMALISATIONS}, got {normalisation!r}"
-            )
-        check_value_head(loss, value_head)
-        if minibatches < 1:
-            raise ValueError(f"learner.minibatches must be >= 1, got {minibatches}")
-        self.minibatches = int(minibatches)
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        self.rank, self.world_size = rank, world_size
+        """``settings`` were checked in the driver (``LearnerSettings.from_config``);
+        ``temperature`` / ``top_k`` / ``top_p`` are the actors' sampling settings, which
+        the log-probs follow; ``rendezvous`` is rank 0's ``host:port`` (LearnerGroup)."""
+        s = self.settings = settings
+        if s.num_threads:
+            torch.set_num_threads(s.num_threads)
+        self.rank, self.world_size = rank, s.world_size
+        self.minibatches = s.minibatches
         self.device = pick_device()
         # FSDP whenever there is a group to shard over; on one GPU too (bf16 mixed precision)
-        self.sharded = world_size > 1 or (self.device.type == "cuda" and rendezvous is not None)
+        self.sharded = s.world_size > 1 or (self.device.type == "cuda" and rendezvous is not None)
         if self.sharded:
             if rendezvous is None:
                 raise ValueError("world_size > 1 needs a rendezvous address (LearnerGroup sets it)")
-            init_group(rank, world_size, rendezvous, collective_timeout_s, self.device)
+            init_group(rank, s.world_size, rendezvous, s.collective_timeout_s, self.device)
         torch.manual_seed(seed)  # the value head starts identical on every rank
-        self.policy = PolicyModel(load_lm(model_path, attn_implementation), value_head)
+        self.policy = PolicyModel(load_lm(model_path, s.attn_implementation), s.value_head)
         if self.sharded:
-            shard(self.policy, world_size, self.device)
+            shard(self.policy, s.world_size, self.device)
         else:
             self.policy.to(self.device)
         self.model = self.policy.lm  # the HF model (HF parameter names)
@@ -117,14 +109,12 @@ class Learner:
         self.opt, self.sched = build_optimizer(
             (p for n, p in named if not value_param(n)),
             (p for n, p in named if value_param(n)),
-            optim,
+            s.optim,
         )
-        self.optim_cfg = optim
+        self.optim_cfg = s.optim
         self.loss, self.advantage = loss, advantage
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.micro_batch_tokens = micro_batch_tokens
-        self.pack_row_tokens = pack_row_tokens
-        self.normalisation = normalisation
+        self.normalisation = s.normalisation
         self.model_path = model_path
         self.version = 0
         self.lr_scale = 1.0  # the off-policy brake's LR multiplier (optim.kl_brake)
@@ -163,46 +153,17 @@ class Learner:
                 f"learner holds version {self.version}, driver asked to train version {version}"
             )
         t0 = time.time()
-        B = len(batch)
-        # Advantages see the whole batch (whole groups); each minibatch is then one step.
-        # A batch smaller than ``minibatches`` (the queue may hand over part of a group)
-        # takes one step per trajectory: ``learner/optimizer_steps`` says how many.
-        adv = self.advantage(batch.rewards.double(), batch.group_ids).float()
-        parts = []
-        for idx in torch.arange(B).tensor_split(min(self.minibatches, B)):
-            mb = batch.rows(idx) if self.minibatches > 1 else batch
-            pl = self._plan(mb)
-            mine = pl.ranks[self.rank]
-            packs = [
-                build_packed(mb, mine[m] if m < len(mine) else [], self.pad_id)
-                for m in range(pl.num_micro)
-            ]
-            parts.append((mb, adv[idx], pl, packs))
+        parts = self._split(batch)
         # The proximal policy is the one at the start of the batch, for every minibatch:
         # after the first step, the clip of a trust-region loss measures against it.
         needs_prox = getattr(self.loss, "needs_proximal", False)
-        proxs = [self._proximal(packs, mb) if needs_prox else {} for mb, _, _, packs in parts]
+        proxs = [self._proximal(p.packs, p.rows) if needs_prox else {} for p in parts]
         sums, loss_sum, steps, t_opt = MetricSums(), 0.0, [], 0.0
         n_all = max(float(batch.mask.sum()), 1.0)
-        for (mb, mb_adv, _, packs), prox in zip(parts, proxs, strict=True):
-            weights = loss_weights(mb.mask, self.normalisation, int(mb.mask.sum()), len(mb))
-            kl = torch.zeros(2, dtype=torch.float64)  # this rank's k3 sum and token count
-            for m, pk in enumerate(packs):
-                self._sync_grads(m == len(packs) - 1)
-                logits, values = self._forward(pk)
-                if not pk.seqs:  # an empty micro-batch: zero gradients, same collectives
-                    loss = 0.0 * logits.sum() + (0.0 * values.sum() if values is not None else 0.0)
-                    loss.backward()
-                    continue
-                idx = torch.tensor(pk.seqs)
-                lb = self._loss_batch(mb.rows(idx), mb_adv[idx], weights[idx], version, prox.get(m))
-                logp, vals = self._rows(pk, logits, values, tuple(lb.mask.shape))
-                out = self.loss(lb, ModelOutputs(logprobs=logp, values=vals))
-                out.loss.backward()
-                loss_sum += float(out.loss.detach()) / len(parts)
-                sums.add(out.metrics, share=float(lb.mask.sum()) / n_all)
-                if self.optim_cfg.mismatch_kl_target is not None:
-                    kl += mismatch_kl_sum(logp, lb.behaviour_logprobs, lb.mask)
+        for part, prox in zip(parts, proxs, strict=True):
+            kl, losses = self._backward(part, prox, version, sums, n_all)
+            for x in losses:
+                loss_sum += x / len(parts)
             t1 = time.time()
             steps.append(self._optimizer_step(self._brake(kl)))
             t_opt += time.time() - t1
@@ -214,18 +175,64 @@ class Learner:
         if parts_rank0 is None:
             return {}
         metrics.update(MetricSums.merge([s for s, _ in parts_rank0]))
+        plans = [p.plan for p in parts]
         metrics.update(
             {
                 "loss/total": sum(x for _, x in parts_rank0),
-                "learner/batch_trajectories": B,
-                "learner/batch_tokens": sum(sum(pl.lengths) for _, _, pl, _ in parts),
-                "learner/micro_batches": sum(pl.num_micro for _, _, pl, _ in parts),
+                "learner/batch_trajectories": len(batch),
+                "learner/batch_tokens": sum(sum(pl.lengths) for pl in plans),
+                "learner/micro_batches": sum(pl.num_micro for pl in plans),
                 "learner/optimizer_steps": len(steps),
-                "perf/packing_efficiency": sum(pl.efficiency() for _, _, pl, _ in parts)
-                / len(parts),
+                "perf/packing_efficiency": sum(pl.efficiency() for pl in plans) / len(plans),
             }
         )
         return metrics
+
+    def _split(self, batch: TrainBatch) -> list[_Minibatch]:
+        """Advantages over the whole batch (whole groups), then one :class:`_Minibatch`
+        per optimizer step. A batch smaller than ``minibatches`` (the queue may hand over
+        part of a group) takes one step per trajectory (``learner/optimizer_steps``)."""
+        B = len(batch)
+        adv = self.advantage(batch.rewards.double(), batch.group_ids).float()
+        parts = []
+        for idx in torch.arange(B).tensor_split(min(self.minibatches, B)):
+            mb = batch.rows(idx) if self.minibatches > 1 else batch
+            pl = self._plan(mb)
+            mine = pl.ranks[self.rank]
+            packs = [
+                build_packed(mb, mine[m] if m < len(mine) else [], self.pad_id)
+                for m in range(pl.num_micro)
+            ]
+            parts.append(_Minibatch(mb, adv[idx], pl, packs))
+        return parts
+
+    def _backward(
+        self, part: _Minibatch, prox: dict, version: int, sums: MetricSums, n_all: float
+    ) -> tuple[torch.Tensor, list[float]]:
+        """Forward and backward over this rank's micro-batches of one minibatch (the
+        gradients accumulate; FSDP reduces them on the last). Returns this rank's mismatch
+        KL sum and token count ``[2]`` and each micro-batch's loss."""
+        mb = part.rows
+        weights = loss_weights(mb.mask, self.normalisation, int(mb.mask.sum()), len(mb))
+        kl = torch.zeros(2, dtype=torch.float64)
+        losses = []
+        for m, pk in enumerate(part.packs):
+            self._sync_grads(m == len(part.packs) - 1)
+            logits, values = self._forward(pk)
+            if not pk.seqs:  # an empty micro-batch: zero gradients, same collectives
+                loss = 0.0 * logits.sum() + (0.0 * values.sum() if values is not None else 0.0)
+                loss.backward()
+                continue
+            idx = torch.tensor(pk.seqs)
+            lb = self._loss_batch(mb.rows(idx), part.adv[idx], weights[idx], version, prox.get(m))
+            logp, vals = self._rows(pk, logits, values, tuple(lb.mask.shape))
+            out = self.loss(lb, ModelOutputs(logprobs=logp, values=vals))
+            out.loss.backward()
+            losses.append(float(out.loss.detach()))
+            sums.add(out.metrics, share=float(lb.mask.sum()) / n_all)
+            if self.optim_cfg.mismatch_kl_target is not None:
+                kl += mismatch_kl_sum(logp, lb.behaviour_logprobs, lb.mask)
+        return kl, losses
 
     def _loss_batch(
         self, mb: TrainBatch, adv: torch.Tensor, weights: torch.Tensor, version: int, prox
@@ -276,9 +283,10 @@ class Learner:
             "learner/lr_scale": lr_scale,
         }
 
-    def _plan(self, batch: TrainBatch):
+    def _plan(self, batch: TrainBatch) -> PackPlan:
         lengths = (batch.resp_start + batch.resp_len).tolist()
-        return plan(lengths, self.world_size, self.micro_batch_tokens, self.pack_row_tokens)
+        s = self.settings
+        return plan(lengths, self.world_size, s.micro_batch_tokens, s.pack_row_tokens)
 
     def _sync_grads(self, last: bool) -> None:
         """FSDP: reduce-scatter only after the last micro-batch (accumulate locally before)."""
@@ -316,29 +324,6 @@ class Learner:
         valid until the next item; collective, so every rank iterates)."""
         return stream_parameters(self.policy, self.sharded)
 
-    def stream_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The stream as CPU copies, for a Ray streaming call (``LearnerGroup``); ranks
-        other than 0 take part in the unsharding and yield nothing."""
-        for name, t in self.named_parameters_stream():
-            if self.rank == 0:
-                yield name, t.detach().to("cpu", copy=True)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """HF-named full weights on rank 0 (CPU copies), ``{}`` elsewhere."""
-        sd = {}
-        for name, t in self.named_parameters_stream():
-            if self.rank == 0:
-                sd[name] = t.detach().to("cpu", copy=True)
-        return sd
-
-    def state_dict_ref(self) -> list | None:
-        """The current weights in the object store (one ``ray.put``) wrapped in a list so
-        the reference itself travels; None on ranks other than 0."""
-        import ray
-
-        sd = self.full_state_dict()
-        return [ray.put(sd)] if self.rank == 0 else None
-
     @torch.no_grad()
     def logprobs_of(self, trajs: list, version_check: bool = False) -> list | None:
         """Current log-probs of trajectories' response tokens (for fidelity checks),
@@ -370,7 +355,7 @@ class Learner:
         meta = {
             "version": self.version,
             "world_size": self.world_size,
-            "normalisation": self.normalisation,
+            "normalisation": self.normalisation.value,
             "value_head": self.value_head is not None,
             "lr_scale": self.lr_scale,
         }
@@ -406,17 +391,3 @@ class Learner:
             self.traj_log = None
         if self.sharded and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def check_value_head(loss: Any, value_head: bool) -> None:
-    needs = bool(getattr(loss, "needs_values", False))
-    if needs and not value_head:
-        raise ValueError(
-            f"the loss ({type(loss).__name__}) needs values (needs_values=True): set "
-            f"learner.value_head=true"
-        )
-    if value_head and not needs:
-        raise ValueError(
-            f"learner.value_head=true but the loss ({type(loss).__name__}) does not use values "
-            f"(needs_values=False): set learner.value_head=false"
-        )

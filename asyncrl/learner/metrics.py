@@ -12,61 +12,66 @@ How a loss metric combines, by name:
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
-SUM, MAX, MIN, MEAN = "sum", "max", "min", "mean"
+
+class Combine(enum.StrEnum):
+    """How one metric's values from several micro-batches and ranks combine."""
+
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+    MEAN = "mean"  # weighted by each micro-batch's share of the batch's tokens
+
+    def fold(self, acc: float, value: float) -> float:
+        """``acc`` and the next (already weighted, for a mean) ``value``, folded."""
+        if self is Combine.MAX:
+            return max(acc, value)
+        if self is Combine.MIN:
+            return min(acc, value)
+        return acc + value
 
 
-def kind_of(key: str) -> str:
+def kind_of(key: str) -> Combine:
     if key.startswith("loss/"):
-        return SUM
+        return Combine.SUM
     if key.endswith("_max"):
-        return MAX
+        return Combine.MAX
     if key.endswith("_min"):
-        return MIN
-    return MEAN
+        return Combine.MIN
+    return Combine.MEAN
 
 
 class MetricSums:
-    """``key -> [kind, value, weight]``; plain data, so it pickles across ranks."""
+    """``key -> [how, value, weight]``; plain data, so it pickles across ranks."""
 
     def __init__(self) -> None:
         self.acc: dict[str, list[Any]] = {}
 
     def add(self, metrics: dict[str, float], share: float) -> None:
         for k, v in metrics.items():
-            self._fold(k, kind_of(k), float(v), share)
+            how = kind_of(k)
+            self._fold(k, how, float(v) * share if how is Combine.MEAN else float(v), share)
 
-    def _fold(self, k: str, kind: str, v: float, w: float) -> None:
+    def _fold(self, k: str, how: Combine, v: float, w: float) -> None:
+        """``v``: the value as it accumulates (weighted already for a mean)."""
         if k not in self.acc:
-            self.acc[k] = [kind, v * w if kind == MEAN else v, w]
+            self.acc[k] = [how, v, w]
             return
         e = self.acc[k]
-        if kind == MEAN:
-            e[1] += v * w
-        elif kind == SUM:
-            e[1] += v
-        else:
-            e[1] = max(e[1], v) if kind == MAX else min(e[1], v)
+        e[1] = how.fold(e[1], v)
         e[2] += w
 
     @staticmethod
     def merge(parts: list[MetricSums]) -> dict[str, float]:
         total = MetricSums()
         for p in parts:
-            for k, (kind, v, w) in p.acc.items():
-                if k not in total.acc:
-                    total.acc[k] = [kind, v, w]
-                    continue
-                e = total.acc[k]
-                if kind in (MEAN, SUM):
-                    e[1] += v
-                else:
-                    e[1] = max(e[1], v) if kind == MAX else min(e[1], v)
-                e[2] += w
+            for k, (how, v, w) in p.acc.items():
+                total._fold(k, how, v, w)
         return {
-            k: (v / w if w > 0 else 0.0) if kind == MEAN else v
-            for k, (kind, v, w) in total.acc.items()
+            k: (v / w if w > 0 else 0.0) if how is Combine.MEAN else v
+            for k, (how, v, w) in total.acc.items()
         }
 
 

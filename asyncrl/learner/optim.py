@@ -25,58 +25,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
-SCHEDULES = ("constant", "cosine")
+from asyncrl.learner.config import OptimSettings, Schedule
+
 # The off-policy brake: the log-scale moves by KL_GAIN * log(target / KL) a step (the
 # KL answers a change of LR over the next few versions, so the steps are small).
 KL_GAIN = 0.05
 MIN_LR_SCALE = 0.01
 
 
-@dataclass
-class OptimSettings:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0  # max global grad norm; <= 0 turns clipping off
-    warmup_steps: int = 0
-    schedule: str = "constant"
-    total_steps: int | None = None  # cosine horizon; None: the run's max_steps
-    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of the base LR
-    value_lr: float | None = None  # value head's base LR; None: ``lr``
-    mismatch_kl_target: float | None = None  # off-policy brake (see above); None: off
-
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(
-                f"learner.optim.schedule must be one of {SCHEDULES}, got {self.schedule!r}"
-            )
-        if self.lr <= 0:
-            raise ValueError(f"learner.optim.lr must be > 0, got {self.lr}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"learner.optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.schedule == "cosine" and not self.total_steps:
-            raise ValueError("learner.optim.schedule=cosine needs learner.optim.total_steps")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(
-                f"learner.optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}"
-            )
-        if self.mismatch_kl_target is not None and not self.mismatch_kl_target > 0:
-            raise ValueError(
-                "learner.optim.mismatch_kl_target must be > 0 or null, "
-                f"got {self.mismatch_kl_target}"
-            )
-        self.betas = tuple(self.betas)
-
-
 def lr_factor(step: int, s: OptimSettings) -> float:
     """Multiplier of the base LR at optimizer step ``step`` (0-based)."""
     if step < s.warmup_steps:
         return (step + 1) / s.warmup_steps
-    if s.schedule == "constant":
+    if s.schedule is Schedule.CONSTANT:
         return 1.0
     span = max(1, int(s.total_steps) - s.warmup_steps)
     p = min(1.0, (step - s.warmup_steps) / span)

@@ -1,0 +1,112 @@
+"""The bookkeeping of one process-group sync (pure: no Ray, no torch): the group a sync
+set broadcasts in, the tally of one published version and its metrics, and how the
+broker reads the sender's and the receivers' reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncrl.broker.plan import ActorView
+from asyncrl.transport.group import HEADER_BUCKET
+
+
+@dataclass
+class Group:
+    """One cached process group: learner rank 0 and the members' workers."""
+
+    key: str
+    ranks: dict[str, int]  # first rank of each member's workers
+    world: int
+    port: int = 0
+
+
+@dataclass
+class SyncTally:
+    """Accounting of one sync (one published version)."""
+
+    version: int
+    t0: float
+    pack_seconds: float = 0.0
+    weights_bytes: int = 0  # the snapshot's size (every tensor, once)
+    bytes_sent: int = 0
+    bytes_full: int = 0
+    buckets_skipped: int = 0
+    buckets_sparse: int = 0
+    transfer_seconds: float = 0.0
+    pause_max: float = 0.0
+    sets: int = 0
+    updated: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def add_sender(self, sender: dict[str, Any]) -> None:
+        """Count one set's transfer from the sender's report."""
+        self.sets += 1
+        if sender["ok"]:
+            self.bytes_sent += sender["bytes_sent"]
+            self.bytes_full += sender["bytes_full"]
+            self.buckets_skipped += sender["buckets_skipped"]
+            self.buckets_sparse += sender["buckets_sparse"]
+            self.transfer_seconds += sender["seconds"]
+
+    def metrics(self, seconds: float, dead: int) -> dict[str, float]:
+        gbps = self.bytes_sent / self.transfer_seconds / 1e9 if self.transfer_seconds else 0.0
+        return {
+            "broker/sync_seconds": seconds,
+            "broker/weights_bytes": float(self.weights_bytes),
+            "broker/bytes_sent": float(self.bytes_sent),
+            "broker/bytes_full": float(self.bytes_full),
+            "broker/buckets_skipped": float(self.buckets_skipped),
+            "broker/buckets_sparse": float(self.buckets_sparse),
+            "broker/transfer_seconds": self.transfer_seconds,
+            "broker/gbps": gbps,
+            "broker/pack_seconds": self.pack_seconds,
+            "broker/pause_seconds_max": self.pause_max,
+            "broker/sets": float(self.sets),
+            "broker/actors_updated": float(self.updated),
+            "broker/errors": float(len(self.errors)),
+            "broker/dead": float(dead),
+        }
+
+
+def culprits(group: Group, sender: dict[str, Any], views: dict[str, ActorView]) -> set[str]:
+    """The members whose workers hold a rank the sender named as the failing peer."""
+    peers = set(sender.get("peer_ranks") or [])
+    out = set()
+    for name, first in group.ranks.items():
+        if peers & set(range(first, first + views.get(name, ActorView(0)).workers)):
+            out.add(name)
+    return out
+
+
+def digest_mismatch(name: str, res: dict[str, Any], snap: dict[str, Any]) -> str | None:
+    """With ``verify``: a message unless every worker of ``name`` loaded exactly the
+    snapshot's bytes (None without digests)."""
+    want = snap.get("digests")
+    if not want:
+        return None
+    for w, got in enumerate(res.get("digests") or [None]):
+        if got != want:
+            got = got or {}
+            diff = sorted(k for k in set(want) | set(got) if got.get(k) != want.get(k))
+            return (
+                f"actor {name!r} worker {w} loaded version {snap['version']} "
+                f"with different bytes in {diff[:5]} ({len(diff)} tensors)"
+            )
+    return None
+
+
+def no_report(stage: str) -> dict[str, Any]:
+    return {
+        "ok": False,
+        "error": f"learner rank 0 did not report the {stage} in time (dead or stuck)",
+        "peer_ranks": [0],
+        "bucket": HEADER_BUCKET,
+    }
+
+
+def where(res: dict[str, Any]) -> str:
+    bucket = res.get("bucket")
+    if bucket is None:
+        return "setup"
+    return "header" if bucket == HEADER_BUCKET else f"bucket {bucket}"

@@ -1,0 +1,119 @@
+"""A learner rank's weights, out to the brokers: the methods the brokers call on a rank
+(a Ray actor), mixed into :class:`~asyncrl.learner.learner.Learner`.
+
+    process-group broker            this rank (rank 0 sends; the others only take part
+                                    in the collective unshard of a sharded learner)
+    start ── attach_broker ───────▶ SenderEndpoint + its command thread (self._sender)
+    publish(V) ── snapshot_weights ▶ pack a copy of the weights as V (every rank)
+    close ── detach_broker ───────▶ the thread stops, the groups close
+    checks ── weight_digests ─────▶ per-tensor sha256 of the live weights (every rank)
+
+    object-store broker
+    publish(V) ── weights_ref ────▶ one ray.put of the weights (broker/payload.py)
+
+A class mixing this in provides ``rank`` and ``named_parameters_stream()`` (``(HF name,
+full tensor)``, collective on a sharded learner: every rank iterates it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+def export_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``model.state_dict()``, each tensor once (a tied LM head shares the embedding's
+    storage and vLLM ties it itself)."""
+    seen: set[tuple] = set()
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        yield name, t.detach()
+
+
+class WeightsOut:
+    rank: int = 0
+    sharded: bool = False  # the stream's tensors are transient (FSDP unshards)
+    _sender: Any = None  # broker.learner_side.SenderLoop while a broker is attached
+
+    def named_parameters_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return export_state(self.model)  # a plain model; Learner streams FSDP units
+
+    def stream_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stream as CPU copies, for a Ray streaming call (``LearnerGroup``); ranks
+        other than 0 take part in the unsharding and yield nothing."""
+        for name, t in self.named_parameters_stream():
+            if self.rank == 0:
+                yield name, t.detach().to("cpu", copy=True)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named full weights on rank 0 (CPU copies), ``{}`` elsewhere."""
+        sd = {}
+        for name, t in self.named_parameters_stream():
+            if self.rank == 0:
+                sd[name] = t.detach().to("cpu", copy=True)
+        return sd
+
+    # ---- the process-group broker -----------------------------------------------------
+    def attach_broker(self, broker_id: str, broker: Any, settings: dict[str, Any]) -> dict:
+        """Rank 0: start the sender endpoint and its command thread for ``broker`` (a
+        Ray handle). Attaching again replaces the previous broker's."""
+        from asyncrl.broker.learner_side import SenderLoop
+
+        self.detach_broker()
+        self._sender = SenderLoop.start(broker_id, broker, settings)
+        ep = self._sender.endpoint
+        return {"host": self._sender.host, "backend": ep.backend, "pid": os.getpid()}
+
+    def snapshot_weights(
+        self, broker_id: str, version: int, retain: list[int], with_digests: bool
+    ) -> dict[str, Any]:
+        """Rank 0: pack the weights as ``version`` for the attached broker (a copy: the
+        learner may train on once this returns); the snapshot's info (nbytes, buckets,
+        pack_seconds, digests). Other ranks take part in the stream, return ``{}``."""
+        stream = self.named_parameters_stream()
+        if self.rank != 0:
+            for _ in stream:
+                pass
+            return {}
+        if self._sender is None or self._sender.broker_id != broker_id:
+            raise RuntimeError(f"broker {broker_id} is not attached to this learner rank")
+        return self._sender.endpoint.snapshot(version, stream, retain, with_digests)
+
+    def detach_broker(self) -> None:
+        if self._sender is not None:
+            self._sender.stop()
+            self._sender = None
+
+    def weight_digests(self) -> dict[str, str]:
+        """Per-tensor digests of the live weights (bit-exactness checks); every rank of a
+        sharded learner must call it, and only rank 0's answer means anything."""
+        from asyncrl.transport.endpoint import digests
+
+        return digests(self.named_parameters_stream())
+
+    # ---- the object-store broker ------------------------------------------------------
+    def weights_ref(self) -> dict[str, Any] | None:
+        """Rank 0: ``{"refs": [ObjectRef], "bytes": n}``, the weights in the object store
+        as one :class:`~asyncrl.broker.payload.PackedWeights` (the ref inside a list so
+        that it travels as a ref); other ranks take part in the stream, return None."""
+        import ray
+
+        from asyncrl.broker.payload import PackedWeights
+
+        stream = self.named_parameters_stream()
+        if self.rank != 0:
+            for _ in stream:
+                pass
+            return None
+        # ray.put copies before this returns, so a CPU parameter needs no copy of its
+        # own; a transient (unsharded) or GPU tensor is copied to CPU as it arrives.
+        packed = PackedWeights(
+            (n, t.to("cpu", copy=self.sharded and t.device.type == "cpu")) for n, t in stream
+        )
+        return {"refs": [ray.put(packed)], "bytes": packed.nbytes}
