@@ -1,4 +1,5 @@
-"""RolloutActor bookkeeping without an engine: the queue is faked at the Ray boundary."""
+"""RolloutActor bookkeeping without an engine: the queue is faked at the Ray boundary,
+the engine (or the whole episode) at the episode seam (actor/episode.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import functools
 
 import pytest
 
-from asyncrl.actor.engine import EngineSettings
-from asyncrl.actor.rollout import RolloutActor, SamplingSettings
+from asyncrl.actor.controlled import ControlledRolloutActor
+from asyncrl.actor.episode import SingleTurnEpisodes
+from asyncrl.actor.rollout import RolloutActor
+from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
 from asyncrl.replay.queue import ReplayQueueCore
 from asyncrl.tasks.arithmetic import AdditionTask
 
@@ -27,11 +30,10 @@ class _Queue:
         self.abandon = _Abandon()
 
 
-def _actor(queue, cls: type = RolloutActor, **kw) -> RolloutActor:
-    """A RolloutActor (or subclass ``cls``) on the addition task, not started."""
-    return cls(
-        "t", "/nonexistent", AdditionTask(), queue, SamplingSettings(), EngineSettings(), **kw
-    )
+def _actor(queue, cls: type = ControlledRolloutActor, **kw) -> RolloutActor:
+    """A ControlledRolloutActor (or ``cls``) on the addition task, not started;
+    ``kw``: ActorSettings fields."""
+    return cls("t", "/nonexistent", AdditionTask(), queue, ActorSettings(**kw))
 
 
 def test_a_group_cancelled_before_it_ran_frees_its_slot():
@@ -62,35 +64,39 @@ def test_a_group_cancelled_before_it_ran_frees_its_slot():
     assert a._n_inflight == 0 and q.abandoned == 1
 
 
-def test_bad_actor_settings_are_named():
-    with pytest.raises(ValueError, match="actor.max_inflight_groups"):
-        _actor(_Queue(), max_inflight_groups=0)
-    with pytest.raises(ValueError, match="actor.handoff_linger_ms"):
-        _actor(_Queue(), handoff_linger_s=-0.01)
+class _FakeEpisodes:
+    """An EpisodeRunner in place of vLLM: a group takes a few ms and yields two
+    one-token trajectories. The actor's loop, slots and outbox stay real."""
 
+    def __init__(self, actor: RolloutActor, seconds: tuple[float, float] = (0.002, 0.004)):
+        self.actor = actor
+        self.seconds = seconds  # a group takes the first + 0, 1 or 2 x the second
+        self.peak = 0  # most groups generating at once
+        self.runs = 0
 
-class _NoEngineActor(RolloutActor):
-    """The real loop, slots and outbox; only vLLM's generate is replaced (a group
-    takes a few ms and yields two one-token trajectories)."""
-
-    peak = 0
-    seconds = (0.002, 0.004)  # a group takes the first + 0, 1 or 2 x the second
-
-    async def _generate_group(self, prompt):
+    async def run_group(self, prompt):
         import numpy as np
 
         from asyncrl.trajectory import Trajectory, TrajectoryGroup
 
-        self.peak = max(self.peak, self._n_inflight)
+        self.peak = max(self.peak, self.actor._n_inflight)
         await asyncio.sleep(self.seconds[0] + self.seconds[1] * (hash(prompt.text) % 3))
-        gid = f"g{self.stats.groups}-{id(prompt)}"
-        self.stats.groups += 1
+        gid = f"g{self.runs}-{id(prompt)}"
+        self.runs += 1
         trajs = [
             Trajectory(f"{gid}-{i}", gid, np.arange(3), np.array([i]), np.zeros(1),
                        np.zeros(1), np.ones(1, bool), 1.0)
             for i in range(2)
         ]  # fmt: skip
         return TrajectoryGroup(gid, trajs)
+
+
+def _no_engine_actor(queue, seconds=(0.002, 0.004), **kw) -> ControlledRolloutActor:
+    """An actor whose episodes are :class:`_FakeEpisodes`, ready to ``resume``."""
+    a = _actor(queue, **kw)
+    a.engine = object()  # resume() only needs a started engine
+    a.episodes = _FakeEpisodes(a, seconds)
+    return a
 
 
 class _SlowToHearQueue(ReplayQueueCore):
@@ -122,8 +128,7 @@ def test_hand_offs_ask_for_the_freed_slots(ray_local):
     q = cls.remote(max_staleness=10**6, batch_groups=1, policy="drop", capacity_groups=10**6)
 
     async def main():
-        a = _actor(q, _NoEngineActor, max_inflight_groups=8, handoff_linger_s=0.005)
-        a.engine = object()  # resume() only needs a started engine
+        a = _no_engine_actor(q, max_inflight_groups=8, handoff_linger_ms=5)
         await a.resume()
         while a.stats.groups < 300:
             await asyncio.sleep(0.01)
@@ -133,7 +138,7 @@ def test_hand_offs_ask_for_the_freed_slots(ray_local):
     try:
         a = asyncio.run(main())
         st, qs = a.get_stats(), ray.get(q.stats.remote())
-        assert st["fatal"] == "" and a.peak <= 8
+        assert st["fatal"] == "" and a.episodes.peak <= 8
         assert st["handoff_granted"] > 0.8 * st["handoff_groups"], st
         assert st["acquire_calls"] < st["handoff_calls"] / 4, st
         assert qs["groups_running"] == 0, qs  # nothing granted is left unaccounted
@@ -156,8 +161,7 @@ def test_the_last_groups_before_a_shut_window_do_not_wait_out_the_linger(ray_loc
     q = remote_queue(max_staleness=10**6, batch_groups=1, policy="drop", capacity_groups=4)
 
     async def main():
-        a = _actor(q, _NoEngineActor, max_inflight_groups=8, handoff_linger_s=5.0)
-        a.engine = object()  # resume() only needs a started engine
+        a = _no_engine_actor(q, max_inflight_groups=8, handoff_linger_ms=5000)
         t0 = time.monotonic()
         await a.resume()
         while (await q.stats.remote())["produced"] < 8 and time.monotonic() - t0 < 10:
@@ -188,9 +192,8 @@ def test_a_hand_off_stops_lingering_once_a_quarter_of_the_slots_wait_for_it(ray_
     q = remote_queue(max_staleness=10**6, batch_groups=1, policy="drop", capacity_groups=10**6)
 
     async def main():
-        a = _actor(q, _NoEngineActor, max_inflight_groups=8, handoff_linger_s=5.0)
-        a.seconds = (0.01, 0.04)  # 10-90 ms: much longer than a queue call
-        a.engine = object()  # resume() only needs a started engine
+        # a group takes 10-90 ms: much longer than a queue call
+        a = _no_engine_actor(q, (0.01, 0.04), max_inflight_groups=8, handoff_linger_ms=5000)
         generating = []  # the engine's groups, every millisecond from the first grant
         t0 = time.monotonic()
         await a.resume()
@@ -309,8 +312,11 @@ def test_logprobs_not_of_the_sampled_tokens_are_refused():
 
 
 def test_groups_ask_vllm_for_flat_logprobs():
-    params = _actor(_Queue()).vllm_sampling_params()
-    assert params.logprobs == 0 and params.flat_logprobs
+    from asyncrl.actor.engine import sampling_params
+
+    params = sampling_params(SamplingSettings(top_k=0))
+    assert params.logprobs == 0 and params.flat_logprobs and params.detokenize is False
+    assert params.top_k == -1  # off, in vLLM's terms
 
 
 def test_idle_seconds_count_only_time_with_nothing_generating(monkeypatch):
@@ -395,15 +401,12 @@ def test_engine_cores_put_the_engine_there_and_the_actor_elsewhere(monkeypatch):
     import subprocess
     import sys
 
+    from asyncrl.actor.placement import place_engine, place_frontend
     from asyncrl.utils.affinity import pin_tree, process_tree
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")  # restored afterwards
     allowed = os.sched_getaffinity(0)
     engine_core = max(allowed)
-    a = RolloutActor(
-        "t", "m", AdditionTask(), None, SamplingSettings(), EngineSettings(),
-        engine_cores=str(engine_core),
-    )  # fmt: skip
     # what vLLM spawns: an engine-core process (main thread: the scheduler; other
     # threads: its sockets) that spawns a worker process, which has threads of its own
     engine_core_proc = (
@@ -418,15 +421,15 @@ def test_engine_cores_put_the_engine_there_and_the_actor_elsewhere(monkeypatch):
     )
     child = None
     try:
-        placement = a._place_engine()
-        assert placement[0] == {engine_core}
+        cores = place_engine({engine_core})
+        assert cores[0] == {engine_core}
         assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == str(engine_core)
         # what vLLM does next: spawn the engine's processes (they inherit the affinity)
         child = subprocess.Popen(
             [sys.executable, "-c", engine_core_proc], stdout=subprocess.PIPE, text=True
         )
         worker = int(child.stdout.readline())
-        a._place_frontend(*placement)
+        placement = place_frontend(*cores)
         frontend = allowed - {engine_core} or allowed
         assert os.sched_getaffinity(child.pid) == {engine_core}  # the scheduler's thread
         side = [int(t) for t in os.listdir(f"/proc/{child.pid}/task") if int(t) != child.pid]
@@ -437,7 +440,6 @@ def test_engine_cores_put_the_engine_there_and_the_actor_elsewhere(monkeypatch):
         for t in worker_threads:  # a worker's threads all stay
             assert os.sched_getaffinity(t) == {engine_core}
         assert os.sched_getaffinity(0) == frontend
-        placement = a.get_stats()["placement"]
         assert placement["engine_cores"] == [engine_core]
         assert placement["frontend_cores"] == sorted(frontend)
         # at least the stand-in's side thread (in a full test run this process has
@@ -509,7 +511,7 @@ def test_keep_off_engines_moves_every_other_thread_off_the_engines_cores():
         assert os.sched_getaffinity(0) == allowed  # the driver stays
 
         # stop_parts gives the cores back (its Ray parts are gone here: quiet)
-        stop_parts(Parts(None, {}, None, None, False, moved), None, quiet=True)
+        stop_parts(Parts(None, {}, None, None, False, moved), quiet=True)
         for t in threads(raylet.pid) + threads(worker):
             want = {engine_core} if t == engine_thread else allowed
             assert os.sched_getaffinity(t) == want
@@ -525,15 +527,128 @@ def test_keep_off_engines_moves_every_other_thread_off_the_engines_cores():
 def test_engine_cores_outside_the_actors_cores_are_refused():
     import os
 
+    from asyncrl.actor.placement import place_engine
+    from asyncrl.config import ConfigError
+
     outside = max(os.sched_getaffinity(0)) + 1
-    a = RolloutActor(
-        "t", "m", AdditionTask(), None, SamplingSettings(), EngineSettings(),
-        engine_cores=str(outside),
-    )  # fmt: skip
     with pytest.raises(ValueError, match="actor.engine_cores"):
-        a._place_engine()
-    with pytest.raises(ValueError, match="not a CPU list"):
-        RolloutActor(
-            "t", "m", AdditionTask(), None, SamplingSettings(), EngineSettings(),
-            engine_cores="1-0",
-        )  # fmt: skip
+        place_engine({outside})
+    with pytest.raises(ConfigError, match="actor.engine_cores='1-0': not a CPU list"):
+        ActorSettings(engine_cores="1-0")
+
+
+class _FakeEngine:
+    """vLLM's AsyncLLM at the episode seam: each request yields one final output whose
+    completions decode to ``texts``; the first ``aborts`` requests come back aborted,
+    as under a weight update with ``update_mode=abort``."""
+
+    def __init__(self, texts: list[str], aborts: int = 0):
+        self.texts = texts
+        self.aborts = aborts
+        self.requests: list[tuple] = []
+
+    async def generate(self, prompt, params, request_id):
+        import types
+
+        self.requests.append((prompt, params.n, request_id))
+        ids = [[100 + i, 200 + i] for i in range(len(self.texts))]
+        comps = [_completion(x, [-0.5, -0.25], flat=True) for x in ids]
+        if self.aborts:
+            self.aborts -= 1
+            comps[-1].finish_reason = "abort"
+        yield types.SimpleNamespace(prompt_token_ids=[5, 6, 7], outputs=comps)
+
+    def get_tokenizer(self):
+        texts = {100 + i: t for i, t in enumerate(self.texts)}
+
+        class Tok:
+            def decode(self, ids, skip_special_tokens):
+                return texts[ids[0]]
+
+        return Tok()
+
+
+class _FussyTask(AdditionTask):
+    """A reward that fails on one answer (a user's reward must not stop the actor)."""
+
+    def reward(self, prompt, completion):
+        if completion == "boom":
+            raise ValueError("boom")
+        return super().reward(prompt, completion)
+
+
+def test_a_single_turn_episode_is_one_generate_call_scored_per_completion():
+    """One request of n samples; each completion one trajectory of the engine's ids
+    and log-probs, labelled with the engine's version, all trained on, scored by the
+    task (a failing reward is a recorded 0, not an exception)."""
+    from asyncrl.tasks.base import Prompt
+
+    engine = _FakeEngine(["19", "boom", "7"])
+    episodes = SingleTurnEpisodes(engine, _FussyTask(), SamplingSettings(n=3), lambda: 4)
+    group = asyncio.run(episodes.run_group(Prompt("12+7=", "19")))
+    ts = group.trajectories
+    assert [(p, n) for p, n, _ in engine.requests] == [({"prompt": "12+7="}, 3)]
+    assert [t.response_text for t in ts] == ["19", "boom", "7"]
+    assert [t.reward for t in ts] == [1.0, 0.0, 0.0]
+    assert [t.error for t in ts] == ["", "ValueError: boom", ""]
+    for i, t in enumerate(ts):
+        assert t.group_id == group.group_id and t.traj_id == f"{group.group_id}-{i}"
+        assert t.prompt_ids.tolist() == [5, 6, 7]
+        assert t.response_ids.tolist() == [100 + i, 200 + i]
+        assert t.behaviour_logprobs.tolist() == [-0.5, -0.25]
+        assert t.versions.tolist() == [4, 4] and t.loss_mask.all()
+
+
+class _Outbox:
+    """The actor's outbox, recording what it was handed."""
+
+    busy = False
+
+    def __init__(self):
+        self.groups = []
+
+    def put(self, group, meta):
+        self.groups.append((group, meta))
+
+    def look_again(self):
+        pass
+
+
+def test_an_aborted_episode_is_run_again_and_counted():
+    """A weight update under `abort` cut the group short: the actor runs the prompt
+    again (a fresh request), hands over only the complete group, and counts it."""
+
+    async def main():
+        a = _actor(_Queue(), update_mode="abort")
+        engine = _FakeEngine(["19", "boom"], aborts=2)
+        a.episodes = SingleTurnEpisodes(engine, _FussyTask(), SamplingSettings(n=2), lambda: 0)
+        a._outbox = _Outbox()
+        a._start_groups(1)
+        await asyncio.gather(*a._pending)
+        return a, engine
+
+    a, engine = asyncio.run(main())
+    assert len(engine.requests) == 3 and len({r for _, _, r in engine.requests}) == 3
+    ((group, meta),) = a._outbox.groups
+    assert meta.traj_ids == [t.traj_id for t in group.trajectories] and meta.actor == "t"
+    s = a.stats
+    assert (s.regenerated, s.groups, s.trajectories, s.tokens, s.reward_errors) == (2, 1, 2, 4, 1)
+    assert a.fatal == ""
+
+
+def test_a_failing_episode_frees_its_slot_and_is_reported():
+    class Broken:
+        async def run_group(self, prompt):
+            raise RuntimeError("engine gone")
+
+    async def main():
+        q = _Queue()
+        a = _actor(q)
+        a.episodes = Broken()
+        a._start_groups(1)
+        await asyncio.gather(*a._pending)
+        return a, q
+
+    a, q = asyncio.run(main())
+    assert q.abandoned == 1 and a.stats.groups == 0
+    assert a.fatal == "group generation failed: RuntimeError: engine gone"

@@ -1,30 +1,15 @@
-"""Building the vLLM engine for an actor, and reading per-token data out of its results."""
+"""Building the vLLM engine for an actor, the sampling parameters of its requests,
+and reading per-token data out of its results."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-
-@dataclass
-class EngineSettings:
-    """vLLM engine settings (``actor.engine`` in config). Names follow vLLM's EngineArgs."""
-
-    dtype: str = "float32"  # fp32 on both sides makes actor and learner log-probs agree to ~0
-    max_model_len: int = 64
-    max_num_seqs: int = 64
-    kv_cache_memory_mb: int = 256  # CPU: an explicit KV budget, not a fraction of RAM
-    enforce_eager: bool = True
-    enable_prefix_caching: bool = False  # never reuse KV across policy versions by accident
-    # vLLM's per-iteration stats and Prometheus metrics: ~12% of the actor process's CPU
-    # on this task's short answers, and nothing here reads them
-    disable_log_stats: bool = True
-    gpu_memory_utilization: float = 0.5
-    extra: dict[str, Any] | None = None  # any other EngineArgs field
+from asyncrl.actor.settings import EngineSettings, SamplingSettings
 
 
 def make_engine(model_path: str, s: EngineSettings, seed: int = 0):
@@ -53,6 +38,29 @@ def make_engine(model_path: str, s: EngineSettings, seed: int = 0):
         kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
     kwargs.update(s.extra or {})
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+
+def sampling_params(s: SamplingSettings) -> Any:
+    """The vLLM SamplingParams of every group: ``s.n`` samples, the sampled token's
+    log-prob (in vLLM's flat layout: a few lists per sample instead of a dict and an
+    object per token), only the final output."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    # detokenize=False: vLLM's per-token incremental detokenizer and its decoding of
+    # every log-prob's token cost the actor's process more CPU than all the rest of a
+    # group's bookkeeping; the episode runner decodes each completion once instead.
+    return SamplingParams(
+        n=s.n,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k if s.top_k > 0 else -1,
+        max_tokens=s.max_tokens,
+        logprobs=0,
+        flat_logprobs=True,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
 
 
 def prompt_renderer(engine: Any) -> Callable[[str], Any]:

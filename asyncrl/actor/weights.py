@@ -1,11 +1,16 @@
-"""Weight updates on a running vLLM engine: the pause/reload/resume step and the
-process-group receive, as async helpers over an ``AsyncLLM`` (or a fake with
-the same methods).
+"""Weight updates on a running vLLM engine: how a rollout actor receives weights,
+over an ``AsyncLLM`` (or a fake with the same methods).
 
+    WeightUpdates.load_state_dict(state, V)   object-store path: the state dict to a
+                                safetensors file in /dev/shm ──▶ paused_update(reload it)
+    WeightUpdates.receive(order)   process-group path (the broker's order):
+                                receive_to_workers ──▶ paused_update(apply) [──▶ digests]
     receive_to_workers(order):  rpc start ──▶ poll every POLL_S (engine keeps
                                 generating) ──▶ all workers done | failed | deadline
     paused_update(load, V):     pause(mode) ──▶ load() ──▶ label V ──▶ (reset prefix
                                 cache) ──▶ resume   (resume runs in `finally`)
+
+One update at a time per engine (``WeightUpdates`` holds the lock).
 
 Update modes (what happens to requests in flight when weights change):
 ``abort`` drops them (the rollout loop generates the group again) and clears
@@ -21,6 +26,8 @@ request ever reads a cached prefix of an older version.
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -124,3 +131,94 @@ def engine_dead(engine: Any, exc: BaseException | None = None) -> bool:
     if engine is None or getattr(engine, "errored", False):
         return True
     return isinstance(exc, EngineGone) or type(exc).__name__ == "EngineDeadError"
+
+
+class WeightUpdates:
+    """One engine's weight updates, one at a time, each ending in
+    :func:`paused_update`. ``labelled(version)`` runs as soon as the engine labels
+    new tokens with ``version`` (the actor tells its queue). Each call takes the
+    engine and the update mode of the moment."""
+
+    def __init__(self, name: str, prefix_caching: bool, labelled: Callable[[int], None]):
+        self.name = name
+        self.prefix_caching = prefix_caching
+        self.labelled = labelled
+        self._lock = asyncio.Lock()
+
+    async def _paused(
+        self, engine: Any, mode: str, version: int, load, pause_timeout_s: float = 600.0
+    ) -> tuple[Any, float]:
+        return await paused_update(
+            engine, mode, version, load, self.prefix_caching, pause_timeout_s, self.labelled
+        )
+
+    async def load_state_dict(
+        self, engine: Any, mode: str, state: dict, version: int
+    ) -> dict[str, float]:
+        """Load ``state`` (name -> tensor) as ``version``: written once to a
+        safetensors file the workers reload from (tensors cannot travel as RPC
+        arguments)."""
+        from safetensors.torch import save_file
+
+        async with self._lock:
+            t0 = time.time()
+            fd, path = tempfile.mkstemp(
+                prefix=f"asyncrl-{self.name}-", suffix=".safetensors", dir=_shm_dir()
+            )
+            os.close(fd)
+            try:
+                save_file({k: v.contiguous() for k, v in state.items()}, path)
+                await self._paused(
+                    engine,
+                    mode,
+                    version,
+                    lambda: engine.collective_rpc("asyncrl_load_file", args=(path,)),
+                )
+            finally:
+                os.unlink(path)
+            return {"seconds": time.time() - t0, "version": version}
+
+    async def receive(self, engine: Any, mode: str, order: dict[str, Any]) -> dict[str, Any]:
+        """Take part in one process-group sync (``order`` from the WeightBroker): the
+        workers receive in the background while generation goes on, then generation
+        pauses (per ``mode``) only for the in-place reload. Never raises: the result
+        says ``ok``, or the error and whether the engine is ``dead``; ``held`` is the
+        version the workers keep for deltas."""
+        version = order["version"]
+        out: dict[str, Any] = {"version": version, "ok": False}
+        async with self._lock:
+            t0 = time.monotonic()
+            try:
+                states = await receive_to_workers(engine, order)
+                out["held"] = min(s["held"] for s in states)
+                failed = [s for s in states if s["state"] != "done"]
+                if failed:
+                    out.update(error=failed[0]["error"], bucket=failed[0].get("bucket"))
+                    return out
+                out["transfer_seconds"] = time.monotonic() - t0
+                out["bytes"] = states[0]["bytes"]
+                _, out["pause_seconds"] = await self._paused(
+                    engine,
+                    mode,
+                    version,
+                    lambda: rpc(
+                        engine,
+                        "asyncrl_apply",
+                        {"with_digests": order["with_digests"]},
+                        order["apply_timeout_s"],
+                    ),
+                    order["pause_timeout_s"],
+                )
+                if order["with_digests"]:
+                    loaded = await rpc(engine, "asyncrl_loaded_digests")
+                    out["digests"] = [d["digests"] for d in loaded]
+            except Exception as e:  # noqa: BLE001 - reported to the broker, which decides
+                out.update(error=f"{type(e).__name__}: {e}", dead=engine_dead(engine, e))
+                return out
+            out["ok"] = True
+            out["seconds"] = time.monotonic() - t0
+            return out
+
+
+def _shm_dir() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None

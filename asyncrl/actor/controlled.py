@@ -1,0 +1,71 @@
+"""ControlledRolloutActor: the RolloutActor plus the remote controls that tests and
+benchmarks drive it with; training never starts one (``new_actor(..., cls=...)``).
+
+    halt()                 stop the loop, engine kept up: groups generating are
+                           cancelled (slots given back), generated ones handed over
+    rebind(queue, seed)    while halted: another queue, prompts afresh, counters reset
+    resume()               start the loop again
+    set_update_mode(m)     abort | wait | keep for the next weight updates
+    inject_weight_fault    make the workers die or stall in the next receive
+    loaded_digests()       per-tensor digests of what the last receive loaded
+    checksums()            per-parameter sha256 of what the engine holds
+
+The benchmarks reuse one engine across runs (halt, rebind, resume); the weight-sync
+tests check what the engines loaded and how the broker handles failing receivers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrl.actor import weights
+from asyncrl.actor.rollout import ActorStats, RolloutActor
+from asyncrl.actor.settings import UpdateMode
+from asyncrl.config import ConfigError
+
+
+class ControlledRolloutActor(RolloutActor):
+    async def halt(self) -> None:
+        """Stop the generation loop, keeping the engine up."""
+        await self._halt()
+
+    async def rebind(self, queue: Any, seed: int) -> None:
+        """While halted: generate into ``queue`` from now on, prompts drawn afresh from
+        ``seed``, counters and errors reset (the loaded weights and version stay)."""
+        if self._running:
+            raise RuntimeError("rebind() needs a halted actor: call halt() first")
+        self._bind(queue, seed)
+        queue.set_weights_version.remote(self.name, self.version)
+        self.stats = ActorStats()
+        if self._idle_since is not None:
+            self._idle_since = self.stats.started
+        self._acquire_calls = 0
+        self.fatal = ""
+
+    async def resume(self) -> None:
+        """Start the generation loop again after :meth:`halt`."""
+        if self.engine is None:
+            raise RuntimeError("resume() needs a started actor")
+        if not self._running:
+            self._start_loop()
+
+    def set_update_mode(self, mode: str) -> None:
+        try:
+            self.update_mode = UpdateMode(mode)
+        except ValueError:
+            raise ConfigError(
+                f"actor.update_mode={mode!r}: expected one of "
+                f"{', '.join(m.value for m in UpdateMode)}"
+            ) from None
+
+    async def inject_weight_fault(self, kind: str, bucket: int, seconds: float = 0.0) -> list:
+        """The workers ``kill`` themselves or ``stall`` at payload ``bucket`` of the
+        next receive. Returns the worker pids."""
+        args = {"kind": kind, "bucket": bucket, "seconds": seconds}
+        return await weights.rpc(self.engine, "asyncrl_inject_fault", args)
+
+    async def loaded_digests(self) -> list[dict[str, Any]]:
+        return await weights.rpc(self.engine, "asyncrl_loaded_digests")
+
+    async def checksums(self) -> dict[str, str]:
+        return (await self.engine.collective_rpc("asyncrl_checksums"))[0]

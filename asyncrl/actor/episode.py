@@ -1,0 +1,123 @@
+"""What one episode is: the seam between the rollout actor's slot loop
+(actor/rollout.py) and what it generates for one prompt.
+
+    actor:  prompt ─▶ EpisodeRunner.run_group(prompt) ─▶ TrajectoryGroup ─▶ outbox
+    SingleTurnEpisodes.run_group:
+            engine.generate(prompt, n samples) ─▶ decode each completion once
+            ─▶ score it with the task's reward ─▶ one Trajectory per completion
+
+The contract every runner keeps (the learner and the queue rely on it):
+
+* Token ids are the engine's own (``prompt_ids``, ``response_ids``), never text
+  tokenized again: an episode of several turns builds them turn by turn.
+* ``behaviour_logprobs[i]`` is the log-prob of ``response_ids[i]`` under the
+  distribution the engine sampled it from (after temperature / top-k / top-p:
+  ``asyncrl.actor.engine.completion_arrays``).
+* ``versions[i]`` is the policy version of the weights that produced token ``i``,
+  as the engine labels it (a sequence may span a weight update).
+* ``loss_mask[i]`` is True for tokens the policy generated, False for tokens it did
+  not (an environment's observation, a tool's output): the learner trains on the
+  first only.
+* A reward that fails is a recorded outcome, never a raised error: reward 0 and
+  ``Trajectory.error`` set (the actor counts them as ``reward_errors``).
+* An episode that a weight update under ``actor.update_mode=abort`` cut short
+  raises :class:`EpisodeAborted`: the actor runs the prompt again, so every
+  trajectory is produced by complete generation. Any other exception fails the
+  group (the actor records it and frees its queue slot).
+* ``run_group`` awaits everything slow (the engine, an environment, a reward
+  service): it shares the actor's event loop with every other episode in flight.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from asyncrl.actor.engine import completion_arrays, prompt_renderer, sampling_params
+from asyncrl.actor.settings import SamplingSettings
+from asyncrl.tasks.base import Prompt, Task, score
+from asyncrl.trajectory import Trajectory, TrajectoryGroup
+
+
+class EpisodeAborted(Exception):
+    """A weight update aborted the episode's requests: run it again from its prompt."""
+
+
+class EpisodeRunner(Protocol):
+    """Turns one prompt into one group of trajectories (the contract above)."""
+
+    async def run_group(self, prompt: Prompt) -> TrajectoryGroup: ...
+
+
+class SingleTurnEpisodes:
+    """One ``engine.generate(prompt, n)`` call; each completion is one trajectory,
+    scored by the task's reward as soon as the group is generated.
+
+    ``version()`` is the version the engine's weights carry now: it labels any token
+    the engine left unlabelled."""
+
+    def __init__(
+        self, engine: Any, task: Task, sampling: SamplingSettings, version: Callable[[], int]
+    ):
+        self.engine = engine
+        self.task = task
+        self.n = sampling.n
+        self.version = version
+        self.params = sampling_params(sampling)  # vLLM's SamplingParams, the same for every group
+        self._tokenizer = None  # the engine's, on first use
+        self._render: Callable[[str], Any] | None = None  # prompt text -> engine input
+
+    async def run_group(self, prompt: Prompt) -> TrajectoryGroup:
+        gid = uuid.uuid4().hex[:16]
+        t_start = time.time()
+        final = None
+        async for out in self.engine.generate(
+            self.render(prompt.text), self.params, request_id=gid + "-" + uuid.uuid4().hex[:6]
+        ):
+            final = out
+        comps = final.outputs if final is not None else []
+        if len(comps) != self.n or any(c.finish_reason == "abort" for c in comps):
+            raise EpisodeAborted(f"group {gid}: a weight update aborted its requests")
+        prompt_ids = np.asarray(final.prompt_token_ids, dtype=np.int32)  # one per group
+        version = self.version()
+        trajs = []
+        for i, (c, text) in enumerate(zip(comps, self.texts(comps))):
+            ids, lps, versions = completion_arrays(c, version)
+            reward, breakdown, err = score(self.task, prompt, text)
+            trajs.append(
+                Trajectory(
+                    traj_id=f"{gid}-{i}",
+                    group_id=gid,
+                    prompt_ids=prompt_ids,
+                    response_ids=ids,
+                    behaviour_logprobs=lps,
+                    versions=versions,
+                    loss_mask=np.ones(len(ids), dtype=bool),
+                    reward=reward,
+                    reward_breakdown=breakdown,
+                    finish_reason=str(c.finish_reason),
+                    error=err,
+                    prompt_text=prompt.text,
+                    response_text=text,
+                    t_start=t_start,
+                    t_end=time.time(),
+                )
+            )
+        return TrajectoryGroup(gid, trajs)
+
+    def render(self, text: str) -> Any:
+        """A prompt as the engine takes it (tokenized by the engine's renderer)."""
+        if self._render is None:
+            self._render = prompt_renderer(self.engine)
+        return self._render(text)
+
+    def texts(self, comps: list) -> list[str]:
+        """Each completion's text, decoded here once per completion (the engine is
+        asked not to detokenize): what vLLM's own detokenizer gives, specials left out."""
+        if self._tokenizer is None:
+            self._tokenizer = self.engine.get_tokenizer()
+        return [self._tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps]
