@@ -11,8 +11,9 @@ import pytest
 import pytest_asyncio
 import torch
 
-from asyncrl.actor.engine import EngineSettings
-from asyncrl.actor.rollout import RolloutActor, SamplingSettings
+from asyncrl.actor.episode import SingleTurnEpisodes
+from asyncrl.actor.rollout import RolloutActor
+from asyncrl.actor.settings import ActorSettings, SamplingSettings
 from asyncrl.learner.learner import Learner, OptimSettings
 from asyncrl.losses.advantages import GroupNormalized
 from asyncrl.losses.clipped import ClippedISLoss
@@ -26,20 +27,15 @@ FP32_LOGP_TOL = 2e-4
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def actor(tiny_model, task):
-    a = RolloutActor(
-        "t0",
-        str(tiny_model),
-        task,
-        queue=None,
-        sampling=SamplingSettings(n=4, temperature=1.0, max_tokens=6),
-        engine=EngineSettings(),
-        seed=0,
-        update_mode="keep",
+    settings = ActorSettings(
+        update_mode="keep", sampling=SamplingSettings(n=4, temperature=1.0, max_tokens=6)
     )
+    a = RolloutActor("t0", str(tiny_model), task, None, settings, seed=0)
     # start the engine without the generate loop (no queue in this test)
     from asyncrl.actor.engine import make_engine
 
-    a.engine = make_engine(a._model_path, a._engine_settings, 0)
+    a.engine = make_engine(str(tiny_model), settings.engine, 0)
+    a.episodes = SingleTurnEpisodes(a.engine, task, settings.sampling, lambda: a.version)
     await a.engine.update_weight_version("0")
     yield a
     a.engine.shutdown()
@@ -54,6 +50,13 @@ def learner(tiny_model):
     )
 
 
+async def _update(actor: RolloutActor, state: dict, version: int) -> None:
+    """The object-store path: ``update_weights`` awaits ``ref_list[0]`` (a Ray ref there)."""
+    ref = asyncio.get_running_loop().create_future()
+    ref.set_result(state)
+    await actor.update_weights([ref], version)
+
+
 def _perturbed_state(learner: Learner, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -65,7 +68,7 @@ def _perturbed_state(learner: Learner, seed: int) -> dict[str, torch.Tensor]:
 
 
 async def test_logprobs_match_learner_at_version_0(actor, learner):
-    group = await actor._generate_group(Prompt("12+7=", "19"))
+    group = await actor.episodes.run_group(Prompt("12+7=", "19"))
     assert len(group.trajectories) == 4
     recomputed = learner.logprobs_of(group.trajectories)
     for t, lp in zip(group.trajectories, recomputed):
@@ -76,7 +79,7 @@ async def test_logprobs_match_learner_at_version_0(actor, learner):
 async def test_texts_decoded_by_the_actor_are_vllms_own(actor):
     """The actor asks vLLM not to detokenize and decodes each completion once itself:
     the same text vLLM's incremental detokenizer gives (EOS and specials left out)."""
-    params = actor.vllm_sampling_params()
+    params = actor.episodes.params
     assert params.detokenize is False
     params = params.clone()
     params.detokenize = True
@@ -87,10 +90,10 @@ async def test_texts_decoded_by_the_actor_are_vllms_own(actor):
         final = None
         async for out in actor.engine.generate({"prompt": prompt}, params, request_id=f"tx{i}"):
             final = out
-        assert actor._texts(final.outputs) == [c.text for c in final.outputs]
+        assert actor.episodes.texts(final.outputs) == [c.text for c in final.outputs]
         texts += [c.text for c in final.outputs]
     assert any(texts), texts  # something was decoded, not only empty strings
-    group = await actor._generate_group(Prompt("5+5=", "10"))
+    group = await actor.episodes.run_group(Prompt("5+5=", "10"))
     tok = actor.engine.get_tokenizer()
     for t in group.trajectories:  # what was scored is the text of the ids trained on
         assert t.response_text == tok.decode(t.response_ids.tolist(), skip_special_tokens=True)
@@ -99,10 +102,10 @@ async def test_texts_decoded_by_the_actor_are_vllms_own(actor):
 async def test_prompts_rendered_by_the_actor_are_the_raw_prompts_tokens(actor):
     """The actor hands vLLM prompts rendered by its renderer (raw text prompts are
     deprecated): the same prompt tokens vLLM's raw-prompt path gives."""
-    params = actor.vllm_sampling_params().clone()
+    params = actor.episodes.params.clone()
     params.n = 1
     for i, text in enumerate(["12+7=", "99+1="]):
-        rendered = actor.render(text)
+        rendered = actor.episodes.render(text)
         assert isinstance(rendered, dict) and "type" in rendered  # not the raw path
         finals = []
         for tag, prompt in (("raw", {"prompt": text}), ("rendered", rendered)):
@@ -114,11 +117,11 @@ async def test_prompts_rendered_by_the_actor_are_the_raw_prompts_tokens(actor):
 
 
 async def test_update_changes_engine_weights(actor, learner):
-    before = await actor._generate_group(Prompt("3+4=", "7"))
+    before = await actor.episodes.run_group(Prompt("3+4=", "7"))
     old_lp = learner.logprobs_of(before.trajectories)
     state = _perturbed_state(learner, seed=1)
-    await actor.apply_state_dict(state, version=1)
-    after = await actor._generate_group(Prompt("3+4=", "7"))
+    await _update(actor, state, 1)
+    after = await actor.episodes.run_group(Prompt("3+4=", "7"))
     new_lp = learner.logprobs_of(after.trajectories)
     for t, lp in zip(after.trajectories, new_lp):
         assert (t.versions == 1).all()
@@ -156,7 +159,7 @@ async def test_versions_exact_across_inflight_update(actor, learner, tiny_model)
     tasks = [asyncio.create_task(gen(i)) for i in range(8)]
     # Not a fixed sleep: on a quiet machine 40 tokens can finish before it ends.
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-    await actor.apply_state_dict(_perturbed_state(learner, seed=2), version=2)
+    await _update(actor, _perturbed_state(learner, seed=2), 2)
     outs = await asyncio.gather(*tasks)
 
     from asyncrl.actor.engine import completion_arrays

@@ -17,9 +17,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from asyncrl.transport.broadcast import NO_VERSION, WeightReceiver, WeightSender
+from asyncrl.transport.broadcast import NO_VERSION, WeightSender
 from asyncrl.transport.buckets import pack
 from asyncrl.transport.group import HEADER_BUCKET, TransferError, free_port, make_group
+from asyncrl.transport.receiver import WeightReceiver
 
 HOST = "127.0.0.1"
 BUCKET_MB = 16 / 1024  # 16 KiB buckets: a small model still spans many buckets

@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
-from asyncrl.transport.broadcast import HeldCopy, SendStats, WeightReceiver, WeightSender
+from asyncrl.transport.broadcast import SendStats, WeightSender
 from asyncrl.transport.buckets import DEFAULT_BUCKET_MB, pack
 from asyncrl.transport.delta import Mode, ShadowStore
 from asyncrl.transport.group import TransferError, _resolve_backend, make_group
+from asyncrl.transport.receiver import HeldCopy, WeightReceiver
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
