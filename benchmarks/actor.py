@@ -37,7 +37,7 @@ processes' CPU per generated token and their busy share of the wall time. They c
 the worker's spin on vLLM's shared-memory queue between steps, so a core that reads
 busy may still be waiting: on a saturated core the CPU per token only mirrors the
 throughput. With a split placement the engine-core process's I/O threads run on the
-actor's cores (``RolloutActor._place_frontend``), so the engine's busy share can
+actor's cores (``asyncrl.actor.placement.place_frontend``), so the engine's busy share can
 exceed its cores.
 ``--io-threads-ab`` adds a fourth side, ``vllm_io_on_engine``: plain vLLM all at once
 with those threads moved back onto the engine's cores for the measurement, to show
@@ -58,7 +58,9 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
-from asyncrl.actor.rollout import RolloutActor  # noqa: E402
+from asyncrl.actor.controlled import ControlledRolloutActor  # noqa: E402
+from asyncrl.actor.engine import sampling_params  # noqa: E402
+from asyncrl.actor.placement import pin_engine_io  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     actor_pid,
     compose,
@@ -78,43 +80,34 @@ IO_SIDE = "vllm_io_on_engine"  # --io-threads-ab
 UNREACHABLE_BOUND = 10**9  # no learner here: versions never advance, nothing is stale
 
 
-class BenchActor(RolloutActor):
-    """The RolloutActor, plus plain generation on its engine while its loop is halted."""
-
-    min_tokens = 0
+class BenchActor(ControlledRolloutActor):
+    """The rollout actor, plus plain generation on its engine while its loop is halted."""
 
     def set_min_tokens(self, n: int) -> None:
         """Both sides generate at least ``n`` tokens per sample (vLLM's min_tokens: the
         stop tokens are masked until then), for responses longer than the task's."""
-        self.min_tokens = n
-        self._params = None  # rebuilt on next use
-
-    def vllm_sampling_params(self):
-        params = super().vllm_sampling_params()
-        if self.min_tokens:
-            params.min_tokens = self.min_tokens
-        return params
+        params = sampling_params(self.settings.sampling)
+        if n:
+            params.min_tokens = n
+        self.episodes.params = params
 
     def place_engine_io(self, on_engine: bool) -> int:
         """The engine-core process's threads other than its main one onto the engine's
-        cores (``on_engine``) or back onto the actor's, where ``_place_frontend`` put
+        cores (``on_engine``) or back onto the actor's, where ``place_frontend`` put
         them. Returns how many threads moved."""
-        return self._pin_engine_io(
-            set(self.placement["engine_cores" if on_engine else "frontend_cores"])
-        )
+        return pin_engine_io(set(self.placement["engine_cores" if on_engine else "frontend_cores"]))
 
     async def plain_generate(
         self, prompts: list[str], tag: str, inflight: int = 0
     ) -> dict[str, int]:
-        params = self.vllm_sampling_params()  # exactly what the actor's groups use
-
+        params = self.episodes.params  # exactly what the actor's groups use
         gate = asyncio.Semaphore(inflight or len(prompts))
 
         async def one(i: int, prompt: str):
             final = None
             async with gate:
                 async for out in self.engine.generate(
-                    self.render(prompt), params, request_id=f"{tag}-{i}"
+                    self.episodes.render(prompt), params, request_id=f"{tag}-{i}"
                 ):
                     final = out
             return final
@@ -203,11 +196,13 @@ def start_actor(cfg: Any, setup: Any):
     """The actor with its engine up, its loop halted."""
     import ray
 
+    from asyncrl.actor.launch import new_actor
     from asyncrl.replay.queue import remote_queue
-    from asyncrl.wiring import new_actor
 
     parking = remote_queue(max_staleness=0, batch_groups=0)  # never grants a slot
-    actor = new_actor(cfg, setup, parking, "actor0", cfg.seed, cls=BenchActor)
+    actor = new_actor(
+        setup.actor, setup.model_path, setup.task, parking, "actor0", cfg.seed, cls=BenchActor
+    )
     ray.get(actor.start.remote())
     ray.get(actor.halt.remote())
     ray.kill(parking)
@@ -229,7 +224,7 @@ def auto_engine_cores(flag: str, configured: Any) -> Any:
     return str(allowed[0]) if len(allowed) >= 2 else None
 
 
-def main() -> None:
+def arguments():
     p = parser("actor", __doc__)
     p.add_argument("--prompts", type=int, default=None, help="prompts (groups) per measurement")
     p.add_argument("--rounds", type=int, default=None, help="asyncrl/vllm measurement pairs")
@@ -265,33 +260,64 @@ def main() -> None:
         "overrides", nargs="*", help="training-config overrides, e.g. actor.sampling.n=4"
     )
     args = p.parse_args()
-    num_prompts = args.prompts or (256 if args.quick else 1024)
-    rounds = args.rounds or (2 if args.quick else 6)
-    if args.warmup_prompts is not None and not 0 <= args.warmup_prompts <= num_prompts:
-        p.error(f"--warmup-prompts must be in [0, --prompts={num_prompts}]")
-
-    from asyncrl.tasks.base import TaskSampler
-    from asyncrl.wiring import keep_off_engines, prepare
-
-    overrides = list(args.overrides)
-    cfg = compose(*overrides)
+    args.num_prompts = args.prompts or (256 if args.quick else 1024)
+    args.num_rounds = args.rounds or (2 if args.quick else 6)
+    args.sides = SIDES + ((IO_SIDE,) if args.io_threads_ab else ())
+    if args.warmup_prompts is not None and not 0 <= args.warmup_prompts <= args.num_prompts:
+        p.error(f"--warmup-prompts must be in [0, --prompts={args.num_prompts}]")
+    cfg = compose(*args.overrides)
     cores = auto_engine_cores(args.engine_cores, cfg.actor.engine_cores)
     if cores != cfg.actor.engine_cores:
-        overrides.append(f"actor.engine_cores={'null' if cores is None else repr(cores)}")
-        cfg = compose(*overrides)
+        cores = "null" if cores is None else repr(cores)
+        cfg = compose(*args.overrides, f"actor.engine_cores={cores}")
     if args.io_threads_ab and cfg.actor.engine_cores is None:
         p.error(
             "--io-threads-ab compares placements of a split engine: give --engine-cores "
             "(it has no split on one core or with --engine-cores os)"
         )
-    sides = SIDES + ((IO_SIDE,) if args.io_threads_ab else ())
-    setup = prepare(cfg)  # builds the tiny model once if it is not cached
-    sampler = TaskSampler(setup.task, cfg.seed)  # the RolloutActor draws the same prompts
-    prompts = [sampler.next().text for _ in range(num_prompts)]
+    return args, cfg
 
+
+def measure_rounds(actor: Any, cfg: Any, args: Any, prompts: list[str]) -> list[dict]:
+    """The untimed warm-up of each side, then the rounds, sides alternating."""
     import ray
 
+    meter = CpuMeter(actor_pid(actor))
+    # first use of each side's path, of the engine's memory and the queue's process,
+    # untimed
+    warm = args.num_prompts if args.warmup_prompts is None else args.warmup_prompts
+    if warm:
+        measure_vllm(actor, prompts[:warm], "warmup", meter)
+        measure_asyncrl(actor, cfg.seed, warm, meter)
+    cap = cfg.actor.max_inflight_groups
     rows = []
+    for r in range(args.num_rounds):
+        order = args.sides if r % 2 == 0 else args.sides[::-1]
+        for side in order:
+            if side == "asyncrl":
+                out = measure_asyncrl(actor, cfg.seed, args.num_prompts, meter)
+            elif side == IO_SIDE:
+                if not ray.get(actor.place_engine_io.remote(True)):
+                    raise RuntimeError("--io-threads-ab: no engine-core I/O thread moved")
+                try:
+                    out = measure_vllm(actor, prompts, f"r{r}{side}", meter)
+                finally:
+                    ray.get(actor.place_engine_io.remote(False))
+            else:
+                inflight = cap if side == "vllm_capped" else 0
+                out = measure_vllm(actor, prompts, f"r{r}{side}", meter, inflight)
+            out.update(round=r, side=side, tokens_per_s=out["tokens"] / out["seconds"])
+            rows.append(out)
+            print(f"round {r} {side}: {out['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
+    return rows
+
+
+def run(cfg: Any, setup: Any, args: Any, prompts: list[str]) -> tuple[list[dict], dict]:
+    """One actor on its own Ray: the rows of every measurement, and its placement."""
+    import ray
+
+    from asyncrl.wiring import keep_off_engines
+
     start_ray()
     actor = None
     try:
@@ -300,62 +326,39 @@ def main() -> None:
         if placement:  # the engine's cores are its alone, as in training (wiring.py)
             placement["others_moved_threads"] = len(keep_off_engines([placement]))
         ray.get(actor.set_min_tokens.remote(args.min_tokens))
-        meter = CpuMeter(actor_pid(actor))
-        # first use of each side's path, of the engine's memory and the queue's process,
-        # untimed
-        warm = num_prompts if args.warmup_prompts is None else args.warmup_prompts
-        if warm:
-            measure_vllm(actor, prompts[:warm], "warmup", meter)
-            measure_asyncrl(actor, cfg.seed, warm, meter)
-        cap = cfg.actor.max_inflight_groups
-        for r in range(rounds):
-            order = sides if r % 2 == 0 else sides[::-1]
-            for side in order:
-                if side == "asyncrl":
-                    out = measure_asyncrl(actor, cfg.seed, num_prompts, meter)
-                elif side == IO_SIDE:
-                    if not ray.get(actor.place_engine_io.remote(True)):
-                        raise RuntimeError("--io-threads-ab: no engine-core I/O thread moved")
-                    try:
-                        out = measure_vllm(actor, prompts, f"r{r}{side}", meter)
-                    finally:
-                        ray.get(actor.place_engine_io.remote(False))
-                else:
-                    inflight = cap if side == "vllm_capped" else 0
-                    out = measure_vllm(actor, prompts, f"r{r}{side}", meter, inflight)
-                out.update(round=r, side=side, tokens_per_s=out["tokens"] / out["seconds"])
-                rows.append(out)
-                print(f"round {r} {side}: {out['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
+        return measure_rounds(actor, cfg, args, prompts), placement
     finally:
         if actor is not None:
             ray.get(actor.stop.remote())
             ray.kill(actor)
         ray.shutdown()
 
-    def rate(side: str) -> float:
-        sel = [x for x in rows if x["side"] == side]
+
+class Summary:
+    """The rows, side by side: tokens/s per side, per round, and the engine's CPU."""
+
+    def __init__(self, rows: list[dict], sides: tuple[str, ...], rounds: int):
+        self.rows, self.sides, self.rounds = rows, sides, rounds
+        self.by = {(x["round"], x["side"]): x["tokens_per_s"] for x in rows}
+
+    def rate(self, side: str) -> float:
+        sel = [x for x in self.rows if x["side"] == side]
         return sum(x["tokens"] for x in sel) / sum(x["seconds"] for x in sel)
 
-    a, v, vc = rate("asyncrl"), rate("vllm"), rate("vllm_capped")
-
-    def round_ratios(other: str) -> list[float]:
-        """asyncrl / ``other`` within each round: measured minutes apart at most, so
+    def round_ratios(self, side: str, other: str) -> list[float]:
+        """``side`` / ``other`` within each round: measured minutes apart at most, so
         the machine's slow drifts cancel (the spread shows how noisy it was)."""
-        by = {(x["round"], x["side"]): x["tokens_per_s"] for x in rows}
-        return [by[(r, "asyncrl")] / by[(r, other)] for r in range(rounds)]
+        return [self.by[(r, side)] / self.by[(r, other)] for r in range(self.rounds)]
 
-    per_round = round_ratios("vllm")
-
-    def engine_use(side: str) -> tuple[float, float]:
+    def engine_use(self, side: str) -> tuple[float, float]:
         """The engine's processes' CPU per generated token (ms) and their busy share of
         the side's wall time (cores), the worker's spin between steps included."""
-        sel = [x for x in rows if x["side"] == side]
+        sel = [x for x in self.rows if x["side"] == side]
         cpu = sum(x["cpu_engine_s"] for x in sel)
         return 1000 * cpu / sum(x["tokens"] for x in sel), cpu / sum(x["seconds"] for x in sel)
 
-    engine = {side: engine_use(side) for side in sides}
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out / "actor.csv", rows)
+
+def plot(rows: list[dict], sides: tuple[str, ...], out: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for i, side in enumerate(sides):
@@ -366,13 +369,41 @@ def main() -> None:
     ax.set_title("one RolloutActor vs plain vLLM generate, same engine and prompts")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(args.out / "actor.png", dpi=120)
+    fig.savefig(out / "actor.png", dpi=120)
+
+
+def io_placement(sm: Summary) -> dict[str, Any]:
+    """--io-threads-ab: plain vLLM with the engine-core I/O threads off / on the
+    engine's cores."""
+    v, vi = sm.rate("vllm"), sm.rate(IO_SIDE)
+    io = {
+        "vllm_io_on_engine_tokens_per_s": vi,
+        "io_placement_gain": ratio(v, vi),
+        "io_placement_gain_per_round": sm.round_ratios("vllm", IO_SIDE),
+    }
+    print(
+        f"plain vLLM with the engine-core I/O threads on the engine's cores: {vi:.0f} "
+        f"tokens/s; on the actor's cores (the actor's placement) {v:.0f}: gain "
+        + ", ".join(f"{x:.3f}" for x in io["io_placement_gain_per_round"])
+        + f" by round, {io['io_placement_gain']:.3f} over all"
+    )
+    return io
+
+
+def report(cfg: Any, args: Any, rows: list[dict], placement: dict) -> None:
+    sm = Summary(rows, args.sides, args.num_rounds)
+    a, v, vc = sm.rate("asyncrl"), sm.rate("vllm"), sm.rate("vllm_capped")
+    per_round = sm.round_ratios("asyncrl", "vllm")
+    engine = {side: sm.engine_use(side) for side in args.sides}
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out / "actor.csv", rows)
+    plot(rows, args.sides, args.out)
     s = cfg.actor.sampling
     print_table(
-        f"RolloutActor vs plain AsyncLLM.generate on the same engine: {num_prompts} prompts "
+        f"RolloutActor vs plain AsyncLLM.generate on the same engine: {args.num_prompts} prompts "
         f"x n={s.n}, max_tokens={s.max_tokens}, min_tokens={args.min_tokens}, temperature {s.temperature}, engine {dict(cfg.actor.engine)}, "
         f"actor.engine_cores {cfg.actor.engine_cores} (placement {placement or 'by the OS'}), "
-        f"{rounds} round(s){' (--quick)' if args.quick else ''}",
+        f"{args.num_rounds} round(s){' (--quick)' if args.quick else ''}",
         ["round", "side", "trajectories", "tokens", "seconds", "tokens/s", "CPU s: actor proc",
          "engine procs", "queue"],
         [
@@ -395,23 +426,7 @@ def main() -> None:
         "engine processes, CPU ms per token (busy cores): "
         + ", ".join(f"{side} {ms:.3f} ({busy:.2f})" for side, (ms, busy) in engine.items())
     )
-    io = {}
-    if args.io_threads_ab:
-        vi = rate(IO_SIDE)
-        by = {(x["round"], x["side"]): x["tokens_per_s"] for x in rows}
-        io = {
-            "vllm_io_on_engine_tokens_per_s": vi,
-            "io_placement_gain": ratio(v, vi),
-            "io_placement_gain_per_round": [
-                by[(r, "vllm")] / by[(r, IO_SIDE)] for r in range(rounds)
-            ],
-        }
-        print(
-            f"plain vLLM with the engine-core I/O threads on the engine's cores: {vi:.0f} "
-            f"tokens/s; on the actor's cores (the actor's placement) {v:.0f}: gain "
-            + ", ".join(f"{x:.3f}" for x in io["io_placement_gain_per_round"])
-            + f" by round, {io['io_placement_gain']:.3f} over all"
-        )
+    io = io_placement(sm) if args.io_threads_ab else {}
     print(f"outputs: {args.out}")
     emit_json(
         {
@@ -422,13 +437,25 @@ def main() -> None:
             "ratio_vs_capped": ratio(a, vc),
             "ratio_per_round": per_round,
             "ratio_median": statistics.median(per_round),
-            "ratio_vs_capped_median": statistics.median(round_ratios("vllm_capped")),
+            "ratio_vs_capped_median": statistics.median(sm.round_ratios("asyncrl", "vllm_capped")),
             "placement": placement,
             "engine_cpu_ms_per_token": {side: ms for side, (ms, _) in engine.items()},
             "engine_busy_cores": {side: busy for side, (_, busy) in engine.items()},
             **io,
         }
     )
+
+
+def main() -> None:
+    from asyncrl.tasks.base import TaskSampler
+    from asyncrl.wiring import prepare
+
+    args, cfg = arguments()
+    setup = prepare(cfg)  # builds the tiny model once if it is not cached
+    sampler = TaskSampler(setup.task, cfg.seed)  # the RolloutActor draws the same prompts
+    prompts = [sampler.next().text for _ in range(args.num_prompts)]
+    rows, placement = run(cfg, setup, args, prompts)
+    report(cfg, args, rows, placement)
 
 
 if __name__ == "__main__":
