@@ -13,7 +13,7 @@ over an ``AsyncLLM`` (or a fake with the same methods).
 One update at a time per engine (``WeightUpdates`` holds the lock).
 
 Update modes (what happens to requests in flight when weights change):
-``abort`` drops them (the rollout loop generates the group again) and clears
+``abort`` drops them (the actor runs the episode again from its prompt) and clears
 the KV/prefix cache; ``wait`` lets them finish first and clears the cache;
 ``keep`` freezes them with their KV and continues them on the new weights
 (tokens are labelled with the version that sampled them, so a sequence spans
