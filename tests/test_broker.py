@@ -267,15 +267,13 @@ def fake_world(ray_local, task):
     ray = ray_local
     from ray import cloudpickle
 
-    from asyncrl.actor.engine import EngineSettings
-    from asyncrl.actor.rollout import RolloutActor, SamplingSettings
+    from asyncrl.actor.controlled import ControlledRolloutActor
+    from asyncrl.actor.settings import ActorSettings
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cls = ray.remote(RolloutActor).options(num_cpus=0, max_concurrency=100)
+    cls = ray.remote(ControlledRolloutActor).options(num_cpus=0, max_concurrency=100)
     actors = {
-        f"actor{i}": cls.remote(
-            f"actor{i}", "unused", task, None, SamplingSettings(), EngineSettings(), 0
-        )
+        f"actor{i}": cls.remote(f"actor{i}", "unused", task, None, ActorSettings(), 0)
         for i in range(3)
     }
     ray.get([a.__ray_call__.remote(_install_fake_engine) for a in actors.values()])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import ray
 import torch
 from helpers import build_tiny_qwen, trajs
 
@@ -121,3 +122,65 @@ def test_world_size_beyond_the_cluster_fails_at_start(ray_local, model_dir):
         LearnerGroup(
             str(model_dir), ClippedISLoss(), GroupNormalized(), LearnerSettings(world_size=64)
         )
+
+
+def queue_items(ts: list[Trajectory]) -> list:
+    """The trajectories as the queue hands them over: one object-store group per item."""
+    from asyncrl.replay.buffer import BatchItem
+    from asyncrl.trajectory import TrajectoryGroup
+
+    groups: dict[str, list[Trajectory]] = {}
+    for t in ts:
+        groups.setdefault(t.group_id, []).append(t)
+    return [
+        BatchItem(ray.put(TrajectoryGroup(g, m)), g, [t.traj_id for t in m], [0] * len(m), 1)
+        for g, m in groups.items()
+    ]
+
+
+def test_each_rank_fetches_its_share_and_two_match_one(ray_local, model_dir, tmp_path):
+    """train_step from queue items: each rank decodes only its groups, and the step
+    matches one rank's on the whole batch; rank 0 still logs every trajectory in order."""
+    import pyarrow.parquet as pq
+
+    from asyncrl.learner.shard import Layout, RowSummary, share_items
+
+    torch.set_num_threads(1)
+    ts = trajs(24, seed=5, max_prompt=9, max_response=12)  # six groups of four
+    items = queue_items(ts)
+    owner = share_items(items, 2)
+    assert sorted(owner) == [0, 0, 0, 1, 1, 1]
+    per_rank = [
+        [(k, [RowSummary.of(t) for t in ts if t.group_id == it.group_id])
+         for k, it in enumerate(items) if owner[k] == r]
+        for r in range(2)
+    ]  # fmt: skip
+    layout, whole = Layout.gathered(per_rank), Layout.of_batch(collate(ts))
+    assert layout.lengths == whole.lengths and layout.mask_tokens == whole.mask_tokens
+    assert torch.equal(layout.rewards, whole.rewards)
+    assert torch.equal(layout.group_ids, whole.group_ids)
+
+    optim = OptimSettings(lr=LR, grad_clip=1e9)
+    one = Learner(
+        str(model_dir), ClippedISLoss(), GroupNormalized(),
+        LearnerSettings(optim=optim, num_threads=1, micro_batch_tokens=10_000),
+    )  # fmt: skip
+    log = tmp_path / "trajectories.parquet"
+    group = LearnerGroup(
+        str(model_dir), ClippedISLoss(), GroupNormalized(),
+        LearnerSettings(optim=optim, num_threads=1, world_size=2, micro_batch_tokens=30),
+        trajectory_log=str(log),
+    )  # fmt: skip
+    try:
+        m1 = one.train_step(items, 0)
+        m2 = group.train_step(items, 0)
+        for k in ("loss/total", "learner/grad_norm", "learner/update_norm", "is/ratio_mean"):
+            assert close(m1[k], m2[k]), (k, m1[k], m2[k])
+        for k in ("reward/mean", "reward/count", "staleness/max", "tokens/trained",
+                  "tokens/trained_with_prompt", "learner/batch_trajectories"):  # fmt: skip
+            assert m1[k] == m2[k], k
+        p1, p2 = one.full_state_dict(), group.full_state_dict()
+        assert max(float((p1[k] - p2[k]).abs().max()) for k in p1) < PARAM_ATOL
+    finally:
+        group.close()
+    assert pq.read_table(log).column("traj_id").to_pylist() == [t.traj_id for t in ts]

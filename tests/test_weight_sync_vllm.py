@@ -101,8 +101,8 @@ def world(ray_local, tiny_model, task):
     from hydra import compose, initialize_config_dir
     from ray import cloudpickle
 
-    from asyncrl.actor.engine import EngineSettings
-    from asyncrl.actor.rollout import RolloutActor, SamplingSettings
+    from asyncrl.actor.controlled import ControlledRolloutActor
+    from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
     from asyncrl.broker.client import start_weight_broker
     from asyncrl.broker.settings import BrokerSettings
     from asyncrl.learner.config import LearnerSettings, start_learner
@@ -120,12 +120,12 @@ def world(ray_local, tiny_model, task):
     cached = EngineSettings(
         max_num_seqs=16, kv_cache_memory_mb=64, enable_prefix_caching=True, extra={"block_size": 32}
     )
-    cls = ray.remote(RolloutActor).options(num_cpus=0, max_concurrency=1000)
+    cls = ray.remote(ControlledRolloutActor).options(num_cpus=0, max_concurrency=1000)
+    s0 = ActorSettings(max_inflight_groups=2, sampling=sampling, engine=plain)
+    s1 = ActorSettings(max_inflight_groups=2, sampling=sampling, engine=cached)
     actors = {
-        "actor0": cls.remote("actor0", str(tiny_model), task, queue, sampling, plain, 0, 2),
-        "actor1": cls.remote(
-            "actor1", str(tiny_model), SharedPrefixTask(), queue, sampling, cached, 1, 2
-        ),
+        "actor0": cls.remote("actor0", str(tiny_model), task, queue, s0, 0),
+        "actor1": cls.remote("actor1", str(tiny_model), SharedPrefixTask(), queue, s1, 1),
     }
     loss = ClippedISLoss()
     learner_settings = LearnerSettings.from_config(cfg.learner, loss, 10)

@@ -125,6 +125,15 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
     return out
 
 
+def all_gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on every rank (in rank order)."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_from_rank0(obj: Any) -> Any:
     if not is_distributed():
         return obj

@@ -118,7 +118,7 @@ class LearnerGroup:
                 settings,
                 rank=r,
                 rendezvous=rendezvous,
-                trajectory_log=trajectory_log if r == 0 else None,
+                trajectory_log=trajectory_log,  # rank 0 writes; the others know it does
                 **rank_kwargs,
             )  # fmt: skip
             for r in range(world_size)

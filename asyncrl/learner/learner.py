@@ -1,22 +1,24 @@
 """One learner rank: turns a global batch into an optimizer step.
 
-    train_step(items, V) ─▶ ray.get(every group) ─▶ collate ─▶ advantages (whole batch,
-        on every rank) ─▶ split into ``minibatches`` (1: the whole batch) ─▶ per minibatch:
-        loss weights, plan: ranks by tokens, packed rows, micro-batches
+    train_step(items, V) ─▶ fetch this rank's groups only (learner/shard.py) ─▶ collate
+        ─▶ the batch's layout (every rank's row summaries) ─▶ advantages (whole batch,
+        from the layout) ─▶ split into ``minibatches`` (1: the whole batch) ─▶ per
+        minibatch: loss weights, plan: each rank its rows, packed rows, micro-batches
         ─▶ [proximal log-probs of every minibatch, no grad, before any step]
         ─▶ per minibatch: per micro-batch: forward, loss, backward (gradients accumulate;
            FSDP sums them across ranks on the last one) ─▶ clip, AdamW, LR schedule
         ─▶ version V+1 ─▶ metrics gathered on rank 0
     named_parameters_stream() ─▶ weights for the brokers (learner/weights.py)
 
-Ranks never exchange data: each fetches the same groups and computes the same plan,
-then trains on its share. Ranks with fewer micro-batches run empty ones so that
-FSDP's collectives line up. Normalisation is fixed once per global batch:
-``loss_weights`` sum to one over all tokens (``token``) or give every sequence equal
-weight (``sequence``), so neither micro-batching nor world size changes the loss.
-With ``minibatches > 1`` (PPO-style: several optimizer steps per batch, one policy
-version) each minibatch is normalised on its own, and a trust-region loss's clip
-(decoupled PPO) binds from the second step on, measured against the batch's start.
+Ranks exchange no tokens: each trains on the rows it fetched, and what the step needs of
+the others' rows (lengths, trained tokens, rewards, groups) comes with the layout.
+Ranks with fewer micro-batches run empty ones so that FSDP's collectives line up.
+Normalisation is fixed once per global batch: ``loss_weights`` sum to one over all
+tokens (``token``) or give every sequence equal weight (``sequence``), so neither
+micro-batching nor world size changes the loss. With ``minibatches > 1`` (PPO-style:
+several optimizer steps per batch, one policy version) each minibatch is normalised on
+its own, and a trust-region loss's clip (decoupled PPO) binds from the second step on,
+measured against the batch's start.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from asyncrl.learner import checkpoint
 from asyncrl.learner.batch import TrainBatch, collate, loss_weights
 from asyncrl.learner.config import LearnerSettings, OptimSettings
 from asyncrl.learner.dist import (
+    all_gather,
     all_reduce_sum,
     gather_to_rank0,
     init_group,
@@ -48,22 +50,20 @@ from asyncrl.learner.metrics import MetricSums, trajectory_metrics
 from asyncrl.learner.model import PolicyModel, load_lm, policy_forward
 from asyncrl.learner.optim import build_optimizer, clip_grad_norm, kl_brake
 from asyncrl.learner.packing import PackedRows, PackPlan, build_packed, plan
+from asyncrl.learner.shard import (
+    Layout,
+    Minibatch,
+    RowSummary,
+    fetch,
+    in_queue_order,
+    share_items,
+    split,
+)  # fmt: skip
 from asyncrl.learner.weights import WeightsOut
 from asyncrl.losses.base import LossBatch, ModelOutputs
 from asyncrl.losses.diagnostics import mismatch_kl_sum
 
 __all__ = ["Learner", "OptimSettings", "loss_weights", "trajectory_metrics"]
-
-
-@dataclass
-class _Minibatch:
-    """One optimizer step's share of the batch: its rows, their advantages ``[b]``, the
-    packing plan over every rank and this rank's packed micro-batches."""
-
-    rows: TrainBatch
-    adv: torch.Tensor
-    plan: PackPlan
-    packs: list[PackedRows]
 
 
 class Learner(WeightsOut):
@@ -120,6 +120,7 @@ class Learner(WeightsOut):
         self.lr_scale = 1.0  # the off-policy brake's LR multiplier (optim.kl_brake)
         self.pad_id = self.model.config.pad_token_id or 0
         self.traj_log = None
+        self.logging = bool(trajectory_log)  # every rank: rank 0 gathers the rows it logs
         if trajectory_log and rank == 0:
             from asyncrl.utils.runlog import TrajectoryLog
 
@@ -127,18 +128,30 @@ class Learner(WeightsOut):
 
     # ---- one step -----------------------------------------------------------------
     def train_step(self, items: list, version: int) -> dict[str, float]:
-        """``items``: BatchItems from the queue; every rank resolves the refs itself."""
-        from asyncrl.replay.queue import resolve_groups
-
+        """``items``: BatchItems from the queue. Each rank fetches and decodes only the
+        groups it trains on (learner/shard.py); rank 0 returns the metrics."""
         t0 = time.time()
-        groups = resolve_groups(items)
-        keep = [set(it.traj_ids) for it in items]
-        trajs = [t for g, k in zip(groups, keep) for t in g.trajectories if t.traj_id in k]
+        if self.world_size == 1:
+            got = fetch(list(enumerate(items)))
+        else:
+            owner = share_items(items, self.world_size)
+            got = fetch([(k, it) for k, it in enumerate(items) if owner[k] == self.rank])
+        trajs = [t for _, ts in got for t in ts]
+        batch = collate(trajs, self.pad_id) if trajs else None
+        if self.world_size == 1:
+            layout, summaries = Layout.of_batch(batch), [RowSummary.of(t) for t in trajs]
+        else:
+            per_rank = all_gather([(k, [RowSummary.of(t) for t in ts]) for k, ts in got])
+            layout = Layout.gathered(per_rank)
+            by_item = dict(kv for mine in per_rank for kv in mine)
+            summaries = [row for k in sorted(by_item) for row in by_item[k]]
         t_fetch = time.time() - t0
-        metrics = self.step_on_batch(collate(trajs, self.pad_id), version)
+        metrics = self._step(batch, layout, version)
+        if self.world_size > 1 and self.logging:  # collective: rank 0 logs every row
+            trajs = in_queue_order(gather_to_rank0(trajs), layout)
         if self.rank != 0:
             return {}
-        metrics.update(trajectory_metrics(trajs, version))
+        metrics.update(trajectory_metrics(summaries, version))
         if self.traj_log is not None:
             self.traj_log.write(version, trajs, version)
         metrics["perf/learner_fetch_seconds"] = t_fetch
@@ -148,18 +161,29 @@ class Learner(WeightsOut):
     def step_on_batch(self, batch: TrainBatch, version: int) -> dict[str, float]:
         """``minibatches`` optimizer steps on the global ``batch`` (every rank gets the same
         one), then version + 1. Returns the metrics on rank 0, ``{}`` elsewhere."""
+        return self._step(batch, Layout.of_batch(batch), version)
+
+    def _step(self, batch: TrainBatch | None, layout: Layout, version: int) -> dict[str, float]:
+        """``minibatches`` optimizer steps on the batch ``layout`` describes, of which this
+        rank holds ``batch``; then version + 1. The metrics on rank 0, ``{}`` elsewhere."""
         if version != self.version:
             raise RuntimeError(
                 f"learner holds version {self.version}, driver asked to train version {version}"
             )
         t0 = time.time()
-        parts = self._split(batch)
+        # Advantages see the whole batch (whole groups); each minibatch is then one step.
+        adv = self.advantage(layout.rewards.double(), layout.group_ids).float()
+        s = self.settings
+        parts = split(
+            batch, layout, adv, self.minibatches, self.rank, self.world_size,
+            s.micro_batch_tokens, s.pack_row_tokens, self.pad_id,
+        )  # fmt: skip
         # The proximal policy is the one at the start of the batch, for every minibatch:
         # after the first step, the clip of a trust-region loss measures against it.
         needs_prox = getattr(self.loss, "needs_proximal", False)
         proxs = [self._proximal(p.packs, p.rows) if needs_prox else {} for p in parts]
         sums, loss_sum, steps, t_opt = MetricSums(), 0.0, [], 0.0
-        n_all = max(float(batch.mask.sum()), 1.0)
+        n_all = max(float(sum(layout.mask_tokens)), 1.0)
         for part, prox in zip(parts, proxs, strict=True):
             kl, losses = self._backward(part, prox, version, sums, n_all)
             for x in losses:
@@ -179,7 +203,7 @@ class Learner(WeightsOut):
         metrics.update(
             {
                 "loss/total": sum(x for _, x in parts_rank0),
-                "learner/batch_trajectories": len(batch),
+                "learner/batch_trajectories": len(layout),
                 "learner/batch_tokens": sum(sum(pl.lengths) for pl in plans),
                 "learner/micro_batches": sum(pl.num_micro for pl in plans),
                 "learner/optimizer_steps": len(steps),
@@ -188,34 +212,17 @@ class Learner(WeightsOut):
         )
         return metrics
 
-    def _split(self, batch: TrainBatch) -> list[_Minibatch]:
-        """Advantages over the whole batch (whole groups), then one :class:`_Minibatch`
-        per optimizer step. A batch smaller than ``minibatches`` (the queue may hand over
-        part of a group) takes one step per trajectory (``learner/optimizer_steps``)."""
-        B = len(batch)
-        adv = self.advantage(batch.rewards.double(), batch.group_ids).float()
-        parts = []
-        for idx in torch.arange(B).tensor_split(min(self.minibatches, B)):
-            mb = batch.rows(idx) if self.minibatches > 1 else batch
-            pl = self._plan(mb)
-            mine = pl.ranks[self.rank]
-            packs = [
-                build_packed(mb, mine[m] if m < len(mine) else [], self.pad_id)
-                for m in range(pl.num_micro)
-            ]
-            parts.append(_Minibatch(mb, adv[idx], pl, packs))
-        return parts
-
     def _backward(
-        self, part: _Minibatch, prox: dict, version: int, sums: MetricSums, n_all: float
+        self, part: Minibatch, prox: dict, version: int, sums: MetricSums, n_all: float
     ) -> tuple[torch.Tensor, list[float]]:
         """Forward and backward over this rank's micro-batches of one minibatch (the
         gradients accumulate; FSDP reduces them on the last). Returns this rank's mismatch
         KL sum and token count ``[2]`` and each micro-batch's loss."""
         mb = part.rows
-        weights = loss_weights(mb.mask, self.normalisation, int(mb.mask.sum()), len(mb))
         kl = torch.zeros(2, dtype=torch.float64)
-        losses = []
+        losses: list[float] = []
+        if mb is not None:
+            weights = loss_weights(mb.mask, self.normalisation, part.tokens, part.seqs)
         for m, pk in enumerate(part.packs):
             self._sync_grads(m == len(part.packs) - 1)
             logits, values = self._forward(pk)

@@ -76,7 +76,8 @@ class MetricSums:
 
 
 def trajectory_metrics(trajs: list, learner_version: int) -> dict[str, float]:
-    """``reward/*`` and ``staleness/*`` of the trajectories one step trained on."""
+    """``reward/*`` and ``staleness/*`` of the trajectories one step trained on (their
+    ``learner.shard.RowSummary``: every rank's, on rank 0)."""
     import numpy as np
 
     rewards = np.array([t.reward for t in trajs], dtype=np.float64)
@@ -88,7 +89,7 @@ def trajectory_metrics(trajs: list, learner_version: int) -> dict[str, float]:
         "reward/errors": float(sum(bool(t.error) for t in trajs)),
         "staleness/mean": float(stale.mean()),
         "staleness/max": float(stale.max()),
-        "tokens/trained": float(sum(len(t.response_ids) for t in trajs)),
+        "tokens/trained": float(sum(t.response_len for t in trajs)),
         "tokens/trained_with_prompt": float(sum(t.num_tokens for t in trajs)),
     }
     keys = {k for t in trajs for k in t.reward_breakdown}

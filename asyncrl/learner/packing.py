@@ -3,8 +3,8 @@
     lengths ──split_across_ranks (tokens, LPT)──▶ per rank ──pack_rows (even LPT)──▶ rows
             ──group_rows (token budget)──▶ micro-batches: [rank][micro][row] -> sequences
 
-Every rank computes the same :class:`PackPlan` from the same batch (pure, deterministic),
-so no rank has to tell another what it holds. A packed row is ``[seq a | seq b | ... |
+Every rank computes the same :class:`PackPlan` from the same lengths (pure,
+deterministic), so no rank has to tell another what it holds. A packed row is ``[seq a | seq b | ... |
 pad]`` with position ids restarting at 0 for every sequence; HF models (transformers 5,
 ``masking_utils.find_packed_sequence_indices``) turn restarting position ids into a
 block-diagonal causal mask, so a token attends only within its own sequence. Rows of a
@@ -107,9 +107,15 @@ class PackPlan:
 
 
 def plan(
-    lengths: list[int], world_size: int, micro_batch_tokens: int, row_tokens: int | None = None
+    lengths: list[int],
+    world_size: int,
+    micro_batch_tokens: int,
+    row_tokens: int | None = None,
+    split: list[list[int]] | None = None,
 ) -> PackPlan:
-    """Place every sequence; raises :class:`SequenceTooLong` for one over the budget."""
+    """Place every sequence; raises :class:`SequenceTooLong` for one over the budget.
+    ``split``: the sequences of each rank, when the ranks hold different rows (default:
+    :func:`split_across_ranks`)."""
     longest = max(lengths, default=1)
     if longest > micro_batch_tokens:
         i = lengths.index(longest)
@@ -122,7 +128,7 @@ def plan(
     cap = max(longest, min(cap, micro_batch_tokens))
     ranks = [
         group_rows(pack_rows(idx, lengths, cap), lengths, micro_batch_tokens)
-        for idx in split_across_ranks(lengths, world_size)
+        for idx in (split if split is not None else split_across_ranks(lengths, world_size))
     ]
     return PackPlan(ranks, list(lengths), cap)
 
