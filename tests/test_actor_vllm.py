@@ -14,6 +14,7 @@ import torch
 from asyncrl.actor.episode import SingleTurnEpisodes
 from asyncrl.actor.rollout import RolloutActor
 from asyncrl.actor.settings import ActorSettings, SamplingSettings
+from asyncrl.learner.config import LearnerSettings
 from asyncrl.learner.learner import Learner, OptimSettings
 from asyncrl.losses.advantages import GroupNormalized
 from asyncrl.losses.clipped import ClippedISLoss
@@ -45,9 +46,8 @@ async def actor(tiny_model, task):
 @pytest.fixture(scope="module")
 def learner(tiny_model):
     torch.set_num_threads(1)
-    return Learner(
-        str(tiny_model), ClippedISLoss(), GroupNormalized(), OptimSettings(lr=1e-2), temperature=1.0
-    )
+    settings = LearnerSettings(optim=OptimSettings(lr=1e-2))
+    return Learner(str(tiny_model), ClippedISLoss(), GroupNormalized(), settings, temperature=1.0)
 
 
 async def _update(actor: RolloutActor, state: dict, version: int) -> None:
