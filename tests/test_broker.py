@@ -378,6 +378,33 @@ def test_stuck_actor_is_named_within_the_timeout_and_recovers(ray_local, fake_wo
 
 
 @pytest.mark.slow
+def test_objectstore_broker_takes_the_weights_from_the_learner(ray_local, fake_world):
+    """publish(V) alone: the broker asks the learner for one object-store copy, every
+    actor loads exactly the learner's bytes, and the bytes are counted."""
+    ray = ray_local
+    from asyncrl.broker import make_broker
+    from asyncrl.broker.objectstore import ObjectStoreBroker
+
+    actors, learner = fake_world
+    settings = BrokerSettings.from_config({"kind": "objectstore", "timeout_s": 60})
+    broker = make_broker(settings, actors, SimpleNamespace(ranks=[learner]))
+    assert isinstance(broker, ObjectStoreBroker)
+    try:
+        ray.get(learner.adamw_step.remote(300))
+        assert broker.publish(1000) == {}
+        m = broker.wait()
+        want = ray.get(learner.weight_digests.remote())
+        size = ray.get(learner.weights_ref.remote())["bytes"]
+        assert m["broker/weights_bytes"] == size > 0
+        assert m["broker/bytes_sent"] == m["broker/bytes_full"] == 3 * size
+        assert broker.state()["actor_versions"] == dict.fromkeys(actors, 1000)
+        for name, a in actors.items():
+            assert ray.get(a.__ray_call__.remote(_loaded_digests)) == want, name
+    finally:
+        broker.close()
+
+
+@pytest.mark.slow
 def test_killed_actor_is_dropped_within_the_timeout_and_the_rest_go_on(ray_local, fake_world):
     """Last in this module: it kills actor1's process."""
     ray = ray_local
