@@ -108,7 +108,7 @@ class RolloutActor:
         self._bind(queue, seed)
         self._running = False
         self._loop_task: asyncio.Task | None = None
-        self.weights = weights.WeightUpdates(
+        self._weights = weights.WeightUpdates(
             name, settings.engine.enable_prefix_caching, self._labelled
         )
         self.engine = None
@@ -321,7 +321,7 @@ class RolloutActor:
     async def update_weights(self, ref_list: list, version: int) -> dict[str, float]:
         """Load the state dict behind ``ref_list[0]`` (name -> tensor) as ``version``."""
         state = await ref_list[0]
-        out = await self.weights.load_state_dict(
+        out = await self._weights.load_state_dict(
             self.engine, self.update_mode.value, state, version
         )
         self._count_update(out["seconds"])
@@ -330,7 +330,7 @@ class RolloutActor:
     async def receive_weights(self, order: dict[str, Any]) -> dict[str, Any]:
         """Take part in one process-group sync (``order`` from the WeightBroker); see
         :meth:`WeightUpdates.receive`. Never raises."""
-        out = await self.weights.receive(self.engine, self.update_mode.value, order)
+        out = await self._weights.receive(self.engine, self.update_mode.value, order)
         if out["ok"]:
             self._count_update(out["seconds"])
         return {"name": self.name, **out}
