@@ -93,97 +93,99 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def main() -> int:
-    from asyncrl.learner.batch import collate
+def make_learner(path: Path):
     from asyncrl.learner.config import LearnerSettings, OptimSettings
     from asyncrl.learner.learner import Learner
     from asyncrl.losses.advantages import GroupNormalized
     from asyncrl.losses.clipped import ClippedISLoss
     from asyncrl.transport.group import free_port
 
-    results = []
+    settings = LearnerSettings(
+        optim=OptimSettings(lr=1e-4), micro_batch_tokens=SPEC["micro"], minibatches=ARGS.minibatches
+    )
+    rdv = None if DRY else f"127.0.0.1:{free_port()}"
+    return Learner(str(path), ClippedISLoss(), GroupNormalized(), settings, rank=0, rendezvous=rdv)
+
+
+def check_steps(L, figures: dict) -> tuple[bool, dict, dict]:
+    """``SPEC["steps"]`` optimizer steps (the first one timed apart); whether they ran
+    clean and moved the weights, and the weights before and after."""
+    from asyncrl.learner.batch import collate
+
+    before = {n: p.detach().float().clone().cpu() for n, p in L.named_parameters_stream()}
+    n_params = sum(t.numel() for t in before.values())
+    figures["params"] = n_params
+    ok = True
+    tokens, seconds = 0, 0.0
+    for step in range(SPEC["steps"]):
+        batch = collate(trajs(SPEC["n"], step), L.pad_id)
+        sync()
+        t0 = time.perf_counter()
+        m = L.step_on_batch(batch, L.version)
+        sync()
+        if step == 0:
+            figures["first_step_s"] = round(time.perf_counter() - t0, 3)
+        else:
+            seconds += time.perf_counter() - t0
+            tokens += int(batch.attention_mask.sum())
+        ok &= bool(np.isfinite(m["loss/total"]) and np.isfinite(m["learner/grad_norm"]))
+        ok &= m["learner/optimizer_steps"] == ARGS.minibatches
+    figures["tokens_per_s"] = round(tokens / seconds, 1)
+    figures["model_tflops"] = round(6 * n_params * tokens / seconds / 1e12, 2)
+    # The stream's tensors are valid only until the next item (FSDP reshards the
+    # unit behind it), so copy each one out before moving on.
+    after = {n: t.detach().float().clone().cpu() for n, t in L.named_parameters_stream()}
+    moved = max(float((after[n] - before[n]).abs().max()) for n in before)
+    figures["moved"] = moved
+    return ok and moved > 0, before, after
+
+
+def check_outputs(L, before: dict, after: dict, figures: dict) -> list[tuple[str, bool, str]]:
+    """The weight stream's speed, names and shapes, and packed vs per-sequence log-probs."""
+    sync()
+    t0 = time.perf_counter()
+    nbytes = sum(t.numel() * t.element_size() for _, t in L.stream_weights())
+    figures["stream_to_cpu_gbps"] = round(nbytes / (time.perf_counter() - t0) / 1e9, 2)
+    ts = trajs(16, 99)
+    packed = L.logprobs_of(ts)
+    single = [L.logprobs_of([t])[0] for t in ts]
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(packed, single))
+    figures["packed_vs_single_max_abs"] = diff
+    names = list(after)
+    shapes_ok = (
+        all(after[n].shape == before[n].shape for n in names)
+        and "model.embed_tokens.weight" in names
+    )
+    return [
+        ("packed == per-sequence log-probs", diff < BF16_LOGP_TOL, f"max |d| {diff:.3g}"),
+        (
+            "weight stream: HF names, full shapes",
+            shapes_ok and names == list(before) and len(names) > 0,
+            f"{len(names)} tensors; to the CPU {figures['stream_to_cpu_gbps']} GB/s",
+        ),
+    ]
+
+
+def main() -> int:
     figures = {"device": "cpu" if DRY else torch.cuda.get_device_name(0), "size": SIZE}
     figures["minibatches"] = ARGS.minibatches
     if not DRY and not torch.cuda.is_available():
         print("no CUDA: nothing to check (use --dry-run-on-cpu)")
         return 1
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_model(Path(tmp))
-        rdv = None if DRY else f"127.0.0.1:{free_port()}"
-        L = Learner(
-            str(path),
-            ClippedISLoss(),
-            GroupNormalized(),
-            LearnerSettings(
-                optim=OptimSettings(lr=1e-4),
-                micro_batch_tokens=SPEC["micro"],
-                minibatches=ARGS.minibatches,
-            ),
-            rank=0,
-            rendezvous=rdv,
-        )
+        L = make_learner(build_model(Path(tmp)))
         figures["sharded"] = bool(L.sharded)
-        before = {n: p.detach().float().clone().cpu() for n, p in L.named_parameters_stream()}
-        n_params = sum(t.numel() for t in before.values())
-        figures["params"] = n_params
-        ok = True
-        tokens, seconds = 0, 0.0
-        for step in range(SPEC["steps"]):
-            batch = collate(trajs(SPEC["n"], step), L.pad_id)
-            sync()
-            t0 = time.perf_counter()
-            m = L.step_on_batch(batch, L.version)
-            sync()
-            if step == 0:
-                figures["first_step_s"] = round(time.perf_counter() - t0, 3)
-            else:
-                seconds += time.perf_counter() - t0
-                tokens += int(batch.attention_mask.sum())
-            ok &= bool(np.isfinite(m["loss/total"]) and np.isfinite(m["learner/grad_norm"]))
-            ok &= m["learner/optimizer_steps"] == ARGS.minibatches
-        figures["tokens_per_s"] = round(tokens / seconds, 1)
-        figures["model_tflops"] = round(6 * n_params * tokens / seconds / 1e12, 2)
-        # The stream's tensors are valid only until the next item (FSDP reshards the
-        # unit behind it), so copy each one out before moving on.
-        after = {n: t.detach().float().clone().cpu() for n, t in L.named_parameters_stream()}
-        moved = max(float((after[n] - before[n]).abs().max()) for n in before)
-        ok_step = ok and moved > 0
-        results.append(
+        ok_step, before, after = check_steps(L, figures)
+        moved = figures.pop("moved")
+        results = [
             (
                 "fsdp steps (bf16, nccl x1)",
                 ok_step,
                 f"moved {moved:.2e}, {figures['tokens_per_s']} tok/s "
                 f"({figures['model_tflops']} TFLOP/s by 6N; first step {figures['first_step_s']}s)",
             )
-        )
-
-        sync()
-        t0 = time.perf_counter()
-        nbytes = sum(t.numel() * t.element_size() for _, t in L.stream_weights())
-        figures["stream_to_cpu_gbps"] = round(nbytes / (time.perf_counter() - t0) / 1e9, 2)
-
-        ts = trajs(16, 99)
-        packed = L.logprobs_of(ts)
-        single = [L.logprobs_of([t])[0] for t in ts]
-        diff = max(float(np.abs(a - b).max()) for a, b in zip(packed, single))
-        figures["packed_vs_single_max_abs"] = diff
-        results.append(
-            ("packed == per-sequence log-probs", diff < BF16_LOGP_TOL, f"max |d| {diff:.3g}")
-        )
-
-        names = list(after)
-        hf = sorted(n for n in before)
-        shapes_ok = (
-            all(after[n].shape == before[n].shape for n in names)
-            and "model.embed_tokens.weight" in names
-        )
-        results.append(
-            (
-                "weight stream: HF names, full shapes",
-                shapes_ok and names == list(before) and len(hf) > 0,
-                f"{len(names)} tensors; to the CPU {figures['stream_to_cpu_gbps']} GB/s",
-            )
-        )
+        ]
+        results += check_outputs(L, before, after, figures)
     for name, passed, detail in results:
         print(f"{'PASS' if passed else 'FAIL'}  {name}: {detail}")
     figures["passed"] = all(p for _, p, _ in results)
