@@ -9,7 +9,6 @@ from the YAML. Nothing here imports torch.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,9 +85,6 @@ class LearnerSettings:
     )  # built by the driver (asyncrl.config.build)
 
     def __post_init__(self) -> None:
-        self.check()
-
-    def check(self) -> None:
         """ConfigError naming ``learner.<key>`` for a value no rank could run with."""
         try:
             self.normalisation = Normalisation(self.normalisation)
@@ -104,11 +100,9 @@ class LearnerSettings:
             raise ConfigError(
                 f"learner.num_cpus must be > 0 (Ray CPUs per rank), got {self.num_cpus}"
             )
-        if self.num_gpus < 0 or self.num_threads < 0 or self.checkpoint_every < 0:
-            raise ConfigError(
-                "learner.num_gpus, learner.num_threads and learner.checkpoint_every must be "
-                f">= 0, got {self.num_gpus}, {self.num_threads}, {self.checkpoint_every}"
-            )
+        for key in ("num_gpus", "num_threads", "checkpoint_every"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"learner.{key} must be >= 0, got {getattr(self, key)}")
         if self.pack_row_tokens is not None and self.pack_row_tokens < 1:
             raise ConfigError(
                 f"learner.pack_row_tokens must be >= 1 or null, got {self.pack_row_tokens}"
@@ -131,19 +125,9 @@ class LearnerSettings:
             mb = raw.get("minibatches", 1)
             optim["total_steps"] = max_steps * (mb if isinstance(mb, int) and mb > 0 else 1)
         raw["optim"] = optim
-        try:
-            s = settings_from(cls, raw, "learner")
-        except (TypeError, ValueError) as e:
-            raise e if isinstance(e, ConfigError) else ConfigError(f"learner: {e}") from e
+        s = settings_from(cls, raw, "learner")
         check_value_head(loss, s.value_head)
         return s
-
-    def rank_kwargs(self) -> dict[str, Any]:
-        """What every :class:`~asyncrl.learner.learner.Learner` rank takes from here."""
-        skip = {"optim", "advantage", "batch_groups", "checkpoint_every", "num_cpus", "num_gpus"}
-        return {
-            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip
-        }
 
 
 def check_value_head(loss: Any, value_head: bool) -> None:

@@ -49,7 +49,7 @@ from asyncrl.learner.logprobs import to_rows, token_logprobs
 from asyncrl.learner.metrics import MetricSums, trajectory_metrics
 from asyncrl.learner.model import PolicyModel, load_lm, policy_forward
 from asyncrl.learner.optim import build_optimizer, clip_grad_norm, kl_brake
-from asyncrl.learner.packing import PackedRows, PackPlan, build_packed, plan
+from asyncrl.learner.packing import PackedRows, build_packed, plan
 from asyncrl.learner.shard import (
     Layout,
     Minibatch,
@@ -290,11 +290,6 @@ class Learner(WeightsOut):
             "learner/lr_scale": lr_scale,
         }
 
-    def _plan(self, batch: TrainBatch) -> PackPlan:
-        lengths = (batch.resp_start + batch.resp_len).tolist()
-        s = self.settings
-        return plan(lengths, self.world_size, s.micro_batch_tokens, s.pack_row_tokens)
-
     def _sync_grads(self, last: bool) -> None:
         """FSDP: reduce-scatter only after the last micro-batch (accumulate locally before)."""
         if self.sharded:
@@ -337,8 +332,9 @@ class Learner(WeightsOut):
         computed on packed rows split across ranks; the list on rank 0."""
         import numpy as np
 
-        batch = collate(trajs, self.pad_id)
-        pl = self._plan(batch)
+        batch, s = collate(trajs, self.pad_id), self.settings
+        lengths = (batch.resp_start + batch.resp_len).tolist()
+        pl = plan(lengths, self.world_size, s.micro_batch_tokens, s.pack_row_tokens)
         mine = pl.ranks[self.rank]
         found: dict[int, np.ndarray] = {}
         for m in range(pl.num_micro):
@@ -393,6 +389,7 @@ class Learner(WeightsOut):
     def close(self) -> None:
         import torch.distributed as dist
 
+        self.detach_broker()
         if self.traj_log is not None:
             self.traj_log.close()
             self.traj_log = None
