@@ -93,7 +93,7 @@ class LearnerSettings:
                 f"learner.normalisation must be one of {[n.value for n in Normalisation]}, "
                 f"got {self.normalisation!r}"
             ) from None
-        for key in ("world_size", "micro_batch_tokens", "minibatches"):
+        for key in ("world_size", "batch_groups", "micro_batch_tokens", "minibatches"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"learner.{key} must be >= 1, got {getattr(self, key)}")
         if self.num_cpus <= 0:
