@@ -3,12 +3,18 @@ message naming the key to change."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import importlib
 import inspect
 import json
 import socket
+import types
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -116,3 +122,87 @@ def check_ray_address(address: str, timeout_s: float) -> None:
             f"ray.address={address}: nothing answers there ({e}). Start a head with "
             f"`ray start --head` or set ray.address=null for a local Ray"
         ) from e
+
+
+# ---- typed settings ------------------------------------------------------------------------
+def settings_from(cls: type[T], node: Any, prefix: str) -> T:
+    """A settings dataclass from a config node, every value checked against the field's
+    type: unknown keys, missing keys, wrong types and values outside an Enum raise a
+    ConfigError naming ``<prefix>.<key>``. Nested dataclass fields recurse. The class's
+    own ``check()`` (if any) runs last and raises ConfigError itself."""
+    from omegaconf import DictConfig, OmegaConf
+
+    raw = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix}: expected a mapping of settings, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(known) - {"_target_"})
+    if unknown:
+        raise ConfigError(f"{prefix or 'config'}: unknown key(s) {unknown}; known: {sorted(known)}")
+    values: dict[str, Any] = {}
+    for name, f in known.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{key} is missing")
+            continue
+        values[name] = _typed(key, raw[name], hints[name])
+    out = cls(**values)
+    check = getattr(out, "check", None)
+    if check is not None:
+        check()
+    return out
+
+
+def _typed(key: str, value: Any, hint: Any) -> Any:
+    """``value`` as type ``hint`` (int, float, bool, str, an Enum, a dataclass, a list or
+    dict, or an Optional of one), or a ConfigError naming ``key``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _typed(key, value, inner[0])
+        for a in inner:
+            try:
+                return _typed(key, value, a)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}={value!r}: expected one of the types {inner}")
+    if dataclasses.is_dataclass(hint):
+        return settings_from(hint, value, key)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        accepted = [m.value for m in hint]
+        if value not in accepted:
+            raise ConfigError(f"{key}={value!r}: expected one of {accepted}")
+        return hint(value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r}: expected true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r}: expected an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}={value!r}: expected a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r}: expected a string")
+        return value
+    base = origin or hint
+    if base in (list, tuple, dict) and not isinstance(
+        value, base if base is not tuple else list | tuple
+    ):
+        raise ConfigError(f"{key}={value!r}: expected a {base.__name__}")
+    return value
+
+
+def positive(key: str, value: float, strict: bool = True) -> None:
+    """ConfigError naming ``key`` unless ``value`` > 0 (>= 0 with ``strict=False``)."""
+    if value <= 0 if strict else value < 0:
+        raise ConfigError(f"{key}={value!r}: must be {'>' if strict else '>='} 0")

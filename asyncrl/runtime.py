@@ -8,9 +8,29 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.config import ConfigError, check_ray_address
+from asyncrl.config import ConfigError, check_ray_address, settings_from
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class RaySettings:
+    """``ray.*`` in config (conf/config.yaml holds the defaults)."""
+
+    address: str | None  # null: a local Ray; "auto" or host:port joins a cluster
+    num_cpus: int | None  # local Ray only; null = all cores
+    node_ip: str  # a local Ray binds here (loopback)
+    connect_timeout_s: float
+
+    @classmethod
+    def from_config(cls, node: Any) -> RaySettings:
+        return settings_from(cls, node, "ray")
+
+    def check(self) -> None:
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ConfigError(f"ray.num_cpus={self.num_cpus}: must be >= 1 or null")
+        if self.connect_timeout_s <= 0:
+            raise ConfigError(f"ray.connect_timeout_s={self.connect_timeout_s}: must be > 0")
 
 
 def init_ray(ray_cfg: Any) -> bool:

@@ -1,6 +1,7 @@
-"""Build every part from config: ``prepare`` checks and builds what is cheap (in the
-driver, before Ray starts, so config errors surface at once); ``start_parts`` starts
-the Ray actors; ``stop_parts`` stops them without losing the accounting."""
+"""Build every part from config: ``prepare`` checks every component's settings and
+builds what is cheap (in the driver, before Ray starts, so config errors surface at
+once); ``start_parts`` starts the Ray actors; ``stop_parts`` stops them (the broker
+included) without losing the accounting."""
 
 from __future__ import annotations
 
@@ -10,22 +11,47 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from asyncrl.broker.settings import BROKERS, check_broker_config  # noqa: F401 (BROKERS: re-export)
-from asyncrl.config import ConfigError, build, check_model_dir
-from asyncrl.runtime import Parts
+from asyncrl.actor.settings import ActorSettings
+from asyncrl.broker.settings import BrokerSettings
+from asyncrl.config import ConfigError, build, check_model_dir, settings_from
+from asyncrl.learner.config import LearnerSettings
+from asyncrl.replay.settings import ReplaySettings
+from asyncrl.runtime import Parts, RaySettings
 from asyncrl.utils.affinity import keep_off, restore
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
+class RunSettings:
+    """The top level of the config (the component groups have their own settings)."""
+
+    max_steps: int
+    seed: int
+    resume: str | None
+    progress: bool
+
+    def check(self) -> None:
+        if self.max_steps < 1:
+            raise ConfigError(f"max_steps={self.max_steps}: must be >= 1")
+
+
+@dataclass
 class Setup:
+    """Everything the driver checked and built before Ray starts."""
+
     model_path: str
     task: Any
     loss: Any
     advantage: Any
+    run: RunSettings
+    actor: ActorSettings
+    learner: LearnerSettings
+    broker: BrokerSettings
+    replay: ReplaySettings
+    ray: RaySettings
     resources: dict[str, float] = field(default_factory=dict)
 
 
@@ -39,15 +65,13 @@ def resolve_model(cfg: DictConfig, task: Any) -> str:
             "model.path is null (tiny model) but the task has no `alphabet` to build a tokenizer from"
         )
     try:
-        spec = TinyModelSpec(**OmegaConf.to_container(cfg.model.tiny, resolve=True))
-    except TypeError as e:
-        raise ConfigError(f"model.tiny: {e}") from e
-    except ValueError as e:
+        spec = settings_from(TinyModelSpec, cfg.model.tiny, "model.tiny")
+    except ValueError as e:  # TinyModelSpec's own check (head_dim)
         raise ConfigError(str(e)) from e
     return str(ensure_tiny_model(task, spec, cfg.model.cache_dir))
 
 
-def prepare(cfg: DictConfig) -> Setup:
+def build_task(cfg: DictConfig) -> Any:
     task = build("task", cfg.task)
     try:
         from asyncrl.tasks.base import TaskSampler
@@ -59,67 +83,75 @@ def prepare(cfg: DictConfig) -> Setup:
         raise ConfigError(
             f"task ({cfg.task.get('_target_')}): cannot draw a prompt: {type(e).__name__}: {e}"
         ) from e
+    return task
+
+
+def prepare(cfg: DictConfig) -> Setup:
+    """Check every component's settings and build the cheap parts, in the driver before
+    Ray starts: every config error surfaces here as one ConfigError naming its key.
+    Settings first (cheap, pure Python), then what imports torch, then the model."""
+    run = settings_from(RunSettings, {k: cfg.get(k) for k in ("max_steps", "seed", "resume",
+                                                              "progress")}, "")  # fmt: skip
+    ray_settings = RaySettings.from_config(cfg.ray)
+    actor = ActorSettings.from_config(cfg.actor)
+    replay = ReplaySettings.from_config(cfg.replay)
+    broker = BrokerSettings.from_config(cfg.broker)
+    task = build_task(cfg)
     loss = build("loss", cfg.loss)
     if not callable(loss):
         raise ConfigError(
             f"loss._target_={cfg.loss._target_} is not callable as loss(batch, outputs)"
         )
+    learner = LearnerSettings.from_config(cfg.learner, loss, run.max_steps)
     advantage = build("learner.advantage", cfg.learner.advantage)
-    check_broker_config(cfg.broker)  # broker.kind in BROKERS, and every broker.* setting
-    from asyncrl.learner.config import check_learner_config, check_resume
-
-    check_learner_config(cfg.learner, loss, cfg.max_steps)  # world size, budgets, value head
-    if cfg.resume:
-        check_resume(cfg.resume)
-    for key in ("max_steps", "learner.batch_groups", "actor.num_actors", "actor.sampling.n"):
-        if OmegaConf.select(cfg, key) < 1:
-            raise ConfigError(f"{key} must be >= 1, got {OmegaConf.select(cfg, key)}")
-    batch_size = cfg.learner.batch_groups * cfg.actor.sampling.n
-    if cfg.learner.minibatches > batch_size:
+    batch_size = learner.batch_groups * actor.sampling.n
+    if learner.minibatches > batch_size:
         raise ConfigError(
-            f"learner.minibatches={cfg.learner.minibatches} is more than the "
+            f"learner.minibatches={learner.minibatches} is more than the "
             f"{batch_size} trajectories of a batch (learner.batch_groups x actor.sampling.n)"
         )
+    if run.resume:
+        from asyncrl.learner.config import check_resume
+
+        check_resume(run.resume)
     model_path = resolve_model(cfg, task)
     resources = {
-        "actors": cfg.actor.num_actors * cfg.actor.num_cpus,
-        "learner": cfg.learner.world_size * cfg.learner.num_cpus,
+        "actors": actor.num_actors * actor.num_cpus,
+        "learner": learner.world_size * learner.num_cpus,
     }
-    return Setup(model_path, task, loss, advantage, resources)
+    return Setup(
+        model_path, task, loss, advantage, run, actor, learner, broker, replay, ray_settings,
+        resources,
+    )  # fmt: skip
 
 
-def start_parts(cfg: DictConfig, setup: Setup, out_dir: Path, started_ray: bool) -> Parts:
+def start_parts(setup: Setup, out_dir: Path, started_ray: bool) -> Parts:
+    """Start the queue, the actors (engines) and the learner ranks, then the broker."""
     import ray
 
-    from asyncrl.actor.rollout import SamplingSettings
-    from asyncrl.broker.client import make_broker
+    from asyncrl.actor.launch import new_actor
+    from asyncrl.broker import make_broker
     from asyncrl.learner.config import start_learner
     from asyncrl.replay.queue import remote_queue
 
-    rp = cfg.replay
-    queue = remote_queue(
-        max_staleness=rp.max_staleness,
-        batch_groups=cfg.learner.batch_groups,
-        policy=rp.policy,
-        max_reuse=rp.max_reuse,
-        capacity_groups=rp.capacity_groups,
-        delay_versions=rp.delay_versions,
-    )
-    sampling = SamplingSettings(**OmegaConf.to_container(cfg.actor.sampling, resolve=True))
+    queue = remote_queue(**setup.replay.buffer_kwargs(setup.learner.batch_groups))
+    seed = setup.run.seed
     actors = {
-        f"actor{i}": new_actor(cfg, setup, queue, f"actor{i}", cfg.seed + 1000 * i)
-        for i in range(cfg.actor.num_actors)
+        f"actor{i}": new_actor(
+            setup.actor, setup.model_path, setup.task, queue, f"actor{i}", seed + 1000 * i
+        )
+        for i in range(setup.actor.num_actors)
     }
-    learner = start_learner(  # a LearnerGroup: N ranks, same methods as one Learner actor
-        cfg.learner, setup.model_path, setup.loss, setup.advantage, sampling, cfg.seed,
-        cfg.max_steps, trajectory_log=str(out_dir / "trajectories.parquet"),
+    learner = start_learner(
+        setup.learner, setup.model_path, setup.loss, setup.advantage, setup.actor.sampling,
+        seed, setup.run.max_steps, trajectory_log=str(out_dir / "trajectories.parquet"),
     )  # fmt: skip
     ray.get([a.start.remote() for a in actors.values()])  # engines up (~25 s each on a CPU)
     moved = keep_off_engines(
         [s["placement"] for s in ray.get([a.get_stats.remote() for a in actors.values()])]
     )
-    ray.get(learner.ping.remote())
-    broker = make_broker(cfg.broker, actors, learner)  # objectstore | gloo (process group)
+    learner.ping()
+    broker = make_broker(setup.broker, actors, learner)
     return Parts(queue, actors, learner, broker, started_ray, moved)
 
 
@@ -145,39 +177,21 @@ def keep_off_engines(placements: list[dict[str, Any]]) -> dict[int, set[int]]:
     return moved
 
 
-def new_actor(cfg: Any, setup: Any, queue: Any, name: str, seed: int, cls: Any = None):
-    """A RolloutActor (or subclass ``cls``) as a Ray actor, from ``cfg.actor``; not
-    started (call ``start``)."""
-    import ray
-    from omegaconf import OmegaConf
-
-    from asyncrl.actor.engine import EngineSettings
-    from asyncrl.actor.rollout import RolloutActor, SamplingSettings
-
-    a = cfg.actor
-    return (
-        ray.remote(cls or RolloutActor)
-        .options(num_cpus=a.num_cpus, max_concurrency=1000)
-        .remote(
-            name,
-            setup.model_path,
-            setup.task,
-            queue,
-            SamplingSettings(**OmegaConf.to_container(a.sampling, resolve=True)),
-            EngineSettings(**OmegaConf.to_container(a.engine, resolve=True)),
-            seed=seed,
-            max_inflight_groups=a.max_inflight_groups,
-            update_mode=a.update_mode,
-            handoff_linger_s=a.handoff_linger_ms / 1000,
-            engine_cores=a.get("engine_cores"),
-        )
-    )
-
-
-def stop_parts(parts: Parts, checkpoint_dir: Path | None, quiet: bool = False) -> tuple[dict, dict]:
-    """Stop actors first (nothing new is produced), then read the final accounting."""
+def stop_parts(parts: Parts, quiet: bool = False) -> tuple[dict, dict]:
+    """Close the broker (it finishes the sync in flight and closes its groups), stop the
+    actors (nothing new is produced), then read the final accounting and close the
+    learner. ``quiet``: log what fails instead of raising (shutting down after an error).
+    Returns (queue stats, actor stats)."""
     import ray
 
+    if parts.broker is not None:
+        try:
+            parts.broker.close()
+        except Exception as e:
+            if not quiet:
+                raise
+            log.warning("weight broker did not close cleanly: %s", e)
+        parts.broker = None
     actor_stats: dict[str, Any] = {}
     for name, a in list(parts.actors.items()):
         try:
@@ -200,9 +214,7 @@ def stop_parts(parts: Parts, checkpoint_dir: Path | None, quiet: bool = False) -
             raise
         log.warning("queue unreachable at shutdown: %s", e)
     try:
-        if checkpoint_dir is not None:
-            ray.get(parts.learner.save.remote(str(checkpoint_dir)), timeout=300)
-        ray.get(parts.learner.close.remote(), timeout=60)
+        parts.learner.close()
     except Exception as e:
         if not quiet:
             raise

@@ -143,7 +143,7 @@ def compose(*overrides: str):
 
 
 class Recorder:
-    """Stands in for ``asyncrl.utils.runlog.Scalars`` in ``train_loop``: keeps every
+    """Stands in for ``asyncrl.utils.runlog.Scalars`` in ``asyncrl.loop.run_loop``: keeps every
     step's metrics in memory instead of writing TensorBoard events."""
 
     def __init__(self) -> None:
@@ -183,14 +183,8 @@ def stop_all(parts: Any) -> tuple[dict, dict]:
 
     actors = list(parts.actors.values())
     try:
-        queue_stats, actor_stats = stop_parts(parts, None, quiet=True)
+        queue_stats, actor_stats = stop_parts(parts, quiet=True)  # closes the broker too
     finally:
-        close = getattr(parts.broker, "close", None)  # the process-group broker is an actor
-        if close is not None:
-            try:
-                close()
-            except Exception as e:  # noqa: BLE001 - it is going away either way
-                print(f"broker close: {type(e).__name__}: {e}", file=sys.stderr)
         for handle in [*actors, parts.queue]:
             ray.kill(handle)
     return queue_stats, actor_stats

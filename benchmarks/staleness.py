@@ -59,6 +59,7 @@ if __package__ in (None, ""):  # run as a file: see the note in benchmarks/commo
 import argparse  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
+from dataclasses import replace  # noqa: E402
 from typing import Any  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
@@ -116,22 +117,17 @@ def wait_generated(parts: Any, produced: int, timeout_s: float) -> None:
 
 
 def delayed_loop(cfg: Any, parts: Any, k: int, rec: Recorder) -> None:
-    import ray
-
-    from asyncrl.train import wait_batch
+    """The training loop (asyncrl.loop) in lock-step: while the learner trains on the
+    version V-k batch, the actor makes every group of version V; each weight sync is
+    waited for, so the actor generates version V+1 only."""
+    from asyncrl.loop import LoopHooks, run_loop
 
     per_version = cfg.learner.batch_groups * cfg.actor.sampling.n  # trajectories
-    version = 0
-    for _ in range(cfg.max_steps):
-        items = wait_batch(parts, cfg, version)  # the version V-k groups; window opens for V
-        step = parts.learner.train_step.remote(items, version)
+
+    def generated(version: int) -> None:
         wait_generated(parts, (version + k + 1) * per_version, cfg.replay.wait_timeout_s)
-        m = ray.get(step)
-        version += 1
-        weights = ray.get(parts.learner.state_dict_ref.remote())
-        m.update(parts.broker.publish(version, weights, nbytes=m.pop("weights_bytes", 0)))
-        m.update(parts.broker.wait())  # the actor generates version V+1 only
-        rec.log(version, m)
+
+    run_loop(cfg, parts, rec, hooks=LoopHooks(during_step=generated, wait_for_sync=True))
 
 
 class Runner:
@@ -157,17 +153,16 @@ class Runner:
 
     def run(self, loss: str, k: int, seed: int) -> tuple[dict[str, Any], list[dict[str, float]]]:
         import ray
-        from omegaconf import OmegaConf
 
-        from asyncrl.broker.objectstore import ObjectStoreBroker
+        from asyncrl.broker import make_broker
         from asyncrl.wiring import prepare, start_parts
 
         cfg = self.config(loss, k, seed)
         setup = prepare(cfg)
-        no_actors = OmegaConf.merge(cfg, {"actor": {"num_actors": 0}})  # ours is reused
+        no_actors = replace(setup, actor=replace(setup.actor, num_actors=0))  # ours is reused
         out = self.out / "runs" / f"{loss}-k{k}-s{seed}"
         out.mkdir(parents=True, exist_ok=True)
-        parts = start_parts(no_actors, setup, out, started_ray=False)
+        parts = start_parts(no_actors, out, started_ray=False)
         rec = Recorder()
         t0 = time.time()
         try:
@@ -179,9 +174,10 @@ class Runner:
                 ray.kill(self.parking)
                 self.parking = None
             parts.actors = {"actor0": self.actor}
-            parts.broker = ObjectStoreBroker(parts.actors, timeout_s=cfg.broker.timeout_s)
-            parts.broker.publish(0, ray.get(parts.learner.state_dict_ref.remote()))
-            parts.broker.wait()  # back to the initial weights, labelled version 0
+            parts.broker.close()  # the one start_parts made had no actor to sync
+            parts.broker = make_broker(setup.broker, parts.actors, parts.learner)
+            parts.broker.publish(0)  # back to the initial weights, labelled version 0
+            parts.broker.wait()
             ray.get(self.actor.resume.remote())
             delayed_loop(cfg, parts, k, rec)
         finally:
@@ -204,11 +200,15 @@ class Runner:
         (batch_groups=0: no slot ever) until a run rebinds it."""
         import ray
 
+        from asyncrl.actor.controlled import ControlledRolloutActor
+        from asyncrl.actor.launch import new_actor
         from asyncrl.replay.queue import remote_queue
-        from asyncrl.wiring import new_actor
 
         self.parking = remote_queue(max_staleness=0, batch_groups=0)
-        actor = new_actor(cfg, setup, self.parking, "actor0", cfg.seed)
+        actor = new_actor(
+            setup.actor, setup.model_path, setup.task, self.parking, "actor0", cfg.seed,
+            cls=ControlledRolloutActor,
+        )  # fmt: skip
         ray.get(actor.start.remote())
         return actor
 

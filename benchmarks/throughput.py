@@ -2,9 +2,9 @@
 actor pinned to core 0 and the learner to core 1 in both.
 
     sync:   window opens ─▶ actor generates one batch ─▶ learner trains on it ─▶
-            weights to the actor (waited for) ─▶ window opens ...   (replay.max_staleness=0;
-            an explicit driver here, so nothing is generated with old weights and dropped)
-    async:  the real driver loop (asyncrl.train.train_loop): the actor runs ahead within
+            weights to the actor (waited for) ─▶ window opens ...   (replay.max_staleness=0
+            and the loop's wait_for_sync hook: nothing is generated with old weights)
+    async:  the training job's loop (asyncrl.loop.run_loop): the actor runs ahead within
             replay.max_staleness while the learner trains; weight syncs are not waited for
 
 Both modes run ``--steps`` learner steps from fresh parts; the clock covers the
@@ -13,7 +13,7 @@ generated while the parts started up are used up), so both time the same number
 of samples in steady state. From the sync run's phases:
 
     generation = window open -> batch ready, plus the weight load (the actor does it)
-    training   = learner.train_step + state_dict_ref
+    training   = learner.train_step
     ideal_speedup = (generation + training) / max(generation, training)
     efficiency    = speedup / ideal_speedup
 
@@ -107,59 +107,34 @@ def pin_parts(parts: Any) -> dict[str, int]:
     return threads
 
 
-def sync_loop(cfg: Any, parts: Any, rec: WindowRecorder) -> dict[str, float]:
-    """Generate a batch, train on it, hand the weights over (waited for), repeat.
-    Phases are timed over the measured window only."""
-    import ray
-
-    from asyncrl.train import wait_batch
-
-    phases = {"generate": 0.0, "train": 0.0, "weight_sync": 0.0}
-    version = 0
-    for step in range(cfg.max_steps):
-        timed = step >= rec.warmup
-        t0 = time.perf_counter()
-        items = wait_batch(parts, cfg, version)  # opens the window for version V, waits
-        t1 = time.perf_counter()
-        m = ray.get(parts.learner.train_step.remote(items, version))
-        weights = ray.get(parts.learner.state_dict_ref.remote())
-        t2 = time.perf_counter()
-        version += 1
-        m.update(parts.broker.publish(version, weights, nbytes=m.pop("weights_bytes", 0)))
-        m.update(parts.broker.wait())
-        t3 = time.perf_counter()
-        if timed:
-            phases["generate"] += t1 - t0
-            phases["train"] += t2 - t1
-            phases["weight_sync"] += t3 - t2
-        rec.log(version, m)
-    return phases
+# The loop's per-step phase times (asyncrl.loop) as this benchmark names them.
+PHASES = {"generate": "perf/wait_seconds", "train": "perf/train_seconds",
+          "weight_sync": "perf/publish_seconds"}  # fmt: skip
 
 
 def run_mode(mode: str, overrides: list[str], steps: int, warmup: int, pin: bool, out: Path):
     import ray
 
-    from asyncrl.train import train_loop
+    from asyncrl.loop import LoopHooks, run_loop
     from asyncrl.wiring import prepare, start_parts
 
     staleness = ["replay.max_staleness=0"] if mode == "sync" else []
     cfg = compose(*overrides, *staleness, f"max_steps={steps}", "progress=false")
     setup = prepare(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    parts = start_parts(cfg, setup, out, started_ray=False)
+    parts = start_parts(setup, out, started_ray=False)
     try:
         threads = pin_parts(parts) if pin else {}
         rec = WindowRecorder(parts, warmup, steps)
-        if mode == "sync":
-            phases = sync_loop(cfg, parts, rec)
-        else:
-            train_loop(cfg, parts, rec)
-            phases = {}
+        # sync: generate a batch, train on it, hand the weights over (waited for), repeat
+        run_loop(cfg, parts, rec, hooks=LoopHooks(wait_for_sync=mode == "sync"))
         q = ray.get(parts.queue.stats.remote())
     finally:
         stop_all(parts)
     window = rec.times[-1] - rec.times[warmup - 1]
     measured = rec.steps[warmup:]
+    # phases of the synchronous loop, over the measured window
+    phases = {k: sum(s[m] for s in measured) for k, m in PHASES.items()} if mode == "sync" else {}
     tokens = sum(s["tokens/trained"] for s in measured)
     busy = sum(s["perf/learner_step_seconds"] for s in measured)
     row = {

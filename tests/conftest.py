@@ -39,12 +39,9 @@ def task():
 @pytest.fixture(scope="session")
 def tiny_model(task) -> Path:
     """The default run's tiny model (same spec as conf/model/tiny.yaml, so the cache is shared)."""
-    from omegaconf import OmegaConf
+    from asyncrl.models.tiny import default_spec, ensure_tiny_model
 
-    from asyncrl.models.tiny import TinyModelSpec, ensure_tiny_model
-
-    conf = OmegaConf.load(Path(__file__).parents[1] / "conf" / "model" / "tiny.yaml")
-    return ensure_tiny_model(task, TinyModelSpec(**OmegaConf.to_container(conf.tiny)))
+    return ensure_tiny_model(task, default_spec())
 
 
 @pytest.fixture(scope="session")

