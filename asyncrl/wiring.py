@@ -125,8 +125,11 @@ def prepare(cfg: DictConfig) -> Setup:
     )  # fmt: skip
 
 
-def start_parts(setup: Setup, out_dir: Path, started_ray: bool) -> Parts:
-    """Start the queue, the actors (engines) and the learner ranks, then the broker."""
+def start_parts(
+    setup: Setup, out_dir: Path, started_ray: bool, num_actors: int | None = None
+) -> Parts:
+    """Start the queue, the actors (engines) and the learner ranks, then the broker.
+    ``num_actors``: instead of ``actor.num_actors`` (0: the caller brings its own)."""
     import ray
 
     from asyncrl.actor.launch import new_actor
@@ -140,7 +143,7 @@ def start_parts(setup: Setup, out_dir: Path, started_ray: bool) -> Parts:
         f"actor{i}": new_actor(
             setup.actor, setup.model_path, setup.task, queue, f"actor{i}", seed + 1000 * i
         )
-        for i in range(setup.actor.num_actors)
+        for i in range(setup.actor.num_actors if num_actors is None else num_actors)
     }
     learner = start_learner(
         setup.learner, setup.model_path, setup.loss, setup.advantage, setup.actor.sampling,

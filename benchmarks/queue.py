@@ -205,7 +205,7 @@ def run_round(
     return row
 
 
-def main() -> None:
+def arguments():
     p = parser("queue", __doc__)
     p.add_argument("--batches", type=int, default=None, help="batches per round")
     p.add_argument("--rounds", type=int, default=None, help="queue/raw round pairs")
@@ -221,44 +221,41 @@ def main() -> None:
     )
     p.add_argument("--chunk", type=int, default=16, help="groups per hand-off call")
     args = p.parse_args()
-    batches = args.batches or (30 if args.quick else 200)
-    rounds = args.rounds or (2 if args.quick else 6)
-    bg, n = args.batch_groups, args.n
-    if (batches * bg) % args.producers:
+    args.batches = args.batches or (30 if args.quick else 200)
+    args.rounds = args.rounds or (2 if args.quick else 6)
+    if (args.batches * args.batch_groups) % args.producers:
         p.error("--batches x --batch-groups must divide among --producers")
+    return args
 
+
+def measure(args: Any) -> list[dict[str, Any]]:
+    """Rounds of queue and raw mode, alternating which goes first, after a warm-up."""
     import ray
 
-    start_ray()
-    try:
-        producers = [
-            ray.remote(Producer).options(num_cpus=0).remote(f"p{i}", n, i)
-            for i in range(args.producers)
-        ]
-        consumer = ray.remote(Consumer).options(num_cpus=0, max_concurrency=4).remote()
-        group_bytes = ray.get(producers[0].nbytes.remote())
-        pids = {"producers": [actor_pid(p) for p in producers], "consumer": [actor_pid(consumer)]}
-        # warm-up: worker processes, imports, object-store paths of both modes
-        for mode in ("queue", "raw"):
-            run_round(mode, producers, consumer, 2, bg, pids, args.chunk, args.capacity_batches)
-        rows = []
-        for r in range(rounds):
-            for mode in ("queue", "raw") if r % 2 == 0 else ("raw", "queue"):
-                row = run_round(
-                    mode, producers, consumer, batches, bg, pids, args.chunk, args.capacity_batches
-                )
-                row.update(round=r, mb_per_s=row["traj_per_s"] * group_bytes / n / 1e6)
-                rows.append(row)
-    finally:
-        ray.shutdown()
+    bg, n = args.batch_groups, args.n
+    producers = [
+        ray.remote(Producer).options(num_cpus=0).remote(f"p{i}", n, i)
+        for i in range(args.producers)
+    ]
+    consumer = ray.remote(Consumer).options(num_cpus=0, max_concurrency=4).remote()
+    group_bytes = ray.get(producers[0].nbytes.remote())
+    pids = {"producers": [actor_pid(p) for p in producers], "consumer": [actor_pid(consumer)]}
+    # warm-up: worker processes, imports, object-store paths of both modes
+    for mode in ("queue", "raw"):
+        run_round(mode, producers, consumer, 2, bg, pids, args.chunk, args.capacity_batches)
+    rows = []
+    for r in range(args.rounds):
+        for mode in ("queue", "raw") if r % 2 == 0 else ("raw", "queue"):
+            row = run_round(
+                mode, producers, consumer, args.batches, bg, pids, args.chunk,
+                args.capacity_batches,
+            )  # fmt: skip
+            row.update(round=r, mb_per_s=row["traj_per_s"] * group_bytes / n / 1e6)
+            rows.append(row)
+    return rows
 
-    def total(mode: str) -> float:
-        sel = [r for r in rows if r["mode"] == mode]
-        return sum(r["trajectories"] for r in sel) / sum(r["seconds"] for r in sel)
 
-    q, raw = total("queue"), total("raw")
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out / "queue.csv", rows)
+def plot(out: Path, rows: list[dict[str, Any]]) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for i, mode in enumerate(("queue", "raw")):
@@ -271,12 +268,33 @@ def main() -> None:
     )
     ax.legend()
     fig.tight_layout()
-    fig.savefig(args.out / "queue.png", dpi=120)
+    fig.savefig(out / "queue.png", dpi=120)
 
+
+def main() -> None:
+    args = arguments()
+    import ray
+
+    start_ray()
+    try:
+        rows = measure(args)
+    finally:
+        ray.shutdown()
+
+    def total(mode: str) -> float:
+        sel = [r for r in rows if r["mode"] == mode]
+        return sum(r["trajectories"] for r in sel) / sum(r["seconds"] for r in sel)
+
+    q, raw = total("queue"), total("raw")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out / "queue.csv", rows)
+    plot(args.out, rows)
     print_table(
         f"replay queue vs raw ray.put/get: {args.producers} producers, 1 consumer, "
-        f"{bg} groups x {n} trajectories of {PROMPT_TOKENS + RESPONSE_TOKENS} tokens per batch, "
-        f"{batches} batches per round, hand-offs of {args.chunk} groups, queue capacity {args.capacity_batches} batches, {rounds} round(s){' (--quick)' if args.quick else ''}",
+        f"{args.batch_groups} groups x {args.n} trajectories of "
+        f"{PROMPT_TOKENS + RESPONSE_TOKENS} tokens per batch, {args.batches} batches per "
+        f"round, hand-offs of {args.chunk} groups, queue capacity {args.capacity_batches} "
+        f"batches, {args.rounds} round(s){' (--quick)' if args.quick else ''}",
         ["round", "mode", "trajectories", "seconds", "traj/s", "MB/s", "CPU s: producers",
          "consumer", "queue"],
         [

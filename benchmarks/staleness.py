@@ -59,7 +59,6 @@ if __package__ in (None, ""):  # run as a file: see the note in benchmarks/commo
 import argparse  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
-from dataclasses import replace  # noqa: E402
 from typing import Any  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
@@ -159,10 +158,9 @@ class Runner:
 
         cfg = self.config(loss, k, seed)
         setup = prepare(cfg)
-        no_actors = replace(setup, actor=replace(setup.actor, num_actors=0))  # ours is reused
         out = self.out / "runs" / f"{loss}-k{k}-s{seed}"
         out.mkdir(parents=True, exist_ok=True)
-        parts = start_parts(no_actors, out, started_ray=False)
+        parts = start_parts(setup, out, started_ray=False, num_actors=0)  # ours is reused
         rec = Recorder()
         t0 = time.time()
         try:
@@ -426,42 +424,68 @@ _INT_COLS = ("k", "seed", "steps", "samples", "max_staleness", "dropped", "start
 _CURVE_INT = ("run", "k", "seed", "step", "samples")
 
 
+def _typed_row(r: dict[str, str], ints) -> dict[str, Any]:
+    """A CSV row with its columns typed: ``ints`` are ints, the names strings, the rest
+    floats (blank: nan)."""
+    out: dict[str, Any] = {}
+    for key, v in r.items():
+        if key in ints:
+            out[key] = int(v)
+        elif key in ("loss", "shared_from", "schedule"):
+            out[key] = v
+        elif key == "exact_staleness":
+            out[key] = v == "True"
+        else:
+            out[key] = float(v) if v not in ("", None) else math.nan
+    return out
+
+
+def _read_sweep(d: Path) -> tuple[list[dict], dict[tuple, list[dict]]]:
+    """One sweep's rows and its curves by (loss, k, seed)."""
+    import csv
+
+    try:
+        with (d / "staleness.csv").open() as f:
+            got = [_typed_row(r, _INT_COLS) for r in csv.DictReader(f)]
+        with (d / "curves.csv").open() as f:
+            got_curves = [_typed_row(r, _CURVE_INT) for r in csv.DictReader(f)]
+    except FileNotFoundError as e:
+        raise SystemExit(f"--summarise {d}: no {Path(e.filename).name} there") from e
+    by_run: dict[tuple, list[dict]] = {}
+    for c in got_curves:
+        by_run.setdefault((c["loss"], c["k"], c["seed"]), []).append(c)
+    return got, by_run
+
+
+def _refuse_mixed(seen: set[tuple], brakes: set[float | None]) -> None:
+    """One table averages over seeds: sweeps of different settings do not merge."""
+    settings = {key[3:] for key in seen}  # lr None: written before lr was recorded
+    if len(settings) <= 1 and len(brakes) <= 1:
+        return
+    shown = ", ".join(
+        f"lr {'not recorded' if lr is None else f'{lr:g}'} x {n} steps, "
+        f"schedule {sched or 'not recorded'}"
+        for lr, n, sched in sorted(settings, key=str)
+    )
+    brake = ", ".join("off" if b is None else f"{b:g}" for b in sorted(brakes, key=str))
+    raise SystemExit(
+        f"--summarise: these sweeps used different settings ({shown}; "
+        f"mismatch_kl_target {brake}); summarise each setting on its own"
+    )
+
+
 def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
     """The rows and curves of earlier sweeps (their staleness.csv and curves.csv), one
     list across ``dirs``; a (loss, k, seed) met again is skipped, and sweeps of
     different learning rates or LR schedules (recorded or not) or step counts are
     refused: one table averages over seeds. Rows written before ``start_reward``
     existed get it from their curves."""
-    import csv
-
-    def typed(r: dict[str, str], ints) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, v in r.items():
-            if key in ints:
-                out[key] = int(v)
-            elif key in ("loss", "shared_from", "schedule"):
-                out[key] = v
-            elif key == "exact_staleness":
-                out[key] = v == "True"
-            else:
-                out[key] = float(v) if v not in ("", None) else math.nan
-        return out
-
     rows: list[dict] = []
     curves: list[dict] = []
     seen: set[tuple] = set()
     brakes: set[float | None] = set()  # the corrections' mismatch_kl_target (None: off)
     for d in dirs:
-        try:
-            with (d / "staleness.csv").open() as f:
-                got = [typed(r, _INT_COLS) for r in csv.DictReader(f)]
-            with (d / "curves.csv").open() as f:
-                got_curves = [typed(r, _CURVE_INT) for r in csv.DictReader(f)]
-        except FileNotFoundError as e:
-            raise SystemExit(f"--summarise {d}: no {Path(e.filename).name} there") from e
-        by_run: dict[tuple, list[dict]] = {}
-        for c in got_curves:
-            by_run.setdefault((c["loss"], c["k"], c["seed"]), []).append(c)
+        got, by_run = _read_sweep(d)
         for r in got:
             lr, target = r.get("lr", math.nan), r.get("kl_target", math.nan)
             if r["loss"] not in UNCORRECTED and not r.get("shared_from"):  # not a k=0 copy
@@ -482,18 +506,7 @@ def load_runs(dirs: list[Path]) -> tuple[list[dict], list[dict]]:
             curves += [dict(c, run=r["run"]) for c in mine]
     if not rows:
         raise SystemExit("--summarise: no runs found")
-    settings = {key[3:] for key in seen}  # lr None: written before lr was recorded
-    if len(settings) > 1 or len(brakes) > 1:  # one table averages over seeds
-        shown = ", ".join(
-            f"lr {'not recorded' if lr is None else f'{lr:g}'} x {n} steps, "
-            f"schedule {sched or 'not recorded'}"
-            for lr, n, sched in sorted(settings, key=str)
-        )
-        brake = ", ".join("off" if b is None else f"{b:g}" for b in sorted(brakes, key=str))
-        raise SystemExit(
-            f"--summarise: these sweeps used different settings ({shown}; "
-            f"mismatch_kl_target {brake}); summarise each setting on its own"
-        )
+    _refuse_mixed(seen, brakes)
     return rows, curves
 
 

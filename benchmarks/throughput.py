@@ -154,41 +154,31 @@ def run_mode(mode: str, overrides: list[str], steps: int, warmup: int, pin: bool
     return row, rec
 
 
-def main() -> None:
+def arguments():
     p = parser("throughput", __doc__)
     p.add_argument("--steps", type=int, default=None, help="learner steps per mode")
     p.add_argument("--warmup", type=int, default=None, help="steps before the clock starts")
     p.add_argument("--no-pin", action="store_true", help="let the OS place actor and learner")
     p.add_argument("overrides", nargs="*", help="training-config overrides for both modes")
     args = p.parse_args()
-    steps = args.steps or (30 if args.quick else 200)
-    warmup = args.warmup or (5 if args.quick else 10)
-    if steps <= warmup:
+    args.steps = args.steps or (30 if args.quick else 200)
+    args.warmup = args.warmup or (5 if args.quick else 10)
+    if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
-    pin = not args.no_pin
-    if pin and not {ACTOR_CORE, LEARNER_CORE} <= os.sched_getaffinity(0):
+    args.pin = not args.no_pin
+    if args.pin and not {ACTOR_CORE, LEARNER_CORE} <= os.sched_getaffinity(0):
         p.error(f"pinning needs cores {ACTOR_CORE} and {LEARNER_CORE}; use --no-pin")
+    return args
 
-    import ray
 
-    # vLLM's OpenMP threads: one, bound to the actor's core (its default spreads them)
-    start_ray(env={"VLLM_CPU_OMP_THREADS_BIND": str(ACTOR_CORE)} if pin else None)
-    rows, curves = [], {}
-    try:
-        for mode in ("sync", "async"):
-            row, rec = run_mode(mode, args.overrides, steps, warmup, pin, args.out / mode)
-            rows.append(row)
-            curves[mode] = rec.times
-            print(f"{mode}: {row['seconds']:.1f} s for {row['steps_timed']} steps", file=sys.stderr)
-    finally:
-        ray.shutdown()
-
+def figures_of(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The JSON figures from the two modes' rows (sync first)."""
     sync, asyn = rows
     gen = sync["generate_seconds"] + sync["weight_sync_seconds"]
     train = sync["train_seconds"]
     speedup = ratio(sync["seconds"], asyn["seconds"])
     ideal = ratio(gen + train, max(gen, train))
-    figures = {
+    return {
         "sync_seconds": sync["seconds"],
         "async_seconds": asyn["seconds"],
         "speedup": speedup,
@@ -198,8 +188,9 @@ def main() -> None:
         "learner_idle_frac": asyn["learner_idle_frac"],
         "tokens_per_s": asyn["tokens_per_s"],
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out / "throughput.csv", rows)
+
+
+def plot(out: Path, curves: dict[str, list[float]], warmup: int, figures: dict) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for mode, times in curves.items():
@@ -207,17 +198,22 @@ def main() -> None:
         ax.plot([t - t0 for t in times[warmup - 1 :]], range(len(times) - warmup + 1), label=mode)
     ax.set_xlabel("seconds since the clock started")
     ax.set_ylabel("learner steps")
-    ax.set_title(f"sync vs async, same samples (speedup {speedup:.2f}x, ideal {ideal:.2f}x)")
+    ax.set_title(
+        f"sync vs async, same samples (speedup {figures['speedup']:.2f}x, "
+        f"ideal {figures['ideal_speedup']:.2f}x)"
+    )
     ax.legend()
     fig.tight_layout()
-    fig.savefig(args.out / "throughput.png", dpi=120)
+    fig.savefig(out / "throughput.png", dpi=120)
 
+
+def report(args: Any, rows: list[dict[str, Any]], figures: dict[str, float]) -> None:
     c = compose(*args.overrides)
     print_table(
-        f"sync vs async: {steps} steps per mode ({warmup} warm-up, untimed), "
+        f"sync vs async: {args.steps} steps per mode ({args.warmup} warm-up, untimed), "
         f"{c.learner.batch_groups} groups x n={c.actor.sampling.n} per step, "
         f"max_staleness {c.replay.max_staleness} (async) / 0 (sync), "
-        f"{'actor on core 0, learner on core 1' if pin else 'unpinned'}"
+        f"{'actor on core 0, learner on core 1' if args.pin else 'unpinned'}"
         f"{' (--quick)' if args.quick else ''}",
         ["mode", "seconds", "tokens/s", "gen s", "train s", "sync s", "actor idle", "learner idle",
          "dropped", "max stale"],
@@ -228,11 +224,38 @@ def main() -> None:
             for r in rows
         ],
     )  # fmt: skip
+    sync = rows[0]
+    gen = sync["generate_seconds"] + sync["weight_sync_seconds"]
     print(
-        f"speedup {speedup:.2f}x, ideal {ideal:.2f}x (generation+weight load {gen:.1f} s, "
-        f"training {train:.1f} s in sync), efficiency {figures['efficiency']:.2f}"
+        f"speedup {figures['speedup']:.2f}x, ideal {figures['ideal_speedup']:.2f}x "
+        f"(generation+weight load {gen:.1f} s, training {sync['train_seconds']:.1f} s in "
+        f"sync), efficiency {figures['efficiency']:.2f}"
     )
     print(f"outputs: {args.out}")
+
+
+def main() -> None:
+    args = arguments()
+    import ray
+
+    # vLLM's OpenMP threads: one, bound to the actor's core (its default spreads them)
+    start_ray(env={"VLLM_CPU_OMP_THREADS_BIND": str(ACTOR_CORE)} if args.pin else None)
+    rows, curves = [], {}
+    try:
+        for mode in ("sync", "async"):
+            row, rec = run_mode(
+                mode, args.overrides, args.steps, args.warmup, args.pin, args.out / mode
+            )
+            rows.append(row)
+            curves[mode] = rec.times
+            print(f"{mode}: {row['seconds']:.1f} s for {row['steps_timed']} steps", file=sys.stderr)
+    finally:
+        ray.shutdown()
+    figures = figures_of(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out / "throughput.csv", rows)
+    plot(args.out, curves, args.warmup, figures)
+    report(args, rows, figures)
     emit_json(figures)
 
 
