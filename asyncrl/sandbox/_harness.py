@@ -1,0 +1,312 @@
+"""The trusted supervisor inside the sandbox. Standard library only: it is started as
+``python -I -S -B -c <this file's text> <marker>`` (no site-packages, no repository on the
+path) and never imports asyncrl.
+
+    parent (grader) ──stdin: job JSON──▶ harness (PID 1 of its namespaces; root if the
+                                          parent is root; never runs untrusted code)
+         ▲                                 │ per case: fork ─▶ case child: drop uid, rlimits,
+         │ channel fd: one JSON frame      │                   exec solution, eval call,
+         └─────────────────────────────────┘ ◀── result pipe ── write tagged value, _exit
+                                           │ after each case: SIGKILL every descendant
+
+Why this shape: untrusted code only ever runs in case children, which never hold the
+channel fd (closed before the solution runs) and, when the harness is root, run under
+another uid, so they can neither write the channel nor ptrace/kill the harness. What a
+child can send is its own result pipe, which is only a value: the same power as
+returning that value. Expected values never enter the sandbox; the parent compares.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import resource
+import select
+import signal
+import sys
+import time
+
+# prctl(2) options (linux/prctl.h)
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 4, 38, 36
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
+# top-level entries the program may see; every other one is covered by an empty tmpfs
+KEEP_TOP = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc", "sys"}
+WORLD_WRITABLE = ("/dev/shm", "/dev/mqueue")  # inside kept trees: covered too
+MAX_DEPTH = 100  # nesting of a returned value; deeper fails the case
+KILL_ROUNDS = 200  # sweeps over /proc; a fork bomb is capped by RLIMIT_NPROC anyway
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_os_exit, _os_write, _dumps, _eval, _compile, _exec = (
+    os._exit, os.write, json.dumps, eval, compile, exec
+)  # fmt: skip  # bound before the solution can patch the modules
+
+
+def prctl(option: int, arg: int) -> None:
+    if _libc.prctl(option, arg, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option})")
+
+
+def mount(src: str | None, target: str, fstype: str | None, flags: int, data: str = "") -> None:
+    enc = [s.encode() if s is not None else None for s in (src, target, fstype, data)]
+    if _libc.mount(enc[0], enc[1], enc[2], flags, enc[3]) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {target}: {os.strerror(err)}")
+
+
+# ---- the view of the file system (namespaces only) ------------------------------------------
+def hide_host(job: dict) -> None:
+    """Cover the host with empty tmpfs mounts, then put back the interpreter (read-only)
+    and a fresh tmpfs work dir. Runs as (namespace) root, before any untrusted code."""
+    keep_fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in job["expose_ro"]}
+    flags = MS_NOSUID | MS_NODEV
+    for name in sorted(os.listdir("/")):
+        path = "/" + name
+        if name in KEEP_TOP or os.path.islink(path):
+            continue
+        if os.path.isdir(path):
+            mode = "1777" if name == "tmp" else "755"
+            mount("tmpfs", path, "tmpfs", flags, f"size=4m,mode={mode}")
+        elif os.path.isfile(path):
+            mount("/dev/null", path, None, MS_BIND)
+    for path in WORLD_WRITABLE:
+        if os.path.isdir(path):
+            mount("tmpfs", path, "tmpfs", flags, "size=1m,mode=755")
+    for path, fd in keep_fds.items():
+        os.makedirs(path, exist_ok=True)
+        mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags)
+        os.close(fd)
+    work, uid = job["workdir"], job["uid"]
+    os.makedirs(work, exist_ok=True)
+    owner = f",uid={uid},gid={uid}" if uid is not None else ""
+    mount("tmpfs", work, "tmpfs", flags, f"size={job['disk_mb']}m,mode=700{owner}")
+    os.chdir(work)
+
+
+# ---- one case, in a forked child --------------------------------------------------------------
+def encode(v: object, depth: int = 0) -> list:
+    """A plain value as ``[type name, payload]``; exact types only (a subclass of int,
+    an object with a custom ``__eq__`` ... raises TypeError, failing the case)."""
+    if depth > MAX_DEPTH:
+        raise ValueError("value nested too deeply")
+    t = type(v)
+    if v is None or t is bool or t is str:
+        return [t.__name__, v]
+    if t is int:
+        return ["int", str(v)] if abs(v) < 10**4000 else _too_big()
+    if t is float:
+        return ["float", repr(v)]
+    if t is bytes:
+        return ["bytes", v.hex()]
+    if t is list or t is tuple or t is set or t is frozenset:
+        return [t.__name__, [encode(x, depth + 1) for x in v]]
+    if t is dict:
+        return ["dict", [[encode(k, depth + 1), encode(x, depth + 1)] for k, x in v.items()]]
+    raise TypeError(f"returned a {t.__name__}; only plain builtin values can be graded")
+
+
+def _too_big() -> list:
+    raise ValueError("int has more than 4000 digits")
+
+
+def limit_child(job: dict, result_fd: int) -> None:
+    """Everything the case child does before the solution runs (trusted code)."""
+    os.closerange(3, result_fd)
+    os.closerange(result_fd + 1, 1 << 16)  # the channel and anything else inherited
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl(PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries (su, mount) cannot lift the limits
+    lim = job["limits"]
+    mb = 1 << 20
+    cpu = math.ceil(lim["timeout_s"]) + 1
+    pairs = [
+        (resource.RLIMIT_CPU, (cpu, cpu + 1)),
+        (resource.RLIMIT_AS, (lim["memory_mb"] * mb,) * 2),
+        (resource.RLIMIT_FSIZE, (lim["file_mb"] * mb,) * 2),
+        (resource.RLIMIT_NOFILE, (lim["open_files"],) * 2),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ]
+    if job["uid"] is not None:  # RLIMIT_NPROC counts per uid: only meaningful for our own
+        pairs.append((resource.RLIMIT_NPROC, (lim["processes"],) * 2))
+    for which, pair in pairs:
+        resource.setrlimit(which, pair)
+    if job["uid"] is not None:
+        os.setgroups([])
+        os.setgid(job["uid"])
+        os.setuid(job["uid"])
+
+
+def run_case(job: dict, call: str, result_fd: int) -> None:
+    """In the case child: never returns."""
+    try:
+        limit_child(job, result_fd)
+    except BaseException as e:
+        _os_write(2, f"sandbox harness: limits failed: {e}\n".encode())
+        _os_exit(71)
+    try:
+        ns = {"__name__": "solution"}
+        _exec(_compile(job["solution"], "solution.py", "exec"), ns)
+        payload = {"ok": True, "value": encode(_eval(_compile(call, "<case>", "eval"), ns))}
+    except BaseException as e:  # SystemExit, KeyboardInterrupt: this case fails, no more
+        try:
+            payload = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
+        except BaseException:
+            payload = {"ok": False, "error": "an exception that cannot be printed"}
+    for stream in (sys.stdout, sys.stderr):  # _exit skips the flush the program expects
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    try:
+        data = _dumps(payload).encode()
+        while data:
+            data = data[_os_write(result_fd, data) :]
+    finally:
+        _os_exit(0)
+
+
+# ---- the harness's loop ---------------------------------------------------------------------
+def descendants(root: int) -> list[int]:
+    """Every live or zombie process below ``root`` (orphans come back to us: we are PID 1
+    of the namespace, or a child subreaper without one)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def reap() -> None:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def kill_descendants() -> int:
+    """SIGKILL everything below us until nothing is left; returns how many were killed."""
+    me, killed = os.getpid(), 0
+    if me == 1:  # PID 1 of our own namespace: kill(-1) reaches exactly the namespace, and
+        try:  # in one pass, so a fork bomb cannot outrun it
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for _ in range(KILL_ROUNDS):
+        pids = descendants(me)
+        if not pids:
+            return killed
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+        reap()
+        time.sleep(0.001)  # let the kernel reparent the orphans of what just died
+    return killed
+
+
+def wait_case(pid: int, fd: int, deadline: float, cap: int) -> tuple[bytes, str]:
+    """The child's result bytes and how it ended: ``exit N``, ``signal NAME``, ``timeout``
+    or ``result too large``. Wakes on the result pipe or on the child's pidfd."""
+    buf, pidfd, status = bytearray(), os.pidfd_open(pid), ""
+    watch = [fd, pidfd]
+    try:
+        while not status:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                os.kill(pid, signal.SIGKILL)
+                status = "timeout"
+                break
+            ready = select.select(watch, [], [], left)[0]
+            if fd in ready:
+                chunk = os.read(fd, 65536)
+                buf += chunk
+                if len(buf) > cap:
+                    os.kill(pid, signal.SIGKILL)
+                    status = "result too large"
+                if not chunk:
+                    watch = [pidfd]  # EOF; the child may still linger, under the deadline
+            if pidfd in ready and not status:
+                _, code = os.waitpid(pid, 0)
+                status = describe(code)
+    finally:
+        os.close(pidfd)
+    return bytes(buf), status
+
+
+def describe(code: int) -> str:
+    if os.WIFSIGNALED(code):
+        return f"signal {signal.Signals(os.WTERMSIG(code)).name}"
+    return f"exit {os.waitstatus_to_exitcode(code)}"
+
+
+def drain(fd: int, buf: bytes, cap: int) -> bytes:
+    """What is still in the pipe once every writer is dead."""
+    out = bytearray(buf)
+    while len(out) <= cap and select.select([fd], [], [], 0.2)[0]:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
+def grade_cases(job: dict) -> list[dict]:
+    deadline = time.monotonic() + job["limits"]["timeout_s"]
+    cap, out = job["limits"]["result_bytes"], []
+    for call in job["calls"]:
+        if time.monotonic() >= deadline:
+            out.append({"payload": None, "end": "timeout (not started)"})
+            continue
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            run_case(job, call, w)
+        os.close(w)
+        buf, end = wait_case(pid, r, deadline, cap)
+        kill_descendants()  # daemons, threads' processes: nothing outlives its case
+        buf = drain(r, buf, cap) if end != "timeout" else buf
+        os.close(r)
+        ok = len(buf) <= cap and not end.startswith(("timeout", "result"))
+        out.append({"payload": buf.decode("utf-8", "replace") if ok else None, "end": end})
+    return out
+
+
+def main() -> None:
+    job = json.loads(sys.stdin.buffer.read())
+    null = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    channel = job["channel_fd"]
+    if job["namespaces"]:
+        hide_host(job)
+    else:
+        prctl(PR_SET_CHILD_SUBREAPER, 1)  # setsid'd orphans come back to us, not to init
+    prctl(PR_SET_DUMPABLE, 0)  # same-uid children cannot ptrace us or open our fds
+    try:
+        cases = grade_cases(job)
+    finally:
+        kill_descendants()
+    frame = _dumps({"nonce": job["nonce"], "cases": cases}).encode()
+    while frame:
+        frame = frame[os.write(channel, frame) :]
+    os.close(channel)
+
+
+if __name__ == "__main__":
+    main()
