@@ -25,7 +25,13 @@ from asyncrl.sandbox.hostile import (
 
 LIMITS = SandboxSettings(timeout_s=1.0)
 SECRET = "s3cr3t-" + new_tag()
-USES_TIME_LIMIT = {"infinite_loop", "sleep_forever", "fork_bomb", "stack_overflow"}
+USES_TIME_LIMIT = {
+    "infinite_loop",
+    "sleep_forever",
+    "fork_bomb",
+    "fork_memory_hog",
+    "stack_overflow",
+}
 DAEMON_WAKE_S = 1.5  # the detached daemon writes its file after 1 s if it survived
 
 needs_ns = pytest.mark.skipif(
@@ -93,7 +99,7 @@ def test_writes_land_in_a_private_dir_that_is_gone_after():
 # Run as a sandbox uid, with RLIMIT_NPROC, a subreaper harness and process-tree kills, but no
 # private /tmp, network or /proc: write_outside, sockets and read_host are not contained
 # there (docs/sandbox.md). kill_parent is left out because nothing but the uid stops it.
-FALLBACK = ["sleep_forever", "fork_bomb", "thread_bomb", "memory_hog", "huge_stdout",
+FALLBACK = ["sleep_forever", "fork_bomb", "thread_bomb", "memory_hog", "fork_memory_hog",
             "huge_file", "detached_daemon", "exit_early", "forge_channel", "always_equal",
             "syntax_error"]  # fmt: skip
 WORLD_READABLE_PYTHON = "/usr/bin/python3"

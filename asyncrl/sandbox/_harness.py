@@ -36,6 +36,7 @@ KEEP_TOP = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev
 WORLD_WRITABLE = ("/dev/shm", "/dev/mqueue")  # inside kept trees: covered too
 MAX_DEPTH = 100  # nesting of a returned value; deeper fails the case
 KILL_ROUNDS = 200  # sweeps over /proc; a fork bomb is capped by RLIMIT_NPROC anyway
+MEMORY_POLL_S = 0.05  # between RLIMIT_AS (per process) and this, a tree holds little more
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _os_exit, _os_write, _dumps, _eval, _compile, _exec = (
@@ -219,38 +220,59 @@ def kill_descendants() -> int:
     return killed
 
 
-def wait_case(pid: int, fd: int, deadline: float, cap: int) -> tuple[bytes, str]:
-    """The child's result bytes and how it ended: ``exit N``, ``signal NAME``, ``timeout``
-    or ``result too large``. Wakes on the result pipe or on the child's pidfd."""
+def wait_case(pid: int, fd: int, deadline: float, cap: int, memory_mb: int) -> tuple[bytes, str]:
+    """The child's result bytes and how it ended: ``exit N``, ``signal NAME``, ``timeout``,
+    ``memory limit`` or ``result too large``. Wakes on the result pipe, on the child's
+    pidfd, or every MEMORY_POLL_S to add up the memory of the case's process tree."""
     buf, pidfd, status = bytearray(), os.pidfd_open(pid), ""
     watch = [fd, pidfd]
     try:
         while not status:
             left = deadline - time.monotonic()
             if left <= 0:
-                os.kill(pid, signal.SIGKILL)
                 status = "timeout"
                 break
-            ready = select.select(watch, [], [], left)[0]
+            ready = select.select(watch, [], [], min(left, MEMORY_POLL_S))[0]
             if fd in ready:
                 chunk = os.read(fd, 65536)
                 buf += chunk
                 if len(buf) > cap:
-                    os.kill(pid, signal.SIGKILL)
                     status = "result too large"
                 if not chunk:
                     watch = [pidfd]  # EOF; the child may still linger, under the deadline
             if pidfd in ready and not status:
                 _, code = os.waitpid(pid, 0)
-                status = describe(code)
+                return bytes(buf), describe(code)
+            if not ready and tree_pss_mb(os.getpid()) > memory_mb:
+                status = "memory limit (all processes together)"
+        os.kill(pid, signal.SIGKILL)  # reaped by kill_descendants
     finally:
         os.close(pidfd)
     return bytes(buf), status
 
 
+def tree_pss_mb(root: int) -> float:
+    """Proportional set size of everything below ``root``: shared pages (the forked
+    interpreter) count once, split among the processes that share them."""
+    kb = 0
+    for pid in descendants(root):
+        try:
+            with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+                for line in f:
+                    if line.startswith(b"Pss:"):
+                        kb += int(line.split()[1])
+                        break
+        except (OSError, ValueError):
+            pass  # gone, or a zombie
+    return kb / 1024
+
+
 def describe(code: int) -> str:
     if os.WIFSIGNALED(code):
-        return f"signal {signal.Signals(os.WTERMSIG(code)).name}"
+        try:
+            return f"signal {signal.Signals(os.WTERMSIG(code)).name}"
+        except ValueError:
+            return f"signal {os.WTERMSIG(code)}"
     return f"exit {os.waitstatus_to_exitcode(code)}"
 
 
@@ -278,11 +300,11 @@ def grade_cases(job: dict) -> list[dict]:
             os.close(r)
             run_case(job, call, w)
         os.close(w)
-        buf, end = wait_case(pid, r, deadline, cap)
+        buf, end = wait_case(pid, r, deadline, cap, job["limits"]["memory_mb"])
         kill_descendants()  # daemons, threads' processes: nothing outlives its case
-        buf = drain(r, buf, cap) if end != "timeout" else buf
+        buf = drain(r, buf, cap) if end.startswith(("exit", "signal")) else buf
         os.close(r)
-        ok = len(buf) <= cap and not end.startswith(("timeout", "result"))
+        ok = end.startswith(("exit", "signal")) and len(buf) <= cap
         out.append({"payload": buf.decode("utf-8", "replace") if ok else None, "end": end})
     return out
 

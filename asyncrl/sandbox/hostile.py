@@ -32,6 +32,18 @@ HOSTILE: dict[str, str] = {
     "        except RuntimeError:\n            pass\n",
     "memory_hog": "def add(a, b):\n    x = []\n    while True:\n"
     "        x.append(bytearray(10**7))\n",
+    "fork_memory_hog": """import os, time
+def add(a, b):
+    for _ in range(20):
+        if os.fork() == 0:
+            try:
+                x = b'1' * (300 << 20)
+            except MemoryError:
+                pass
+            time.sleep(60)
+            os._exit(0)
+    time.sleep(60)
+""",
     "stack_overflow": "import sys\nsys.setrecursionlimit(10**8)\n"
     "def add(a, b):\n    return add(a, b) + 1\n",
     "huge_stdout": "def add(a, b):\n    while True:\n        print('x' * 100000)\n",
