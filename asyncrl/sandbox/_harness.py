@@ -37,6 +37,7 @@ WORLD_WRITABLE = ("/dev/shm", "/dev/mqueue")  # inside kept trees: covered too
 MAX_DEPTH = 100  # nesting of a returned value; deeper fails the case
 KILL_ROUNDS = 200  # sweeps over /proc; a fork bomb is capped by RLIMIT_NPROC anyway
 MEMORY_POLL_S = 0.05  # between RLIMIT_AS (per process) and this, a tree holds little more
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _os_exit, _os_write, _dumps, _eval, _compile, _exec = (
@@ -243,7 +244,7 @@ def wait_case(pid: int, fd: int, deadline: float, cap: int, memory_mb: int) -> t
             if pidfd in ready and not status:
                 _, code = os.waitpid(pid, 0)
                 return bytes(buf), describe(code)
-            if not ready and tree_pss_mb(os.getpid()) > memory_mb:
+            if not ready and tree_memory_mb(os.getpid()) > memory_mb:
                 status = "memory limit (all processes together)"
         os.kill(pid, signal.SIGKILL)  # reaped by kill_descendants
     finally:
@@ -251,20 +252,20 @@ def wait_case(pid: int, fd: int, deadline: float, cap: int, memory_mb: int) -> t
     return bytes(buf), status
 
 
-def tree_pss_mb(root: int) -> float:
-    """Proportional set size of everything below ``root``: shared pages (the forked
-    interpreter) count once, split among the processes that share them."""
-    kb = 0
+def tree_memory_mb(root: int) -> float:
+    """Resident memory below ``root`` that is not file-backed (statm: resident - shared),
+    read from counters without walking page tables, so it stays cheap while a hog runs.
+    Copy-on-write pages still shared after fork count once per process (an overcount of
+    a few MB per process)."""
+    pages = 0
     for pid in descendants(root):
         try:
-            with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
-                for line in f:
-                    if line.startswith(b"Pss:"):
-                        kb += int(line.split()[1])
-                        break
-        except (OSError, ValueError):
+            with open(f"/proc/{pid}/statm", "rb") as f:
+                fields = f.read().split()
+            pages += int(fields[1]) - int(fields[2])
+        except (OSError, ValueError, IndexError):
             pass  # gone, or a zombie
-    return kb / 1024
+    return pages * PAGE_SIZE / (1 << 20)
 
 
 def describe(code: int) -> str:

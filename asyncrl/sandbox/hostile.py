@@ -17,6 +17,8 @@ from pathlib import Path
 from asyncrl.sandbox.grading import Grade
 from asyncrl.sandbox.runner import MARKER, STARTUP_GRACE_S
 
+TEARDOWN_S = 1.0  # past the parent's hard deadline: SIGKILL, unmapping a hog's memory
+
 CASES = [{"call": "add(1, 2)", "expected": 3}, {"call": "add(20, 22)", "expected": 42}]
 CORRECT = "def add(a, b):\n    return a + b\n"
 REPO = str(Path(__file__).resolve().parents[2])
@@ -208,11 +210,12 @@ def leftovers(tag: str, run_id: str) -> list[str]:
 
 
 def check(name: str, g: Grade, tag: str, timeout_s: float) -> Containment:
-    """Reward 0, finished within the limit (plus start-up grace), nothing left behind."""
+    """Reward 0, finished by the parent's hard deadline (the time limit plus start-up
+    grace) and its teardown, nothing left behind."""
     reasons = []
     if g.reward != 0:
         reasons.append(f"reward {g.reward}")
-    if g.wall_s > timeout_s + STARTUP_GRACE_S:
+    if g.wall_s > timeout_s + STARTUP_GRACE_S + TEARDOWN_S:
         reasons.append(f"took {g.wall_s:.1f} s")
     reasons += leftovers(tag, g.run_id)
     secret = os.environ.get(SECRET_ENV)
