@@ -163,3 +163,29 @@ def test_benchmark_quick_json(tmp_path):
     assert f["ratio"] == pytest.approx(f["execs_per_s"] / f["raw_spawn_per_s"])
     assert f["hostile_contained"] == f["hostile_total"] == 2
     assert (tmp_path / "sandbox.csv").is_file()
+
+
+def test_frames_without_the_nonce_or_one_record_per_case_are_rejected():
+    from asyncrl.sandbox.runner import _parse_frame
+
+    rec = {"payload": '{"ok": true, "value": ["int", "3"]}', "end": "exit 0"}
+    good = json.dumps({"nonce": "n", "cases": [rec]}).encode()
+    assert _parse_frame(good, "n", 1) == ({"nonce": "n", "cases": [rec]}, "")
+    for data, n in [(good, 2), (good + good, 1), (good.replace(b'"n"', b'"m"'), 1), (b"", 1)]:
+        frame, error = _parse_frame(data, "n", n)
+        assert frame is None and error
+
+
+def test_no_descriptor_or_temp_dir_leaks():
+    import glob
+    import tempfile
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "asyncrl-sandbox-*")))
+    before = fds()
+    for src in (CORRECT, "import os\nos._exit(3)\n", "print('x' * 10**6)\n"):
+        grade_python(src, CASES)
+    assert fds() == before
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "asyncrl-sandbox-*"))) <= dirs

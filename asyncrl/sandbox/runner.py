@@ -88,14 +88,21 @@ def _spawn(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             cwd=workdir, env=env, start_new_session=True, pass_fds=(w_chan,),
         )  # fmt: skip
+    except BaseException:
+        os.close(r_chan)
+        raise
     finally:
         os.close(w_chan)
     try:
         try:
             proc.stdin.write(json.dumps(job).encode())
-            proc.stdin.close()
         except BrokenPipeError:
             pass  # the harness died at start; its output says why
+        finally:
+            try:
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
         deadline = time.monotonic() + limits.timeout_s + STARTUP_GRACE_S
         return _collect(proc, r_chan, deadline, limits.output_bytes)
     finally:
