@@ -132,3 +132,37 @@ def test_refuses_root_without_namespaces_or_a_readable_stdlib():
         pytest.skip("this interpreter's stdlib is readable by a sandbox uid, or not root")
     with pytest.raises(SandboxUnavailable, match="sandbox.namespaces"):
         grade_with(CORRECT, CASES, SandboxSettings(namespaces=False))
+
+
+# ---- user namespaces (the mode used without root) --------------------------------------
+# Emulated as root with `unshare --user --map-root-user`: case children keep uid 0 of the
+# namespace, with every capability dropped, under read-only system dirs. Here that uid 0
+# is the host's root, so only programs that cannot hurt the host that way run.
+USERNS_SAFE = ["detached_daemon", "exit_early", "forge_channel", "always_equal", "huge_file"]
+
+
+@pytest.mark.parametrize("name", ["correct", *USERNS_SAFE])
+def test_user_namespace_mode(name):
+    import shutil
+
+    from asyncrl.sandbox.grading import check_cases, judge
+    from asyncrl.sandbox.isolation import NS_FLAGS, USERNS_FLAGS, Isolation
+    from asyncrl.sandbox.runner import run_harness
+
+    base = detect(True)
+    prefix = (shutil.which("unshare") or "unshare", *USERNS_FLAGS, *NS_FLAGS, "--")
+    iso = Isolation("user-namespaces", prefix, base.python, False, base.expose)
+    if not base.namespaces or os.geteuid() != 0:
+        pytest.skip("needs root with namespaces (it emulates the unprivileged mode)")
+    calls, expected = check_cases(CASES)
+    tag = new_tag()
+    src = CORRECT if name == "correct" else program(name, tag)
+    g = judge(run_harness(src, calls, LIMITS, iso, None), calls, expected)
+    assert g.isolation == "user-namespaces"
+    if name == "correct":
+        assert g.reward == 1.0, g
+        return
+    c = check(name, g, tag, LIMITS.timeout_s)
+    assert c.contained, (c.reasons, g)
+    if name == "forge_channel":  # no CAP_SYS_PTRACE: the channel itself was out of reach
+        assert "unreadable result" in g.error, g

@@ -30,10 +30,13 @@ import time
 
 # prctl(2) options (linux/prctl.h)
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 4, 38, 36
+CAP_VERSION_3 = 0x20080522  # _LINUX_CAPABILITY_VERSION_3 (linux/capability.h)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
 # top-level entries the program may see; every other one is covered by an empty tmpfs
 KEEP_TOP = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc", "sys"}
 WORLD_WRITABLE = ("/dev/shm", "/dev/mqueue")  # inside kept trees: covered too
+READ_ONLY_TOP = ("bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc")
+COVER_MB = 4  # each covering tmpfs; only /tmp is writable, as private scratch space
 MAX_DEPTH = 100  # nesting of a returned value; deeper fails the case
 KILL_ROUNDS = 200  # sweeps over /proc; a fork bomb is capped by RLIMIT_NPROC anyway
 MEMORY_POLL_S = 0.05  # between RLIMIT_AS (per process) and this, a tree holds little more
@@ -69,12 +72,17 @@ def hide_host(job: dict) -> None:
             continue
         if os.path.isdir(path):
             mode = "1777" if name == "tmp" else "755"
-            mount("tmpfs", path, "tmpfs", flags, f"size=4m,mode={mode}")
+            mount("tmpfs", path, "tmpfs", flags, f"size={COVER_MB}m,mode={mode}")
         elif os.path.isfile(path):
             mount("/dev/null", path, None, MS_BIND)
+    for name in READ_ONLY_TOP:  # against a case child that still owns files (user namespaces)
+        path = "/" + name
+        if os.path.isdir(path) and not os.path.islink(path):
+            mount(path, path, None, MS_BIND | MS_REC)
+            mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags)
     for path in WORLD_WRITABLE:
         if os.path.isdir(path):
-            mount("tmpfs", path, "tmpfs", flags, "size=1m,mode=755")
+            mount("tmpfs", path, "tmpfs", flags, f"size={COVER_MB}m,mode=755")
     for path, fd in keep_fds.items():
         os.makedirs(path, exist_ok=True)
         mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
@@ -137,6 +145,16 @@ def limit_child(job: dict, result_fd: int) -> None:
         os.setgroups([])
         os.setgid(job["uid"])
         os.setuid(job["uid"])
+    else:  # no uid to move to (user namespaces, or not root): at least no capabilities
+        drop_capabilities()
+
+
+def drop_capabilities() -> None:
+    """capset(2) with every set empty: e.g. no CAP_SYS_PTRACE to open the harness's fds."""
+    header = (ctypes.c_uint32 * 2)(CAP_VERSION_3, 0)  # this thread
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable; two words each
+    if _libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
 
 
 def run_case(job: dict, call: str, result_fd: int) -> None:
