@@ -2,9 +2,12 @@
 tokenizer for the task's alphabet, seeded, warm-started on task demonstrations and
 cached on disk. Nothing is downloaded.
 
-``python -m asyncrl.models.tiny --out DIR`` (or ``asyncrl-tiny-model``) builds one.
-The cache key is a hash of every build setting, so a changed setting builds anew and
-two processes asking for the same model at once build it once (file lock).
+``python -m asyncrl.models.tiny --out DIR`` (or ``asyncrl-tiny-model``) puts the default
+one in a cache; ``--rebuild DIR`` builds it from scratch. The cache key is a hash of
+every build setting, so a changed setting builds anew and two processes asking for the
+same model at once build it once (file lock). The default (spec, task) is not built: it
+ships with asyncrl, because a build follows the CPU's floating-point path
+(:mod:`asyncrl.models.shipped`).
 """
 
 from __future__ import annotations
@@ -190,19 +193,36 @@ def _task_key(task: Task) -> str:
     return f"{type(task).__module__}.{type(task).__qualname__}{attrs}"
 
 
+def cache_key(task: Task, spec: TinyModelSpec) -> str:
+    """12 hex digits naming the model of (task, spec) in the cache."""
+    return hashlib.sha256(json.dumps([asdict(spec), _task_key(task)]).encode()).hexdigest()[:12]
+
+
 def ensure_tiny_model(task: Task, spec: TinyModelSpec, cache_dir: Path | None = None) -> Path:
-    """Path to the cached tiny model for (task, spec); builds it once if missing."""
+    """Path to the cached tiny model for (task, spec). The default (spec, task) is copied
+    from the package (its weights' sha256 checked, every call: a copy built on this
+    machine before the model shipped is replaced); any other is built once if missing."""
+    from asyncrl.models import shipped
+
     cache_dir = Path(cache_dir or default_cache_dir())
-    key = hashlib.sha256(json.dumps([asdict(spec), _task_key(task)]).encode()).hexdigest()[:12]
+    key = cache_key(task, spec)
     out = cache_dir / f"tiny-{key}"
-    if (out / "config.json").exists():
+    is_shipped = key == shipped.CACHE_KEY
+
+    def ready() -> bool:
+        return shipped.is_current(out) if is_shipped else (out / "config.json").exists()
+
+    if ready():
         return out
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(cache_dir / f".tiny-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "config.json").exists():
-            torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-            build_tiny_model(out, task, spec)
+        if ready():
+            return out
+        if is_shipped:
+            return shipped.install(out)
+        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+        build_tiny_model(out, task, spec)
     return out
 
 
@@ -211,17 +231,22 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description="Build the tiny offline model for the addition task.")
     ap.add_argument("--out", type=Path, default=None, help="cache dir (default $ASYNCRL_CACHE)")
-    ap.add_argument("--max-operand", type=int, default=99)
+    ap.add_argument("--max-operand", type=int, default=19)
     ap.add_argument("--warm-start-steps", type=int, default=None, help="default: model.tiny's")
+    ap.add_argument(
+        "--rebuild", type=Path, default=None, metavar="DIR",
+        help="build from scratch into DIR (never the shipped copy) and print the weights' sha256",
+    )  # fmt: skip
     args = ap.parse_args(argv)
-    path = ensure_tiny_model(
-        AdditionTask(max_operand=args.max_operand),
-        default_spec(
-            **({} if args.warm_start_steps is None else {"warm_start_steps": args.warm_start_steps})
-        ),  # fmt: skip
-        args.out,
-    )
-    print(path)
+    task = AdditionTask(max_operand=args.max_operand)
+    overrides = {} if args.warm_start_steps is None else {"warm_start_steps": args.warm_start_steps}
+    if args.rebuild is not None:
+        from asyncrl.utils.fingerprint import weights_sha256
+
+        build_tiny_model(args.rebuild, task, default_spec(**overrides))
+        print(args.rebuild, weights_sha256(args.rebuild))
+        return
+    print(ensure_tiny_model(task, default_spec(**overrides), args.out))
 
 
 if __name__ == "__main__":
