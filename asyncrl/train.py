@@ -23,6 +23,7 @@ from asyncrl.config import ConfigError
 from asyncrl.learner.resume import resume, save_checkpoint
 from asyncrl.loop import LoopHooks, LoopResult, RunError, run_loop
 from asyncrl.runtime import check_resources, init_ray
+from asyncrl.utils.fingerprint import fingerprint, markdown
 from asyncrl.utils.runlog import Scalars
 from asyncrl.wiring import Setup, prepare, start_parts, stop_parts
 
@@ -75,9 +76,11 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    fp = fingerprint(cfg, setup.model_path, setup.run.seed)  # what this run ran
     started = init_ray(cfg.ray)
     parts = None
     scalars = Scalars(out_dir / "tb")
+    scalars.text("fingerprint", markdown(fp))
     try:
         check_resources(setup.resources)
         parts = start_parts(setup, out_dir, started)
@@ -88,6 +91,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         queue_stats, actor_stats = stop_parts(parts)
         parts = None
         summary = summarise(cfg, loop, queue_stats, actor_stats, time.time() - t0)
+        summary["fingerprint"] = fp
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
     finally:
@@ -116,8 +120,12 @@ def execute(cfg: DictConfig, out_dir: Path) -> int:
     except RunError as e:
         print(f"asyncrl: run failed: {_one_line(e)}", file=sys.stderr)
         return 3
-    brief = {k: v for k, v in summary.items() if k not in ("actors", "staleness_histogram")}
+    skip = ("actors", "staleness_histogram", "fingerprint")
+    brief = {k: v for k, v in summary.items() if k not in skip}
     print(json.dumps(brief, indent=2))
+    model = summary["fingerprint"]["model"]
+    shipped = " (the shipped default)" if model["shipped"] else ""
+    print(f"model weights sha256: {model['weights_sha256']}{shipped}", file=sys.stderr)
     print(f"outputs: {out_dir}", file=sys.stderr)
     return 0
 

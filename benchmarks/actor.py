@@ -71,6 +71,7 @@ from benchmarks.common import (  # noqa: E402
     process_tree,
     pyplot,
     ratio,
+    run_fingerprint,
     start_ray,
     write_csv,
 )
@@ -396,7 +397,7 @@ def report(cfg: Any, args: Any, rows: list[dict], placement: dict) -> None:
     per_round = sm.round_ratios("asyncrl", "vllm")
     engine = {side: sm.engine_use(side) for side in args.sides}
     args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out / "actor.csv", rows)
+    write_csv(args.out / "actor.csv", rows, fingerprint=args.fingerprint)
     plot(rows, args.sides, args.out)
     s = cfg.actor.sampling
     print_table(
@@ -452,6 +453,7 @@ def main() -> None:
 
     args, cfg = arguments()
     setup = prepare(cfg)  # builds the tiny model once if it is not cached
+    args.fingerprint = run_fingerprint(cfg, setup.model_path, cfg.seed)
     sampler = TaskSampler(setup.task, cfg.seed)  # the RolloutActor draws the same prompts
     prompts = [sampler.next().text for _ in range(args.num_prompts)]
     rows, placement = run(cfg, setup, args, prompts)

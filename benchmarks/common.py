@@ -61,8 +61,16 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
+def write_csv(
+    path: Path, rows: list[dict[str, Any]], fingerprint: dict[str, Any] | None = None
+) -> Path:
+    """``fingerprint`` (the measuring run's, :func:`run_fingerprint`): its :data:`FP_COLUMNS`
+    become columns of every row that lacks them, and the whole of it is written to
+    ``fingerprint.json`` beside the CSV."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if fingerprint is not None:
+        rows = stamp(rows, fingerprint)
+        (path.parent / "fingerprint.json").write_text(json.dumps(fingerprint, indent=2))
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r if k not in keys]
@@ -71,6 +79,36 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
         w.writeheader()
         w.writerows(rows)
     return path
+
+
+# What every measured row carries of its run's fingerprint (asyncrl/utils/fingerprint.py;
+# docs/reproducibility.md): enough to tell a different model, config, code or machine.
+FP_COLUMNS = ("model_weights_sha256", "config_sha256", "seed", "git_commit", "git_dirty",
+              "versions_torch", "versions_vllm", "hardware_cpu", "hardware_cpu_id",
+              "hardware_torch_cpu_capability", "hardware_gpu")  # fmt: skip
+
+
+def run_fingerprint(
+    cfg: Any = None, model_path: Path | str | None = None, seed: int | None = None
+) -> dict[str, Any]:
+    """The fingerprint of a benchmark run (no cfg or model: code, versions, hardware)."""
+    from asyncrl.utils.fingerprint import fingerprint
+
+    return fingerprint(cfg, model_path, seed)
+
+
+def fingerprint_columns(fp: dict[str, Any]) -> dict[str, Any]:
+    """``fp_<field>`` for each of :data:`FP_COLUMNS`."""
+    from asyncrl.utils.fingerprint import flat
+
+    cols = flat(fp)
+    return {f"fp_{k}": cols.get(f"fp_{k}") for k in FP_COLUMNS}
+
+
+def stamp(rows: list[dict[str, Any]], fp: dict[str, Any]) -> list[dict[str, Any]]:
+    """``rows`` with the fingerprint's columns (a column a row already has stays)."""
+    cols = fingerprint_columns(fp)
+    return [{**r, **{k: v for k, v in cols.items() if k not in r}} for r in rows]
 
 
 def pyplot():

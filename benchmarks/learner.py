@@ -23,7 +23,6 @@ last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import random
 import statistics
@@ -240,11 +239,9 @@ def main(argv: list[str] | None = None) -> dict:
             "cpu_ratio", "packing_efficiency", "padded_efficiency"]  # fmt: skip
     print(table(rows, keys))
     if not args.quick:
-        args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "learner.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        from benchmarks.common import run_fingerprint, write_csv
+
+        write_csv(args.out / "learner.csv", rows, fingerprint=run_fingerprint())
         plot(rows, args.out / "learner.png")
         print(f"wrote {args.out / 'learner.csv'} and {args.out / 'learner.png'}")
     summary = rows[0] if args.quick else {**rows[0], "sweep": rows}

@@ -42,6 +42,7 @@ from benchmarks.common import (  # noqa: E402
     print_table,
     pyplot,
     ratio,
+    run_fingerprint,
     start_ray,
     write_csv,
 )
@@ -287,7 +288,7 @@ def main() -> None:
 
     q, raw = total("queue"), total("raw")
     args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out / "queue.csv", rows)
+    write_csv(args.out / "queue.csv", rows, fingerprint=run_fingerprint())
     plot(args.out, rows)
     print_table(
         f"replay queue vs raw ray.put/get: {args.producers} producers, 1 consumer, "

@@ -57,6 +57,7 @@ if __package__ in (None, ""):  # run as a file: see the note in benchmarks/commo
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
@@ -65,10 +66,12 @@ from benchmarks.common import (  # noqa: E402
     Recorder,
     compose,
     emit_json,
+    fingerprint_columns,
     parser,
     print_table,
     pyplot,
     ratio,
+    run_fingerprint,
     start_ray,
     stop_all,
     write_csv,
@@ -160,6 +163,8 @@ class Runner:
         setup = prepare(cfg)
         out = self.out / "runs" / f"{loss}-k{k}-s{seed}"
         out.mkdir(parents=True, exist_ok=True)
+        fp = run_fingerprint(cfg, setup.model_path, seed)
+        (out / "fingerprint.json").write_text(json.dumps(fp, indent=2))
         parts = start_parts(setup, out, started_ray=False, num_actors=0)  # ours is reused
         rec = Recorder()
         t0 = time.time()
@@ -191,6 +196,7 @@ class Runner:
         row["schedule"] = schedule_name(cfg.learner.optim)
         target = cfg.learner.optim.get("mismatch_kl_target")
         row["kl_target"] = math.nan if target is None else float(target)  # nan: brake off
+        row.update(fingerprint_columns(fp))  # the whole of it: runs/<run>/fingerprint.json
         return row, rec.steps
 
     def _new_actor(self, cfg: Any, setup: Any):
@@ -431,7 +437,7 @@ def _typed_row(r: dict[str, str], ints) -> dict[str, Any]:
     for key, v in r.items():
         if key in ints:
             out[key] = int(v)
-        elif key in ("loss", "shared_from", "schedule"):
+        elif key in ("loss", "shared_from", "schedule") or key.startswith("fp_"):
             out[key] = v
         elif key == "exact_staleness":
             out[key] = v == "True"

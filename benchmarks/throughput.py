@@ -46,11 +46,13 @@ from benchmarks.common import (  # noqa: E402
     actor_pid,
     compose,
     emit_json,
+    fingerprint_columns,
     parser,
     pin_tree,
     print_table,
     pyplot,
     ratio,
+    run_fingerprint,
     start_ray,
     stop_all,
     write_csv,
@@ -121,6 +123,7 @@ def run_mode(mode: str, overrides: list[str], steps: int, warmup: int, pin: bool
     staleness = ["replay.max_staleness=0"] if mode == "sync" else []
     cfg = compose(*overrides, *staleness, f"max_steps={steps}", "progress=false")
     setup = prepare(cfg)
+    fp = fingerprint_columns(run_fingerprint(cfg, setup.model_path, cfg.seed))
     out.mkdir(parents=True, exist_ok=True)
     parts = start_parts(setup, out, started_ray=False)
     try:
@@ -150,6 +153,7 @@ def run_mode(mode: str, overrides: list[str], steps: int, warmup: int, pin: bool
         "reward_last": measured[-1]["reward/mean"],
         "threads_pinned": sum(threads.values()),
         **{f"{k}_seconds": v for k, v in phases.items()},
+        **fp,
     }
     return row, rec
 
@@ -253,7 +257,7 @@ def main() -> None:
         ray.shutdown()
     figures = figures_of(rows)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out / "throughput.csv", rows)
+    write_csv(args.out / "throughput.csv", rows, fingerprint=run_fingerprint())
     plot(args.out, curves, args.warmup, figures)
     report(args, rows, figures)
     emit_json(figures)

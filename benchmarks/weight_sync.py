@@ -31,7 +31,15 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.common import emit_json, parser, print_table, pyplot, ratio, write_csv  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    emit_json,
+    parser,
+    print_table,
+    pyplot,
+    ratio,
+    run_fingerprint,
+    write_csv,
+)
 
 HOST = "127.0.0.1"
 TIMEOUT_S = 120.0  # per collective; generous for 1 GB buckets on a loaded box
@@ -263,7 +271,8 @@ def main() -> None:
           r["sparse"], r["seconds"], r["gbps"], r["memcpy_gbps"], r["bitexact"]] for r in rows],
     )  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"wrote {write_csv(args.out / 'weight_sync.csv', rows)}", file=sys.stderr)
+    csv_path = write_csv(args.out / "weight_sync.csv", rows, fingerprint=run_fingerprint())
+    print(f"wrote {csv_path}", file=sys.stderr)
     plot(rows, args.out / "weight_sync.png")
     print(f"wrote {args.out / 'weight_sync.png'}", file=sys.stderr)
     emit_json(summary(rows))

@@ -92,6 +92,10 @@ class Scalars:
                 self._w.add_scalar(k, v, step)
                 self.last[k] = float(v)
 
+    def text(self, tag: str, markdown: str, step: int = 0) -> None:
+        """A TensorBoard text tab (Markdown), e.g. the run's fingerprint."""
+        self._w.add_text(tag, markdown, step)
+
     def histogram(self, tag: str, values, step: int) -> None:
         if len(values):
             self._w.add_histogram(tag, values, step)
