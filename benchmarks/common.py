@@ -198,6 +198,26 @@ class Recorder:
         pass
 
 
+class InStartOrder:
+    """The queue, but each batch in the order the actor started its groups (their ids
+    lead with it, actor/episode.py), not in the order they reached the queue: the
+    learner sums in batch order, and the arrival order follows timing. With it and the
+    groups' own sampling seeds a run is deterministic (docs/reproducibility.md)."""
+
+    def __init__(self, queue: Any):
+        self._queue = queue
+        self.get_batch = self  # get_batch.remote(...) is self.remote(...)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._queue, name)
+
+    def remote(self, *args: Any) -> Any:
+        import ray
+
+        items = ray.get(self._queue.get_batch.remote(*args))
+        return ray.put(None if items is None else sorted(items, key=lambda i: i.group_id))
+
+
 # ---- pinning --------------------------------------------------------------------------------
 def _getpid(_actor_self: Any) -> int:
     return os.getpid()

@@ -63,6 +63,7 @@ import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
+    InStartOrder,
     Recorder,
     compose,
     emit_json,
@@ -129,7 +130,11 @@ def delayed_loop(cfg: Any, parts: Any, k: int, rec: Recorder) -> None:
     def generated(version: int) -> None:
         wait_generated(parts, (version + k + 1) * per_version, cfg.replay.wait_timeout_s)
 
-    run_loop(cfg, parts, rec, hooks=LoopHooks(during_step=generated, wait_for_sync=True))
+    queue, parts.queue = parts.queue, InStartOrder(parts.queue)
+    try:
+        run_loop(cfg, parts, rec, hooks=LoopHooks(during_step=generated, wait_for_sync=True))
+    finally:
+        parts.queue = queue
 
 
 class Runner:

@@ -63,6 +63,25 @@ def sampling_params(s: SamplingSettings) -> Any:
     )
 
 
+# Group j of a run with seed s samples with seed s * GROUP_SEED_STRIDE + j * n; vLLM gives
+# sample i of it seed + i, so no two samples of a run share a seed, and runs with
+# different seeds share none until a run passes 2**32 / n groups.
+GROUP_SEED_STRIDE = 1 << 32
+
+
+def group_params(engine: Any, params: Any, index: int) -> Any:
+    """``params`` with the group's own sampling seed, from the engine's seed (the run's
+    ``seed``) and ``index``, the group's place in the order the actor started them: what
+    a group samples then does not depend on which other requests share the engine's
+    batches (with one generator for all, it does). An engine with no seed: ``params``."""
+    seed = getattr(getattr(engine, "model_config", None), "seed", None)
+    if seed is None:
+        return params
+    seeded = params.clone()
+    seeded.seed = (seed * GROUP_SEED_STRIDE + index * params.n) % (1 << 63)
+    return seeded
+
+
 def prompt_renderer(engine: Any) -> Callable[[str], Any]:
     """``text -> what engine.generate takes``: the text rendered (tokenized) by the
     engine's own renderer, as vLLM asks since it deprecated raw prompts. On a vLLM

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from asyncrl.actor.engine import completion_arrays, prompt_renderer, sampling_params
+from asyncrl.actor.engine import completion_arrays, group_params, prompt_renderer, sampling_params
 from asyncrl.actor.settings import SamplingSettings
 from asyncrl.tasks.base import Prompt, Task, score
 from asyncrl.trajectory import Trajectory, TrajectoryGroup
@@ -68,15 +68,20 @@ class SingleTurnEpisodes:
         self.n = sampling.n
         self.version = version
         self.params = sampling_params(sampling)  # vLLM's SamplingParams, the same for every group
+        self._groups = 0  # groups started so far: each samples from its own seed (group_params)
         self._tokenizer = None  # the engine's, on first use
         self._render: Callable[[str], Any] | None = None  # prompt text -> engine input
 
     async def run_group(self, prompt: Prompt) -> TrajectoryGroup:
-        gid = uuid.uuid4().hex[:16]
+        # The group's place in the start order leads its id, so that a consumer can put a
+        # batch back in a run-independent order (the staleness benchmark does).
+        gid = f"{self._groups:08x}{uuid.uuid4().hex[:16]}"
         t_start = time.time()
         final = None
+        params = group_params(self.engine, self.params, self._groups)  # before any await
+        self._groups += 1
         async for out in self.engine.generate(
-            self.render(prompt.text), self.params, request_id=gid + "-" + uuid.uuid4().hex[:6]
+            self.render(prompt.text), params, request_id=gid + "-" + uuid.uuid4().hex[:6]
         ):
             final = out
         comps = final.outputs if final is not None else []
