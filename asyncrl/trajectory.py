@@ -9,6 +9,11 @@ Per-token arrays are numpy and all have the response length ``R``:
   may span versions when weights change in flight)
 * ``loss_mask``        bool  [R]  True for tokens the learner trains on (env/tool tokens False)
 
+A multi-turn episode (asyncrl/envs/runner.py) is one trajectory: its response holds
+every turn's generated tokens (mask True) and the observations between them (mask
+False, behaviour log-prob 0, the version of the generated token before them).
+Staleness is over generated tokens only (``min_version``/``max_version``).
+
 A group (all samples of one prompt) travels as one object: the actor ``ray.put``s
 it once and only the reference moves through the queue.
 """
@@ -46,6 +51,9 @@ class Trajectory:
     response_text: str = ""
     t_start: float = 0.0  # wall-clock seconds (time.time) when generation started
     t_end: float = 0.0  # ... when the completion was scored
+    # multi-turn episodes only (else empty): turns, tool_calls, and over the turns'
+    # requests turn_prompt_tokens and cached_tokens (the prefix cache's hits)
+    episode: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, dtype in _ARRAY_FIELDS.items():
@@ -55,14 +63,22 @@ class Trajectory:
             if len(getattr(self, name)) != r:
                 raise ValueError(f"{name} has length {len(getattr(self, name))}, response has {r}")
 
+    def _generated_versions(self) -> np.ndarray:
+        """Versions of the tokens the policy generated (all, if the mask trains none)."""
+        v = self.versions[self.loss_mask]
+        return v if len(v) else self.versions
+
     @property
     def min_version(self) -> int:
-        """Oldest version among the tokens (the one staleness is measured from)."""
-        return int(self.versions.min()) if len(self.versions) else 0
+        """Oldest version among the generated tokens (the one staleness is measured
+        from; observation tokens carry none of their own)."""
+        v = self._generated_versions()
+        return int(v.min()) if len(v) else 0
 
     @property
     def max_version(self) -> int:
-        return int(self.versions.max()) if len(self.versions) else 0
+        v = self._generated_versions()
+        return int(v.max()) if len(v) else 0
 
     @property
     def num_tokens(self) -> int:

@@ -89,10 +89,28 @@ def trajectory_metrics(trajs: list, learner_version: int) -> dict[str, float]:
         "reward/errors": float(sum(bool(t.error) for t in trajs)),
         "staleness/mean": float(stale.mean()),
         "staleness/max": float(stale.max()),
-        "tokens/trained": float(sum(t.response_len for t in trajs)),
+        "tokens/trained": float(sum(t.mask_tokens for t in trajs)),  # not observations
         "tokens/trained_with_prompt": float(sum(t.num_tokens for t in trajs)),
     }
     keys = {k for t in trajs for k in t.reward_breakdown}
     for k in sorted(keys):
         out[f"reward/{k}"] = float(np.mean([t.reward_breakdown.get(k, 0.0) for t in trajs]))
+    out.update(episode_metrics([getattr(t, "episode", {}) for t in trajs]))
+    return out
+
+
+def episode_metrics(episodes: list[dict[str, float]]) -> dict[str, float]:
+    """``env/*`` and ``perf/prefix_cache_hit_rate`` of multi-turn episodes (their
+    ``Trajectory.episode``); nothing for single-turn ones. The hit rate is cached over
+    prompt tokens of all the episodes' turn requests."""
+    eps = [e for e in episodes if e]
+    if not eps:
+        return {}
+    prompt = sum(e.get("turn_prompt_tokens", 0.0) for e in eps)
+    out = {
+        "env/turns_mean": sum(e.get("turns", 0.0) for e in eps) / len(eps),
+        "env/tool_calls_mean": sum(e.get("tool_calls", 0.0) for e in eps) / len(eps),
+    }
+    if prompt > 0:
+        out["perf/prefix_cache_hit_rate"] = sum(e.get("cached_tokens", 0.0) for e in eps) / prompt
     return out

@@ -39,6 +39,7 @@ class RowSummary:
     min_version: int
     error: str = ""
     reward_breakdown: dict[str, float] = field(default_factory=dict)
+    episode: dict[str, float] = field(default_factory=dict)  # Trajectory.episode (multi-turn)
 
     @classmethod
     def of(cls, t: Any) -> RowSummary:
@@ -46,6 +47,7 @@ class RowSummary:
             num_tokens=t.num_tokens, mask_tokens=int(t.loss_mask.sum()),
             response_len=len(t.response_ids), reward=t.reward, group_id=t.group_id,
             min_version=t.min_version, error=t.error or "", reward_breakdown=t.reward_breakdown,
+            episode=getattr(t, "episode", {}),
         )  # fmt: skip
 
 

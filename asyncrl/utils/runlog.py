@@ -30,6 +30,7 @@ _SCHEMA = pa.schema(
         ("response_ids", pa.list_(pa.int32())),
         ("behaviour_logprobs", pa.list_(pa.float32())),
         ("versions", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.bool_())),  # False: observation/tool tokens, not trained
         ("t_start", pa.float64()),
         ("t_end", pa.float64()),
     ]
@@ -66,6 +67,7 @@ class TrajectoryLog:
                 "response_ids": t.response_ids.tolist(),
                 "behaviour_logprobs": t.behaviour_logprobs.tolist(),
                 "versions": t.versions.tolist(),
+                "loss_mask": t.loss_mask.tolist(),
                 "t_start": t.t_start,
                 "t_end": t.t_end,
             }
