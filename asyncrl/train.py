@@ -59,7 +59,28 @@ def summarise(
         ),
         "tokens_trained": loop.tokens_trained,
         "wall_seconds": round(wall, 2),
+        **episode_means(actor_stats),
         "actors": actor_stats,
+    }
+
+
+def episode_means(actor_stats: dict) -> dict[str, float | None]:
+    """Over every trajectory the actors produced: turns and tool calls per episode (a
+    single-turn episode is one turn, no call) and the prefix cache's hit rate over the
+    turns' prompt tokens (None: no multi-turn episode, or no prompt token)."""
+    stats = [s for s in actor_stats.values() if isinstance(s, dict)]
+    n = sum(s.get("trajectories", 0) for s in stats)
+    sums: dict[str, float] = {}
+    for s in stats:
+        for k, v in s.get("episode", {}).items():
+            sums[k] = sums.get(k, 0.0) + v
+    multi = sum(s.get("trajectories", 0) for s in stats if s.get("episode"))
+    turns = sums.get("turns", 0.0) + (n - multi)  # single-turn episodes: one turn each
+    prompt = sums.get("turn_prompt_tokens", 0.0)
+    return {
+        "turns_mean": turns / n if n else None,
+        "tool_calls_mean": sums.get("tool_calls", 0.0) / n if n else None,
+        "prefix_cache_hit_rate_mean": sums.get("cached_tokens", 0.0) / prompt if prompt else None,
     }
 
 

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.broker.settings import BrokerSettings
 from asyncrl.config import ConfigError, build, check_model_dir, settings_from
+from asyncrl.envs.settings import EnvSettings
 from asyncrl.learner.config import LearnerSettings
 from asyncrl.replay.settings import ReplaySettings
 from asyncrl.runtime import Parts, RaySettings
@@ -53,6 +54,7 @@ class Setup:
     replay: ReplaySettings
     ray: RaySettings
     resources: dict[str, float] = field(default_factory=dict)
+    env: EnvSettings = field(default_factory=EnvSettings)  # the episodes' (env=single_turn)
 
 
 def resolve_model(cfg: DictConfig, task: Any) -> str:
@@ -97,6 +99,7 @@ def prepare(cfg: DictConfig) -> Setup:
     replay = ReplaySettings.from_config(cfg.replay)
     broker = BrokerSettings.from_config(cfg.broker)
     task = build_task(cfg)
+    env = EnvSettings.from_config(cfg.get("env"))
     loss = build("loss", cfg.loss)
     if not callable(loss):
         raise ConfigError(
@@ -121,7 +124,7 @@ def prepare(cfg: DictConfig) -> Setup:
     }
     return Setup(
         model_path, task, loss, advantage, run, actor, learner, broker, replay, ray_settings,
-        resources,
+        resources, env,
     )  # fmt: skip
 
 
@@ -141,7 +144,13 @@ def start_parts(
     seed = setup.run.seed
     actors = {
         f"actor{i}": new_actor(
-            setup.actor, setup.model_path, setup.task, queue, f"actor{i}", seed + 1000 * i
+            setup.actor,
+            setup.model_path,
+            setup.task,
+            queue,
+            f"actor{i}",
+            seed + 1000 * i,
+            env=setup.env,
         )
         for i in range(setup.actor.num_actors if num_actors is None else num_actors)
     }

@@ -6,6 +6,7 @@ from typing import Any
 
 from asyncrl.actor.rollout import RolloutActor
 from asyncrl.actor.settings import ActorSettings
+from asyncrl.envs.settings import EnvSettings
 from asyncrl.tasks.base import Task
 
 # Ray calls one actor serves at once. Its methods are coroutines that mostly wait
@@ -22,14 +23,16 @@ def new_actor(
     name: str,
     seed: int,
     cls: type[RolloutActor] | None = None,
+    env: EnvSettings | None = None,
 ) -> Any:
     """A :class:`RolloutActor` (or subclass ``cls``, e.g. ``ControlledRolloutActor``)
     as a Ray actor, ``settings.num_cpus`` CPUs reserved. Not started: the caller calls
-    ``start.remote()`` (the engine takes ~25 s to start on a CPU)."""
+    ``start.remote()`` (the engine takes ~25 s to start on a CPU). ``env``: the episodes'
+    environment (None: single-turn)."""
     import ray
 
     return (
         ray.remote(cls or RolloutActor)
         .options(num_cpus=settings.num_cpus, max_concurrency=MAX_CONCURRENCY)
-        .remote(name, model_path, task, queue, settings, seed)
+        .remote(name, model_path, task, queue, settings, seed, env)
     )

@@ -37,8 +37,10 @@ from typing import Any
 
 from asyncrl.actor import placement, weights
 from asyncrl.actor.engine import make_engine
-from asyncrl.actor.episode import EpisodeAborted, EpisodeRunner, SingleTurnEpisodes
+from asyncrl.actor.episode import EpisodeAborted, EpisodeRunner
 from asyncrl.actor.settings import ActorSettings
+from asyncrl.envs.runner import make_runner
+from asyncrl.envs.settings import EnvSettings
 from asyncrl.replay.buffer import GroupMeta
 from asyncrl.replay.queue import Outbox
 from asyncrl.tasks.base import Prompt, Task, TaskSampler
@@ -61,6 +63,7 @@ class ActorStats:
     tokens: int = 0
     reward_errors: int = 0
     regenerated: int = 0  # episodes run again after a weight update aborted them
+    episode: dict[str, float] = field(default_factory=dict)  # sums of Trajectory.episode
     updates: int = 0
     update_seconds: float = 0.0
     idle_seconds: float = 0.0  # nothing generating (waiting on the queue, or halted)
@@ -81,9 +84,11 @@ class RolloutActor:
         queue: Any,
         settings: ActorSettings,
         seed: int = 0,
+        env: EnvSettings | None = None,  # None: the single-turn env
     ):
         self.name = name
         self.task = task
+        self.env = env
         self.settings = settings
         self.update_mode = settings.update_mode
         self.version = 0
@@ -128,8 +133,8 @@ class RolloutActor:
         self.engine = make_engine(self._model_path, self.settings.engine, self._seed)
         if cores is not None:
             self.placement = placement.place_frontend(*cores)
-        self.episodes = SingleTurnEpisodes(
-            self.engine, self.task, self.settings.sampling, lambda: self.version
+        self.episodes = make_runner(
+            self.engine, self.task, self.settings, self.env, lambda: self.version
         )
         await self.engine.update_weight_version(str(self.version))
         # the clock of idle_seconds starts with the loop, not with the engine's start-up
@@ -304,6 +309,8 @@ class RolloutActor:
         self.stats.trajectories += len(ts)
         self.stats.tokens += sum(len(t.response_ids) for t in ts)
         self.stats.reward_errors += sum(bool(t.error) for t in ts)
+        for k, v in (kv for t in ts for kv in t.episode.items()):
+            self.stats.episode[k] = self.stats.episode.get(k, 0.0) + v
 
     def _group_done(self, queue: Any, task: asyncio.Task) -> None:
         """Bookkeeping of a finished group task, here and not in the task, because a

@@ -142,13 +142,9 @@ def warm_start(model, tokenizer, task: Task, spec: TinyModelSpec) -> list[float]
     for _ in range(spec.warm_start_steps):
         rows, masks = [], []
         for _ in range(spec.warm_start_batch):
-            p = task.sample(rng)
-            prompt = tokenizer(p.text, add_special_tokens=False)["input_ids"]
-            ans = tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [
-                tokenizer.eos_token_id
-            ]
-            rows.append(prompt + ans)
-            masks.append([0] * len(prompt) + [1] * len(ans))
+            row, mask = demonstration_row(task, task.sample(rng), rng, tokenizer)
+            rows.append(row)
+            masks.append(mask)
         width = max(map(len, rows))
         ids = torch.full((len(rows), width), tokenizer.pad_token_id)
         labels = torch.full((len(rows), width), -100)
@@ -164,6 +160,21 @@ def warm_start(model, tokenizer, task: Task, spec: TinyModelSpec) -> list[float]
         losses.append(loss.item())
     model.eval()
     return losses
+
+
+def demonstration_row(task: Task, p: Any, rng: random.Random, tokenizer) -> tuple[list, list]:
+    """(ids, loss mask) of one demonstration: the prompt, then the answer and EOS; or,
+    for a task with ``demonstration(prompt, rng) -> [(text, trained), ...]`` (multi-turn,
+    asyncrl/envs), each trained segment and EOS (a policy turn) and each untrained one
+    (an observation) as it is, masked out."""
+    segments = task.demonstration(p, rng) if hasattr(task, "demonstration") else [(p.answer, True)]
+    ids = tokenizer(p.text, add_special_tokens=False)["input_ids"]
+    mask = [0] * len(ids)
+    for text, trained in segments:
+        seg = tokenizer(text, add_special_tokens=False)["input_ids"]
+        seg += [tokenizer.eos_token_id] if trained else []
+        ids, mask = ids + seg, mask + [int(trained)] * len(seg)
+    return ids, mask
 
 
 def build_tiny_model(out_dir: Path, task: Task, spec: TinyModelSpec) -> Path:

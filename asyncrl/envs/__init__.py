@@ -1,0 +1,7 @@
+"""Environments: multi-turn episodes (docs/envs.md). The contract is in ``base.py``, the
+runner that turns an env into trajectories in ``runner.py``."""
+
+from asyncrl.envs.base import Env, SingleTurnEnv, StepResult
+from asyncrl.envs.settings import EnvSettings
+
+__all__ = ["Env", "EnvSettings", "SingleTurnEnv", "StepResult"]

@@ -1,0 +1,120 @@
+"""``env=calculator``: products of 2-digit numbers, which the tiny model cannot work out
+in its head but can get by calling a calculator and copying its result.
+
+    prompt   37*48*26*11=
+    turn 1   <calc>37*48*26*11</calc><eos>  (generated, trained)
+    observe  =507936                        (the tool's output, never trained)
+    turn 2   507936<eos>                    (generated: the final answer, scored)
+
+The reward is exact match of the final turn's text (digits only, one answer); a
+malformed call or more than ``max_calls`` calls ends the episode with reward 0.
+The warm start learns the format from :meth:`CalculatorTask.demonstration`, which
+uses the tool in only ``tool_rate`` of the demonstrations (the others answer in one
+turn, from the model's head): RL has the rest to learn.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from asyncrl.envs.base import StepResult
+from asyncrl.tasks.base import Prompt, Task
+
+ALPHABET = "0123456789+*=<>/calc"
+CALL = re.compile(r"<calc>(\d{1,6}(?:[+*]\d{1,6}){1,3})</calc>")
+MAX_VALUE_DIGITS = 12  # a result longer than this is refused (no runaway observations)
+
+
+def evaluate(expr: str) -> int:
+    """``expr`` of non-negative integers, ``+`` and ``*`` (products first); no eval."""
+    return sum(_product(term) for term in expr.split("+"))
+
+
+def _product(term: str) -> int:
+    out = 1
+    for f in term.split("*"):
+        out *= int(f)
+    return out
+
+
+class CalculatorTask:
+    """``a*b*...=`` (``num_operands`` factors in [min_operand, max_operand]); the answer
+    is the product."""
+
+    def __init__(
+        self,
+        min_operand: int = 10,
+        max_operand: int = 99,
+        num_operands: int = 2,
+        tool_rate: float = 0.5,
+    ):
+        if not 0 <= min_operand <= max_operand:
+            raise ValueError(
+                f"task.min_operand={min_operand}, task.max_operand={max_operand}: "
+                "expected 0 <= min_operand <= max_operand"
+            )
+        if not 2 <= num_operands <= 4:
+            raise ValueError(f"task.num_operands={num_operands}: expected 2 to 4")
+        if not 0 <= tool_rate <= 1:
+            raise ValueError(f"task.tool_rate={tool_rate}: expected a number in [0, 1]")
+        self.min_operand = min_operand
+        self.max_operand = max_operand
+        self.num_operands = num_operands
+        self.tool_rate = tool_rate
+
+    @property
+    def alphabet(self) -> str:
+        return ALPHABET
+
+    def sample(self, rng: random.Random) -> Prompt:
+        xs = [rng.randint(self.min_operand, self.max_operand) for _ in range(self.num_operands)]
+        text = "*".join(map(str, xs)) + "="
+        return Prompt(text=text, answer=str(_product(text[:-1])), meta={"operands": xs})
+
+    def reward(self, prompt: Prompt, completion: str) -> dict[str, float]:
+        got = completion.strip()
+        exact = float(got.isdigit() and got == prompt.answer)
+        return {"reward": exact, "exact": exact, "format": float(got.isdigit())}
+
+    def demonstration(self, prompt: Prompt, rng: random.Random) -> list[tuple[str, bool]]:
+        """(text, trained) segments after the prompt for the tiny model's warm start: each
+        trained segment is one policy turn (the warm start ends it with EOS), an
+        untrained one the tool's output."""
+        if rng.random() >= self.tool_rate:
+            return [(prompt.answer, True)]  # in its head: rarely right for 2-digit products
+        expr = prompt.text.rstrip("=")
+        return [(f"<calc>{expr}</calc>", True), (f"={prompt.answer}", False), (prompt.answer, True)]
+
+
+class CalculatorEnv:
+    """Serves ``<calc>expr</calc>`` turns with ``=value`` observations; the first turn
+    without a call is the final answer, scored by the task's reward."""
+
+    def __init__(self, max_calls: int = 2):
+        if max_calls < 0:
+            raise ValueError(f"env.max_calls={max_calls}: expected >= 0")
+        self.max_calls = max_calls
+        self.calls = 0
+        self.sample: Prompt | None = None
+        self.task: Task | None = None
+
+    async def reset(self, sample: Prompt, task: Task) -> None:
+        self.sample, self.task, self.calls = sample, task, 0
+
+    async def step(self, text: str, token_ids: list[int]) -> StepResult:
+        text = text.strip()
+        if "<calc>" not in text:  # the final answer
+            out = self.task.reward(self.sample, text)
+            info = {k: float(v) for k, v in out.items() if k != "reward"}
+            info["tool_used"] = float(self.calls > 0)
+            return StepResult(reward=float(out["reward"]), done=True, info=info)
+        m = CALL.fullmatch(text)
+        self.calls += 1
+        if m is None or self.calls > self.max_calls:
+            info = {"exact": 0.0, "format": 0.0, "tool_used": 1.0}
+            return StepResult(done=True, tool_calls=int(m is not None), info=info)
+        value = str(evaluate(m.group(1)))
+        if len(value) > MAX_VALUE_DIGITS:
+            return StepResult(done=True, tool_calls=1, info={"exact": 0.0, "tool_used": 1.0})
+        return StepResult(observation=f"={value}", tool_calls=1)

@@ -1,0 +1,89 @@
+"""``env=code``: write a Python function; hidden test cases grade it in the sandbox
+(``asyncrl.sandbox.grade_python``, run in a thread: the actor's event loop never waits
+on a program).
+
+    prompt   # add(a, b): the sum of a and b
+    turn 1   def add(a, b): return a - b<eos>      (generated, trained)
+    observe  # passed 1/3                          (feedback, never trained)
+    turn 2   def add(a, b): return a + b<eos>      (graded again: reward 3/3)
+
+The reward is the last attempt's passed/total. The tiny character-level model does
+not learn to program here (its warm start sees a handful of functions); the env is
+for real models, and tests/test_envs.py drives it with a scripted policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import string
+
+from asyncrl.envs.base import StepResult
+from asyncrl.tasks.base import Prompt, Task
+
+# (name, signature, what it returns, reference body, hidden cases as (args, expected))
+PROBLEMS = [
+    ("add", "a, b", "the sum of a and b", "a + b", [("1, 2", 3), ("-4, 4", 0), ("10, 5", 15)]),
+    ("neg", "x", "minus x", "-x", [("3", -3), ("0", 0), ("-7", 7)]),
+    ("double", "x", "two times x", "2 * x", [("2", 4), ("0", 0), ("-5", -10)]),
+    ("first", "xs", "the first item of xs", "xs[0]", [("[4, 5]", 4), ("[0]", 0), ("[9, 1, 2]", 9)]),
+    ("size", "xs", "the length of xs", "len(xs)", [("[]", 0), ("[1, 2]", 2), ("[3, 3, 3]", 3)]),
+    ("big", "a, b", "the larger of a and b", "max(a, b)", [("1, 2", 2), ("5, -1", 5), ("3, 3", 3)]),
+]
+
+
+class CodeTask:
+    """One of :data:`PROBLEMS` per prompt; ``meta["cases"]`` are the hidden cases."""
+
+    def __init__(self, timeout_s: float = 5.0, memory_mb: int = 256):
+        self.timeout_s = timeout_s
+        self.memory_mb = memory_mb
+
+    @property
+    def alphabet(self) -> str:
+        return string.printable
+
+    def sample(self, rng: random.Random) -> Prompt:
+        name, sig, what, body, cases = rng.choice(PROBLEMS)
+        return Prompt(
+            text=f"# {name}({sig}): {what}\n",
+            answer=f"def {name}({sig}): return {body}",
+            meta={"cases": [{"call": f"{name}({a})", "expected": e} for a, e in cases]},
+        )
+
+    def reward(self, prompt: Prompt, completion: str) -> dict[str, float]:
+        from asyncrl.sandbox import grade_python
+
+        g = grade_python(completion, prompt.meta["cases"], timeout_s=self.timeout_s,
+                         memory_mb=self.memory_mb)  # fmt: skip
+        return {
+            "reward": g.reward,
+            "passed": float(g.passed),
+            "sandbox_error": float(bool(g.error)),
+        }
+
+
+class CodeEnv:
+    """Grades each attempt; a failing attempt gets ``# passed p/t`` back while attempts
+    are left. Grading runs in a thread (``asyncio.to_thread``)."""
+
+    def __init__(self, max_attempts: int = 2):
+        if max_attempts < 1:
+            raise ValueError(f"env.max_attempts={max_attempts}: expected >= 1")
+        self.max_attempts = max_attempts
+        self.attempts = 0
+        self.sample: Prompt | None = None
+        self.task: Task | None = None
+
+    async def reset(self, sample: Prompt, task: Task) -> None:
+        self.sample, self.task, self.attempts = sample, task, 0
+
+    async def step(self, text: str, token_ids: list[int]) -> StepResult:
+        self.attempts += 1
+        out = await asyncio.to_thread(self.task.reward, self.sample, text)
+        info = {k: float(v) for k, v in out.items() if k != "reward"}
+        if out["reward"] >= 1.0 or self.attempts >= self.max_attempts:
+            return StepResult(reward=float(out["reward"]), done=True, tool_calls=1, info=info)
+        total = len(self.sample.meta["cases"])
+        feedback = f"\n# passed {int(info['passed'])}/{total}\n"
+        return StepResult(observation=feedback, tool_calls=1, info=info)

@@ -1,0 +1,243 @@
+"""Multi-turn episodes: one env per episode, one trajectory per episode, built from the
+engine's own token ids turn by turn.
+
+    run_group(prompt): n episodes at once (asyncio.gather), each one:
+      env.reset(sample)
+      turn: engine.generate(ids so far, n=1) ─▶ generated ids, log-probs, versions
+              (mask 1; the engine's ids, never the text tokenized again)
+            await env.step(text, ids) ─▶ observation ─▶ tokenized once (mask 0)
+      until done / env.max_turns / the token budget / env.timeout_s
+    what waits: the engine's requests and the env's steps (both awaited: every episode
+    of every group shares the actor's event loop); nothing else.
+
+Observation tokens carry behaviour log-prob 0 and the version of the generated token
+before them, so a consumer that forgot the mask still sees no older version; staleness
+reads ``Trajectory.min_version`` (generated tokens only). Turn k's request is the whole
+sequence so far: with ``actor.engine.enable_prefix_caching`` the engine reuses the KV
+of earlier turns (``perf/prefix_cache_hit_rate``: cached / prompt tokens over turns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from asyncrl.actor.engine import completion_arrays, prompt_renderer, sampling_params
+from asyncrl.actor.episode import EpisodeAborted, EpisodeRunner, SingleTurnEpisodes
+from asyncrl.actor.settings import ActorSettings
+from asyncrl.envs.base import StepResult
+from asyncrl.envs.settings import EnvSettings
+from asyncrl.tasks.base import Prompt, Task
+from asyncrl.trajectory import Trajectory, TrajectoryGroup
+
+
+@dataclass
+class _Episode:
+    """One episode's growing sequence (per-token lists in response order)."""
+
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[np.ndarray] = field(default_factory=list)
+    versions: list[np.ndarray] = field(default_factory=list)
+    mask: list[np.ndarray] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    reward: float = 0.0
+    breakdown: dict[str, float] = field(default_factory=dict)
+    turns: int = 0
+    tool_calls: int = 0
+    turn_prompt_tokens: int = 0
+    cached_tokens: int = 0
+    finish: str = ""
+    error: str = ""
+
+    def add(self, ids: np.ndarray, lps: np.ndarray, vers: np.ndarray, trained: bool) -> None:
+        self.ids += ids.tolist()
+        self.logprobs.append(lps)
+        self.versions.append(vers)
+        self.mask.append(np.full(len(ids), trained, dtype=bool))
+
+    def last_version(self, fallback: int) -> int:
+        return int(self.versions[-1][-1]) if self.ids else fallback
+
+
+class MultiTurnEpisodes:
+    """An :class:`asyncrl.actor.episode.EpisodeRunner` over an env (asyncrl/envs/base.py):
+    the n samples of a prompt are n concurrent episodes, one group."""
+
+    def __init__(
+        self,
+        engine: Any,
+        task: Task,
+        settings: ActorSettings,
+        env: EnvSettings,
+        version: Callable[[], int],
+    ):
+        self.engine = engine
+        self.task = task
+        self.env = env
+        self.n = settings.sampling.n
+        self.max_model_len = settings.engine.max_model_len
+        self.turn_tokens = settings.sampling.max_tokens
+        self.version = version
+        self.params = sampling_params(settings.sampling)
+        self.params.n = 1  # each episode diverges after its first turn
+        self._tokenizer = None
+        self._render: Callable[[str], Any] | None = None
+
+    async def run_group(self, prompt: Prompt) -> TrajectoryGroup:
+        gid = uuid.uuid4().hex[:16]
+        try:  # a TaskGroup: an aborted episode cancels its siblings (the group reruns)
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self._episode(prompt, gid, i)) for i in range(self.n)]
+        except BaseExceptionGroup as eg:
+            raise eg.exceptions[0] from None
+        return TrajectoryGroup(gid, [t.result() for t in tasks])
+
+    async def _episode(self, prompt: Prompt, gid: str, i: int) -> Trajectory:
+        t_start = time.time()
+        env = self.env.make()
+        ep = _Episode(prompt_ids=[])
+        try:
+            await asyncio.wait_for(self._turns(env, prompt, ep, f"{gid}-{i}"), self.env.timeout_s)
+        except TimeoutError:
+            ep.finish = "timeout"
+        except EpisodeAborted:
+            raise
+        except Exception as e:  # noqa: BLE001 - an env's failure is a recorded outcome
+            ep.finish, ep.error, ep.reward = "env_error", f"{type(e).__name__}: {e}", 0.0
+        return self._trajectory(ep, prompt, gid, i, t_start)
+
+    async def _turns(self, env: Any, prompt: Prompt, ep: _Episode, rid: str) -> None:
+        await env.reset(prompt, self.task)
+        ep.finish = "max_turns"
+        for turn in range(self.env.max_turns):
+            room = self._room(ep)
+            if room < 1:
+                ep.finish = "token_budget"
+                return
+            comp = await self._generate(prompt, ep, min(self.turn_tokens, room), f"{rid}-{turn}")
+            ids, lps, vers = completion_arrays(comp, self.version())
+            ep.add(ids, lps, vers, trained=True)
+            ep.turns += 1
+            text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
+            ep.texts.append(text)
+            step: StepResult = await env.step(text, ids.tolist())
+            ep.reward += float(step.reward)
+            ep.tool_calls += int(step.tool_calls)
+            ep.breakdown = {k: float(v) for k, v in step.info.items()}
+            if step.done:
+                ep.finish = "done"
+                return
+            if step.observation:
+                if not self._observe(ep, step.observation):
+                    ep.finish = "token_budget"
+                    return
+                ep.texts.append(step.observation)
+
+    def _room(self, ep: _Episode) -> int:
+        """Tokens the next turn may generate: the episode's budget and the model's length."""
+        # before the first turn the prompt's length is the engine's to know: vLLM stops a
+        # request at max_model_len itself
+        left = self.max_model_len - len(ep.prompt_ids) - len(ep.ids)
+        if self.env.max_tokens is not None:
+            left = min(left, self.env.max_tokens - len(ep.ids))
+        return left
+
+    def _observe(self, ep: _Episode, text: str) -> bool:
+        """Append the observation's tokens (mask 0); False if they leave no room for a turn."""
+        ids = np.asarray(self.tokenizer.encode(text, add_special_tokens=False), dtype=np.int32)
+        if len(ids) >= self._room(ep):
+            return False
+        version = ep.last_version(self.version())
+        ep.add(ids, np.zeros(len(ids), np.float32), np.full(len(ids), version, np.int32), False)
+        return True
+
+    async def _generate(self, prompt: Prompt, ep: _Episode, max_tokens: int, rid: str) -> Any:
+        """One turn: the whole sequence so far as the request's prompt (token ids after the
+        first turn, whose prompt the engine renders from text)."""
+        params = self.params.clone()
+        params.max_tokens = max_tokens
+        first = not ep.prompt_ids
+        # rendered by the engine's renderer either way (vLLM deprecated raw prompts)
+        request = self.render(prompt.text if first else _tokens(ep.prompt_ids + ep.ids))
+        final = None
+        async for out in self.engine.generate(request, params, request_id=rid):
+            final = out
+        if final is None or not final.outputs or final.outputs[0].finish_reason == "abort":
+            raise EpisodeAborted(f"episode {rid}: a weight update aborted its request")
+        if first:
+            ep.prompt_ids = list(final.prompt_token_ids)
+        ep.turn_prompt_tokens += len(final.prompt_token_ids)
+        ep.cached_tokens += int(final.num_cached_tokens or 0)
+        return final.outputs[0]
+
+    def _trajectory(
+        self, ep: _Episode, prompt: Prompt, gid: str, i: int, t_start: float
+    ) -> Trajectory:
+        def cat(xs: list[np.ndarray], dtype: Any) -> np.ndarray:
+            return np.concatenate(xs).astype(dtype) if xs else np.zeros(0, dtype)
+
+        return Trajectory(
+            traj_id=f"{gid}-{i}",
+            group_id=gid,
+            prompt_ids=np.asarray(ep.prompt_ids, dtype=np.int32),
+            response_ids=np.asarray(ep.ids, dtype=np.int32),
+            behaviour_logprobs=cat(ep.logprobs, np.float32),
+            versions=cat(ep.versions, np.int32),
+            loss_mask=cat(ep.mask, bool),
+            reward=ep.reward,
+            reward_breakdown=ep.breakdown,
+            finish_reason=ep.finish,
+            error=ep.error,
+            prompt_text=prompt.text,
+            response_text="".join(ep.texts),
+            t_start=t_start,
+            t_end=time.time(),
+            episode={
+                "turns": float(ep.turns),
+                "tool_calls": float(ep.tool_calls),
+                "turn_prompt_tokens": float(ep.turn_prompt_tokens),
+                "cached_tokens": float(ep.cached_tokens),
+            },
+        )
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            self._tokenizer = self.engine.get_tokenizer()
+        return self._tokenizer
+
+    def render(self, prompt: Any) -> Any:
+        """Prompt text, or a TokensPrompt, as the engine takes it (a vLLM without the
+        renderer API takes the TokensPrompt itself)."""
+        if self._render is None:
+            self._render = prompt_renderer(self.engine)
+        if isinstance(prompt, str) or getattr(self.engine, "renderer", None) is not None:
+            return self._render(prompt)
+        return prompt
+
+
+def _tokens(ids: list[int]) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=ids)
+
+
+def make_runner(
+    engine: Any,
+    task: Task,
+    settings: ActorSettings,
+    env: EnvSettings | None,
+    version: Callable[[], int],
+) -> EpisodeRunner:
+    """The actor's episode runner: today's single-turn one for ``env=single_turn`` (one
+    request for the whole group), the multi-turn one for any other env."""
+    if env is None or env.single_turn:
+        return SingleTurnEpisodes(engine, task, settings.sampling, version)
+    return MultiTurnEpisodes(engine, task, settings, env, version)
