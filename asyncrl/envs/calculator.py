@@ -1,10 +1,10 @@
 """``env=calculator``: products of 2-digit numbers, which the tiny model cannot work out
 in its head but can get by calling a calculator and copying its result.
 
-    prompt   37*48*26*11=
-    turn 1   <calc>37*48*26*11</calc><eos>  (generated, trained)
-    observe  =507936                        (the tool's output, never trained)
-    turn 2   507936<eos>                    (generated: the final answer, scored)
+    prompt   37*48=
+    turn 1   <calc>37*48</calc><eos>        (generated, trained)
+    observe  =1776                          (the tool's output, never trained)
+    turn 2   1776<eos>                      (generated: the final answer, scored)
 
 The reward is exact match of the final turn's text (digits only, one answer); a
 malformed call or more than ``max_calls`` calls ends the episode with reward 0.
