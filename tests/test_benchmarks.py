@@ -455,6 +455,8 @@ def test_staleness_sweep_shares_k0_with_its_own_run_numbers(monkeypatch, tmp_pat
 
     monkeypatch.setattr(staleness, "Runner", FakeRunner)
     monkeypatch.setattr(staleness, "start_ray", lambda: None)
+    # nor stop one: the session's Ray (conftest's ray_local) serves the tests after this
+    monkeypatch.setattr("ray.shutdown", lambda: None)
     args = argparse.Namespace(overrides=[], out=tmp_path)
     rows, curves = staleness.sweep(args, 1, [0, 8], ["none", "tis", "vtrace"], [0, 1], True)
     assert [x for x in ran if x[1] == 0] == [("none", 0, 0), ("vtrace", 0, 0), ("none", 0, 1),
