@@ -19,12 +19,11 @@ else is generating: no group can come along, and the learner may be waiting for
 them), and the same call asks for the slots they freed (granted if the queue has them
 now, never waiting). The loop itself asks, and waits, only once a quarter of
 ``max_inflight_groups`` is free and unasked for (at start, or while the staleness
-window is shut). Under ``abort`` an episode that lost requests to a weight update is
-run again from its prompt, so every trajectory is produced by complete generation.
+window is shut). Under ``abort`` an episode that lost requests to a weight update
+runs again from its prompt: every trajectory comes from complete generation.
 
-Beside this module: what one episode is (episode.py), where the engine and this
-process run (placement.py), how weights are received (weights.py), the settings
-(settings.py), and the controls tests and benchmarks use (controlled.py).
+Beside it: one episode (episode.py, envs/runner.py), placement.py, weights.py,
+settings.py, and the test and benchmark controls (controlled.py).
 """
 
 from __future__ import annotations
@@ -93,14 +92,13 @@ class RolloutActor:
         self.update_mode = settings.update_mode
         self.version = 0
         self.stats = ActorStats()
-        self._model_path = model_path
-        self._seed = seed
+        self._model_path, self._seed = model_path, seed
         self._max_inflight = settings.max_inflight_groups
         self._refill = max(1, self._max_inflight // REFILL_SHARE)
         # CPU placement (None: the OS's and vLLM's own): the engine's processes on
         # these cores, this process on the others it may use (actor/placement.py)
         cores = settings.engine_cores
-        self._engine_cores = parse_cpu_list(cores) if cores is not None else None
+        self._engine_cores = None if cores is None else parse_cpu_list(cores)
         self._n_inflight = 0  # groups generating (started, not yet handed to the outbox)
         self._idle_since: float | None = time.time()  # since when none is generating
         self._asking = 0  # slots asked for in queue calls not yet answered
@@ -111,8 +109,7 @@ class RolloutActor:
         self._giving_back: list[Any] = []
         self._slot_freed = asyncio.Event()
         self._bind(queue, seed)
-        self._running = False
-        self._loop_task: asyncio.Task | None = None
+        self._running, self._loop_task = False, None  # the loop: asyncio.Task once started
         self._weights = weights.WeightUpdates(
             name, settings.engine.enable_prefix_caching, self._labelled
         )
