@@ -33,6 +33,7 @@ BAD = [
     ("loss", "+loss.clip_low=-1", "loss: building"),
     ("task", "task.max_operand=0", "task.max_operand must be >= 1"),
     ("model", "model.tiny.num_heads=8", "model.tiny"),
+    ("sandbox", "sandbox.workers=0", "sandbox.workers=0: must be >= 1"),
 ]
 
 

@@ -1,6 +1,10 @@
-"""``env=code``: write a Python function; hidden test cases grade it in the sandbox
-(``asyncrl.sandbox.grade_python``, run in a thread: the actor's event loop never waits
-on a program).
+"""``env=code``: write a Python function; hidden test cases grade it in the sandbox,
+through the actor's :class:`asyncrl.sandbox.SandboxPool` (``sandbox.workers`` programs
+at once, in its threads: the actor's event loop only awaits the grade, and generation
+goes on beside it).
+
+    episode ─ await pool.grade(attempt, cases) ─▶ pool thread ─▶ sandboxed process tree
+            ◀──────────── Grade (passed/total) ─┘   (at most sandbox.workers at once)
 
     prompt   # add(a, b): the sum of a and b
     turn 1   def add(a, b): return a - b<eos>      (generated, trained)
@@ -14,9 +18,10 @@ for real models, and tests/test_envs.py drives it with a scripted policy.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import string
+import threading
+from typing import Any
 
 from asyncrl.envs.base import StepResult
 from asyncrl.tasks.base import Prompt, Task
@@ -33,7 +38,10 @@ PROBLEMS = [
 
 
 class CodeTask:
-    """One of :data:`PROBLEMS` per prompt; ``meta["cases"]`` are the hidden cases."""
+    """One of :data:`PROBLEMS` per prompt; ``meta["cases"]`` are the hidden cases.
+    ``timeout_s`` and ``memory_mb`` bound :meth:`reward`, the blocking path (a
+    single-turn run); env=code grades with ``sandbox.*`` (conf/task/code.yaml reads them
+    from there, so both paths have the same limits)."""
 
     def __init__(self, timeout_s: float = 5.0, memory_mb: int = 256):
         self.timeout_s = timeout_s
@@ -56,21 +64,40 @@ class CodeTask:
 
         g = grade_python(completion, prompt.meta["cases"], timeout_s=self.timeout_s,
                          memory_mb=self.memory_mb)  # fmt: skip
-        return {
-            "reward": g.reward,
-            "passed": float(g.passed),
-            "sandbox_error": float(bool(g.error)),
-        }
+        return scores(g)
+
+
+def scores(g: Any) -> dict[str, float]:
+    """A :class:`asyncrl.sandbox.Grade` as the task's reward dict."""
+    return {"reward": g.reward, "passed": float(g.passed), "sandbox_error": float(bool(g.error))}
+
+
+_DEFAULT_POOL: Any = None  # an env built without the runner's pool (a test, a script)
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_pool() -> Any:
+    """One SandboxPool of SandboxSettings' defaults per process, built on first use."""
+    global _DEFAULT_POOL
+    with _DEFAULT_LOCK:
+        if _DEFAULT_POOL is None:
+            from asyncrl.sandbox import SandboxPool
+
+            _DEFAULT_POOL = SandboxPool()
+        return _DEFAULT_POOL
 
 
 class CodeEnv:
     """Grades each attempt; a failing attempt gets ``# passed p/t`` back while attempts
-    are left. Grading runs in a thread (``asyncio.to_thread``)."""
+    are left. ``sandbox``: the actor's SandboxPool (the runner passes it; see
+    asyncrl/envs/settings.py), or None for this process's default pool. A program that
+    breaks a limit or misbehaves is a grade of 0 with its error, never a failed episode."""
 
-    def __init__(self, max_attempts: int = 2):
+    def __init__(self, max_attempts: int = 2, sandbox: Any = None):
         if max_attempts < 1:
             raise ValueError(f"env.max_attempts={max_attempts}: expected >= 1")
         self.max_attempts = max_attempts
+        self.sandbox = sandbox
         self.attempts = 0
         self.sample: Prompt | None = None
         self.task: Task | None = None
@@ -80,7 +107,8 @@ class CodeEnv:
 
     async def step(self, text: str, token_ids: list[int]) -> StepResult:
         self.attempts += 1
-        out = await asyncio.to_thread(self.task.reward, self.sample, text)
+        pool = self.sandbox or default_pool()
+        out = scores(await pool.grade(text, self.sample.meta["cases"]))
         info = {k: float(v) for k, v in out.items() if k != "reward"}
         if out["reward"] >= 1.0 or self.attempts >= self.max_attempts:
             return StepResult(reward=float(out["reward"]), done=True, tool_calls=1, info=info)

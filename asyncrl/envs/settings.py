@@ -8,6 +8,11 @@
       timeout_s: 60              # wall-clock seconds per episode
       some_arg: 3                # any other key: an argument of MyEnv(...)
 
+An env class whose constructor takes a ``sandbox`` argument gets the actor's
+:class:`asyncrl.sandbox.SandboxPool` there (``sandbox.*`` in config: ``sandbox.workers``
+programs at once per actor, shared by every episode the actor runs), so its grading runs
+beside generation and never on the event loop.
+
 Checked once in the driver before Ray starts (:meth:`EnvSettings.from_config` builds one
 env through ``asyncrl.config.build``, so a bad ``_target_`` or argument names its key);
 pure data afterwards, so it pickles to the actors, which build one env per episode.
@@ -15,11 +20,13 @@ pure data afterwards, so it pickles to the actors, which build one env per episo
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.config import ConfigError, _locate, build
+from asyncrl.sandbox.settings import SandboxSettings
 
 LIMIT_KEYS = ("max_turns", "max_tokens", "timeout_s")
 SINGLE_TURN = "asyncrl.envs.base.SingleTurnEnv"
@@ -32,6 +39,7 @@ class EnvSettings:
     max_turns: int = 1
     max_tokens: int | None = None
     timeout_s: float = 60.0
+    sandbox: SandboxSettings = field(default_factory=SandboxSettings)  # ``sandbox.*``
 
     def __post_init__(self) -> None:
         if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int):
@@ -53,25 +61,32 @@ class EnvSettings:
                 "choose a multi-turn env (e.g. env=calculator)"
             )
         self._cls: type | None = None
+        self._pool: Any = None  # the actor's SandboxPool, built on the first env that asks
 
     @property
     def single_turn(self) -> bool:
         return self.target == SINGLE_TURN
 
     @classmethod
-    def from_config(cls, node: Any) -> EnvSettings:
-        """From the ``env`` node (DictConfig, dict or None: the single-turn env). Builds
-        one env to check the class and its arguments (ConfigError naming ``env.*``)."""
+    def from_config(cls, node: Any, sandbox: Any = None) -> EnvSettings:
+        """From the ``env`` node (DictConfig, dict or None: the single-turn env) and the
+        ``sandbox`` node (None: SandboxSettings' defaults). Builds one env to check the
+        class and its arguments (ConfigError naming ``env.*`` or ``sandbox.*``)."""
         from omegaconf import DictConfig, OmegaConf
 
+        box = SandboxSettings() if sandbox is None else SandboxSettings.from_config(sandbox)
         if node is None:
-            return cls()
+            return cls(sandbox=box)
         spec = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
         if not isinstance(spec, dict):
             raise ConfigError(f"env: expected a mapping with a _target_, got {spec!r}")
         spec = dict(spec)
+        if "sandbox" in spec:
+            raise ConfigError(
+                "env.sandbox: the runner passes the actor's sandbox pool; set sandbox.* instead"
+            )
         limits = {k: spec.pop(k) for k in LIMIT_KEYS if k in spec}
-        out = cls(target=str(spec.get("_target_", "")), kwargs={}, **limits)
+        out = cls(target=str(spec.get("_target_", "")), kwargs={}, sandbox=box, **limits)
         env = build("env", spec)  # names env._target_ / env.<arg> on a mistake
         for name in ("reset", "step"):
             if not callable(getattr(env, name, None)):
@@ -79,16 +94,53 @@ class EnvSettings:
                     f"env._target_={out.target}: has no {name}() (asyncrl/envs/base.py Env)"
                 )
         out.kwargs = {k: v for k, v in spec.items() if k != "_target_"}
+        if takes_sandbox(type(env)):
+            _check_isolation(box)
         return out
 
     def make(self) -> Any:
-        """A fresh env for one episode."""
+        """A fresh env for one episode (with the sandbox pool if it takes one)."""
         if self._cls is None:
             self._cls = _locate("env", self.target)
+        if takes_sandbox(self._cls):
+            return self._cls(**self.kwargs, sandbox=self.pool())
         return self._cls(**self.kwargs)
 
+    def pool(self) -> Any:
+        """This process's SandboxPool of ``sandbox.workers`` (built once, on first use:
+        in the actor, never in the driver, which only checks the settings)."""
+        if self._pool is None:
+            from asyncrl.sandbox.pool import SandboxPool
+
+            self._pool = SandboxPool(self.sandbox)
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the sandbox pool's threads (after its gradings in flight end)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self).items() if k != "_cls"}
+        return {k: v for k, v in vars(self).items() if k not in ("_cls", "_pool")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _cls=None)
+        self.__dict__.update(state, _cls=None, _pool=None)
+
+
+def takes_sandbox(cls: type) -> bool:
+    """Whether ``cls(...)`` takes the actor's sandbox pool (a ``sandbox`` parameter)."""
+    try:
+        return "sandbox" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # a class without an inspectable signature
+        return False
+
+
+def _check_isolation(box: SandboxSettings) -> None:
+    """An env that grades programs needs a machine that can isolate them: say so at
+    start-up, not in the first episode (docs/sandbox.md: what each machine allows)."""
+    from asyncrl.sandbox.isolation import detect
+
+    refusal = detect(box.namespaces, box.python).refusal
+    if refusal:
+        raise ConfigError(f"sandbox.namespaces={box.namespaces}: {refusal}")
