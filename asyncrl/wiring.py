@@ -99,7 +99,7 @@ def prepare(cfg: DictConfig) -> Setup:
     replay = ReplaySettings.from_config(cfg.replay)
     broker = BrokerSettings.from_config(cfg.broker)
     task = build_task(cfg)
-    env = EnvSettings.from_config(cfg.get("env"))
+    env = EnvSettings.from_config(cfg.get("env"), cfg.get("sandbox"))  # sandbox.*: env=code
     loss = build("loss", cfg.loss)
     if not callable(loss):
         raise ConfigError(
