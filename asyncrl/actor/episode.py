@@ -30,6 +30,7 @@ The contract every runner keeps (the learner and the queue rely on it):
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import Callable
@@ -126,3 +127,24 @@ class SingleTurnEpisodes:
         if self._tokenizer is None:
             self._tokenizer = self.engine.get_tokenizer()
         return [self._tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps]
+
+
+def turn_seed(seed: int, group: int, sample: int, turn: int) -> int:
+    """The sampling seed of one turn of a multi-turn episode: sample ``sample`` of the
+    actor's ``group``-th group, its ``turn``-th request, in a run with ``seed``. A hash,
+    so no two (group, sample, turn) of a run, nor of runs with other seeds, share one
+    (a single-turn group's seed, ``group_params``, is a counter: one request per group)."""
+    key = f"asyncrl-turn/{seed}/{group}/{sample}/{turn}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") >> 1
+
+
+def turn_params(engine: Any, params: Any, group: int, sample: int, turn: int) -> Any:
+    """``params`` (n=1) seeded for one turn (:func:`turn_seed`, from the engine's seed,
+    the run's): what an episode samples then depends on its place in the actor's start
+    order, never on what shares the engine's batches. An engine with no seed: a copy of
+    ``params``."""
+    seeded = params.clone()
+    seed = getattr(getattr(engine, "model_config", None), "seed", None)
+    if seed is not None:
+        seeded.seed = turn_seed(int(seed), group, sample, turn)
+    return seeded

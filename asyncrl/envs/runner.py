@@ -10,6 +10,10 @@ engine's own token ids turn by turn.
     what waits: the engine's requests and the env's steps (both awaited: every episode
     of every group shares the actor's event loop); nothing else.
 
+Every turn's request carries its own sampling seed, from the run's seed, the group's
+place in the actor's start order, the sample and the turn (``turn_params``): the same
+episode with the same seed samples the same tokens, whatever else is in flight.
+
 Observation tokens carry behaviour log-prob 0 and the version of the generated token
 before them, so a consumer that forgot the mask still sees no older version; staleness
 reads ``Trajectory.min_version`` (generated tokens only). Turn k's request is the whole
@@ -29,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl.actor.engine import completion_arrays, prompt_renderer, sampling_params
-from asyncrl.actor.episode import EpisodeAborted, EpisodeRunner, SingleTurnEpisodes
+from asyncrl.actor.episode import EpisodeAborted, EpisodeRunner, SingleTurnEpisodes, turn_params
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.envs.base import StepResult
 from asyncrl.envs.settings import EnvSettings
@@ -42,6 +46,8 @@ class _Episode:
     """One episode's growing sequence (per-token lists in response order)."""
 
     prompt_ids: list[int]
+    group: int = 0  # the group's place in the actor's start order (the sampling seed's)
+    sample: int = 0  # the episode's place in its group
     ids: list[int] = field(default_factory=list)
     logprobs: list[np.ndarray] = field(default_factory=list)
     versions: list[np.ndarray] = field(default_factory=list)
@@ -87,22 +93,27 @@ class MultiTurnEpisodes:
         self.version = version
         self.params = sampling_params(settings.sampling)
         self.params.n = 1  # each episode diverges after its first turn
+        self._groups = 0  # groups started so far: the sampling seeds count them
         self._tokenizer = None
         self._render: Callable[[str], Any] | None = None
 
     async def run_group(self, prompt: Prompt) -> TrajectoryGroup:
-        gid = uuid.uuid4().hex[:16]
+        index = self._groups  # before any await: the start order decides the seeds
+        self._groups += 1
+        gid = f"{index:08x}{uuid.uuid4().hex[:16]}"  # as SingleTurnEpisodes' group ids
         try:  # a TaskGroup: an aborted episode cancels its siblings (the group reruns)
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._episode(prompt, gid, i)) for i in range(self.n)]
+                tasks = [
+                    tg.create_task(self._episode(prompt, gid, index, i)) for i in range(self.n)
+                ]
         except BaseExceptionGroup as eg:
             raise eg.exceptions[0] from None
         return TrajectoryGroup(gid, [t.result() for t in tasks])
 
-    async def _episode(self, prompt: Prompt, gid: str, i: int) -> Trajectory:
+    async def _episode(self, prompt: Prompt, gid: str, index: int, i: int) -> Trajectory:
         t_start = time.time()
         env = self.env.make()
-        ep = _Episode(prompt_ids=[])
+        ep = _Episode(prompt_ids=[], group=index, sample=i)
         try:
             await asyncio.wait_for(self._turns(env, prompt, ep, f"{gid}-{i}"), self.env.timeout_s)
         except TimeoutError:
@@ -161,7 +172,7 @@ class MultiTurnEpisodes:
     async def _generate(self, prompt: Prompt, ep: _Episode, max_tokens: int, rid: str) -> Any:
         """One turn: the whole sequence so far as the request's prompt (token ids after the
         first turn, whose prompt the engine renders from text)."""
-        params = self.params.clone()
+        params = turn_params(self.engine, self.params, ep.group, ep.sample, ep.turns)
         params.max_tokens = max_tokens
         first = not ep.prompt_ids
         # rendered by the engine's renderer either way (vLLM deprecated raw prompts)
