@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from asyncrl.learner.config import LearnerSettings
 from asyncrl.replay.settings import ReplaySettings
 from asyncrl.runtime import Parts, RaySettings
 from asyncrl.utils.affinity import keep_off, restore
+from asyncrl.utils.runlog import LogSettings
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class Setup:
     ray: RaySettings
     resources: dict[str, float] = field(default_factory=dict)
     env: EnvSettings = field(default_factory=EnvSettings)  # the episodes' (env=single_turn)
+    log: LogSettings = field(default_factory=LogSettings)  # the trajectory log's parts
 
 
 def resolve_model(cfg: DictConfig, task: Any) -> str:
@@ -100,6 +103,7 @@ def prepare(cfg: DictConfig) -> Setup:
     broker = BrokerSettings.from_config(cfg.broker)
     task = build_task(cfg)
     env = EnvSettings.from_config(cfg.get("env"), cfg.get("sandbox"))  # sandbox.*: env=code
+    log_settings = LogSettings.from_config(cfg.get("log"))
     loss = build("loss", cfg.loss)
     if not callable(loss):
         raise ConfigError(
@@ -124,7 +128,7 @@ def prepare(cfg: DictConfig) -> Setup:
     }
     return Setup(
         model_path, task, loss, advantage, run, actor, learner, broker, replay, ray_settings,
-        resources, env,
+        resources, env, log_settings,
     )  # fmt: skip
 
 
@@ -156,7 +160,7 @@ def start_parts(
     }
     learner = start_learner(
         setup.learner, setup.model_path, setup.loss, setup.advantage, setup.actor.sampling,
-        seed, setup.run.max_steps, trajectory_log=str(out_dir / "trajectories.parquet"),
+        seed, setup.run.max_steps, trajectory_log=setup.log.spec(out_dir),
     )  # fmt: skip
     ray.get([a.start.remote() for a in actors.values()])  # engines up (~25 s each on a CPU)
     moved = keep_off_engines(
@@ -165,6 +169,30 @@ def start_parts(
     learner.ping()
     broker = make_broker(setup.broker, actors, learner)
     return Parts(queue, actors, learner, broker, started_ray, moved)
+
+
+class StartupClock:
+    """The run's metrics sink, passed through; the first step it logs ends the start-up:
+    ``startup_seconds`` is this process's start (imports included) to that moment."""
+
+    def __init__(self, sink: Any):
+        self.sink = sink
+        self.first_step_at: float | None = None
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
+        self.sink.log(step, metrics)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sink, name)
+
+    def startup_seconds(self) -> float | None:
+        import psutil  # Ray's own dependency
+
+        if self.first_step_at is None:
+            return None
+        return round(self.first_step_at - psutil.Process().create_time(), 2)
 
 
 def keep_off_engines(placements: list[dict[str, Any]]) -> dict[int, set[int]]:

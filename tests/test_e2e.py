@@ -61,11 +61,12 @@ def test_summary_properties(short_run):
 
 
 def test_outputs_written(short_run):
-    import pyarrow.parquet as pq
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from asyncrl.utils.runlog import read_trajectories
+
     assert (short_run / "config.yaml").read_text().count("max_steps: 120") == 1
-    t = pq.read_table(short_run / "trajectories.parquet")
+    t = read_trajectories(short_run)
     s = json.loads((short_run / "summary.json").read_text())
     assert t.num_rows == s["trajectories_trained"]
     assert max(t.column("staleness").to_pylist()) <= s["max_staleness_bound"]

@@ -141,9 +141,8 @@ def queue_items(ts: list[Trajectory]) -> list:
 def test_each_rank_fetches_its_share_and_two_match_one(ray_local, model_dir, tmp_path):
     """train_step from queue items: each rank decodes only its groups, and the step
     matches one rank's on the whole batch; rank 0 still logs every trajectory in order."""
-    import pyarrow.parquet as pq
-
     from asyncrl.learner.shard import Layout, RowSummary, share_items
+    from asyncrl.utils.runlog import read_trajectories
 
     torch.set_num_threads(1)
     ts = trajs(24, seed=5, max_prompt=9, max_response=12)  # six groups of four
@@ -165,7 +164,7 @@ def test_each_rank_fetches_its_share_and_two_match_one(ray_local, model_dir, tmp
         str(model_dir), ClippedISLoss(), GroupNormalized(),
         LearnerSettings(optim=optim, num_threads=1, micro_batch_tokens=10_000),
     )  # fmt: skip
-    log = tmp_path / "trajectories.parquet"
+    log = tmp_path / "trajectories"
     group = LearnerGroup(
         str(model_dir), ClippedISLoss(), GroupNormalized(),
         LearnerSettings(optim=optim, num_threads=1, world_size=2, micro_batch_tokens=30),
@@ -183,4 +182,4 @@ def test_each_rank_fetches_its_share_and_two_match_one(ray_local, model_dir, tmp
         assert max(float((p1[k] - p2[k]).abs().max()) for k in p1) < PARAM_ATOL
     finally:
         group.close()
-    assert pq.read_table(log).column("traj_id").to_pylist() == [t.traj_id for t in ts]
+    assert read_trajectories(log).column("traj_id").to_pylist() == [t.traj_id for t in ts]

@@ -216,3 +216,50 @@ def export_hf(out: Path, lm: torch.nn.Module, sd: dict[str, torch.Tensor], src: 
             shutil.copy2(f, out / f.name)
     lm.config.save_pretrained(out)
     save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"))
+
+
+# The module's functions under names the methods below do not shadow.
+def _save(*a: Any, **k: Any) -> str:
+    return save(*a, **k)
+
+
+def _load(*a: Any, **k: Any) -> dict[str, Any]:
+    return load(*a, **k)
+
+
+def _export_hf(*a: Any) -> None:
+    export_hf(*a)
+
+
+class CheckpointMethods:
+    """A learner rank's ``save`` / ``load`` (mixed into :class:`~asyncrl.learner.learner.
+    Learner`, which provides the model, optimizer, scheduler and version)."""
+
+    def save(self, path: str, driver_state: dict | None = None, export_hf: bool = True) -> str:
+        """Sharded checkpoint (collective); with ``export_hf`` also ``PATH/hf``, an HF model
+        directory of the current weights (what vLLM or ``model.path`` can load)."""
+        meta = {
+            "version": self.version,
+            "world_size": self.world_size,
+            "normalisation": self.normalisation.value,
+            "value_head": self.value_head is not None,
+            "lr_scale": self.lr_scale,
+        }
+        out = _save(path, self.policy, self.opt, self.sched, meta, self.rank, driver_state)
+        if export_hf:
+            sd = self.full_state_dict()
+            if self.rank == 0:
+                _export_hf(Path(path) / "hf", self.model, sd, self.model_path)
+        return out
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Restore a checkpoint (collective). Returns ``{"version", "driver_state", ...}``."""
+        meta = _load(path, self.policy, self.opt, self.sched, self.rank)
+        if meta.get("value_head", False) != (self.value_head is not None):
+            raise CheckpointError(
+                f"{path}: saved with learner.value_head={meta.get('value_head')}, "
+                f"this run has {self.value_head is not None}"
+            )
+        self.version = int(meta["version"])
+        self.lr_scale = float(meta.get("lr_scale", 1.0))  # older checkpoints: no brake state
+        return meta

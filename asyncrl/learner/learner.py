@@ -26,13 +26,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncrl.learner import checkpoint
 from asyncrl.learner.batch import TrainBatch, collate, loss_weights
+from asyncrl.learner.checkpoint import CheckpointMethods
 from asyncrl.learner.config import LearnerSettings, OptimSettings
 from asyncrl.learner.dist import (
     all_gather,
@@ -59,6 +58,7 @@ from asyncrl.learner.shard import (
     share_items,
     split,
 )  # fmt: skip
+from asyncrl.learner.tokenlog import TokenRecorder, entropy_metric, is_weights, local_rows
 from asyncrl.learner.weights import WeightsOut
 from asyncrl.losses.base import LossBatch, ModelOutputs
 from asyncrl.losses.diagnostics import mismatch_kl_sum
@@ -66,7 +66,7 @@ from asyncrl.losses.diagnostics import mismatch_kl_sum
 __all__ = ["Learner", "OptimSettings", "loss_weights", "trajectory_metrics"]
 
 
-class Learner(WeightsOut):
+class Learner(WeightsOut, CheckpointMethods):
     def __init__(
         self,
         model_path: str,
@@ -121,6 +121,7 @@ class Learner(WeightsOut):
         self.pad_id = self.model.config.pad_token_id or 0
         self.traj_log = None
         self.logging = bool(trajectory_log)  # every rank: rank 0 gathers the rows it logs
+        self.tokens = TokenRecorder()  # what the loss used, per token, for the log
         if trajectory_log and rank == 0:
             from asyncrl.utils.runlog import TrajectoryLog
 
@@ -147,13 +148,15 @@ class Learner(WeightsOut):
             summaries = [row for k in sorted(by_item) for row in by_item[k]]
         t_fetch = time.time() - t0
         metrics = self._step(batch, layout, version)
+        toks = self.tokens.take(len(trajs), [len(t.response_ids) for t in trajs])
         if self.world_size > 1 and self.logging:  # collective: rank 0 logs every row
-            trajs = in_queue_order(gather_to_rank0(trajs), layout)
+            pairs = in_queue_order(gather_to_rank0(list(zip(trajs, toks))), layout)
+            trajs, toks = [t for t, _ in pairs], [k for _, k in pairs]
         if self.rank != 0:
             return {}
         metrics.update(trajectory_metrics(summaries, version))
         if self.traj_log is not None:
-            self.traj_log.write(version, trajs, version)
+            self.traj_log.write(version, trajs, version, toks)
         metrics["perf/learner_fetch_seconds"] = t_fetch
         metrics["perf/learner_step_seconds"] = time.time() - t0
         return metrics
@@ -184,8 +187,9 @@ class Learner(WeightsOut):
         proxs = [self._proximal(p.packs, p.rows) if needs_prox else {} for p in parts]
         sums, loss_sum, steps, t_opt = MetricSums(), 0.0, [], 0.0
         n_all = max(float(sum(layout.mask_tokens)), 1.0)
-        for part, prox in zip(parts, proxs, strict=True):
-            kl, losses = self._backward(part, prox, version, sums, n_all)
+        locs = local_rows(layout, self.minibatches, self.rank) if self.logging else None
+        for i, (part, prox) in enumerate(zip(parts, proxs, strict=True)):
+            kl, losses = self._backward(part, prox, version, sums, n_all, locs and locs[i])
             for x in losses:
                 loss_sum += x / len(parts)
             t1 = time.time()
@@ -213,11 +217,13 @@ class Learner(WeightsOut):
         return metrics
 
     def _backward(
-        self, part: Minibatch, prox: dict, version: int, sums: MetricSums, n_all: float
-    ) -> tuple[torch.Tensor, list[float]]:
+        self, part: Minibatch, prox: dict, version: int, sums: MetricSums, n_all: float,
+        local: list[int] | None = None,
+    ) -> tuple[torch.Tensor, list[float]]:  # fmt: skip
         """Forward and backward over this rank's micro-batches of one minibatch (the
         gradients accumulate; FSDP reduces them on the last). Returns this rank's mismatch
-        KL sum and token count ``[2]`` and each micro-batch's loss."""
+        KL sum and token count ``[2]`` and each micro-batch's loss. ``local``: the rows'
+        indices in the rank's batch, to record what the loss used per token (the log)."""
         mb = part.rows
         kl = torch.zeros(2, dtype=torch.float64)
         losses: list[float] = []
@@ -236,7 +242,11 @@ class Learner(WeightsOut):
             out = self.loss(lb, ModelOutputs(logprobs=logp, values=vals))
             out.loss.backward()
             losses.append(float(out.loss.detach()))
-            sums.add(out.metrics, share=float(lb.mask.sum()) / n_all)
+            ent = entropy_metric(logits, pk, lb.mask, self.temperature, self.top_k, self.top_p)
+            sums.add({**out.metrics, **ent}, share=float(lb.mask.sum()) / n_all)
+            if local is not None:
+                isw = is_weights(self.loss, lb, ModelOutputs(logprobs=logp, values=vals))
+                self.tokens.add([local[j] for j in pk.seqs], lb, logp, isw)
             if self.optim_cfg.mismatch_kl_target is not None:
                 kl += mismatch_kl_sum(logp, lb.behaviour_logprobs, lb.mask)
         return kl, losses
@@ -350,38 +360,6 @@ class Learner(WeightsOut):
             return None
         merged = {i: a for p in parts for i, a in p.items()}
         return [merged[i] for i in range(len(trajs))]
-
-    # ---- checkpoints ----------------------------------------------------------------
-    def save(self, path: str, driver_state: dict | None = None, export_hf: bool = True) -> str:
-        """Sharded checkpoint (collective); with ``export_hf`` also ``PATH/hf``, an HF model
-        directory of the current weights (what vLLM or ``model.path`` can load)."""
-        meta = {
-            "version": self.version,
-            "world_size": self.world_size,
-            "normalisation": self.normalisation.value,
-            "value_head": self.value_head is not None,
-            "lr_scale": self.lr_scale,
-        }
-        out = checkpoint.save(
-            path, self.policy, self.opt, self.sched, meta, self.rank, driver_state
-        )
-        if export_hf:
-            sd = self.full_state_dict()
-            if self.rank == 0:
-                checkpoint.export_hf(Path(path) / "hf", self.model, sd, self.model_path)
-        return out
-
-    def load(self, path: str) -> dict[str, Any]:
-        """Restore a checkpoint (collective). Returns ``{"version", "driver_state", ...}``."""
-        meta = checkpoint.load(path, self.policy, self.opt, self.sched, self.rank)
-        if meta.get("value_head", False) != (self.value_head is not None):
-            raise checkpoint.CheckpointError(
-                f"{path}: saved with learner.value_head={meta.get('value_head')}, "
-                f"this run has {self.value_head is not None}"
-            )
-        self.version = int(meta["version"])
-        self.lr_scale = float(meta.get("lr_scale", 1.0))  # older checkpoints: no brake state
-        return meta
 
     def ping(self) -> bool:
         return True

@@ -1,15 +1,33 @@
-"""Run outputs: TensorBoard scalars, a Parquet trajectory log, a live progress line."""
+"""Run outputs: TensorBoard scalars, a crash-proof Parquet trajectory log, a live line.
+
+The trajectory log is a folder of closed Parquet part files, ``trajectories/part-NNNNN
+.parquet``, one per ``log.part_every`` learner steps. A part is written whole to a
+temporary name and renamed, so a part that exists is complete and readable even when
+the driver (and with it the learner) is SIGKILLed: a crash loses at most the steps
+since the last part. :func:`read_trajectories` reads every part as one table (and the
+single ``trajectories.parquet`` of runs made before the parts).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from asyncrl.config import ConfigError
 from asyncrl.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+LOG_DIR = "trajectories"  # inside the run directory
+LEGACY_FILE = "trajectories.parquet"  # runs before the part files
 
 _SCHEMA = pa.schema(
     [
@@ -31,24 +49,92 @@ _SCHEMA = pa.schema(
         ("behaviour_logprobs", pa.list_(pa.float32())),
         ("versions", pa.list_(pa.int32())),
         ("loss_mask", pa.list_(pa.bool_())),  # False: observation/tool tokens, not trained
+        # What the loss used, per response token (null where the learner recorded none):
+        # the learner's log-probs, the advantage and the IS weight (the loss's own
+        # ``weights()`` where it has one, else the ratio exp(learner - behaviour)).
+        ("learner_logprobs", pa.list_(pa.float32())),
+        ("advantages", pa.list_(pa.float32())),
+        ("is_weights", pa.list_(pa.float32())),
         ("t_start", pa.float64()),
         ("t_end", pa.float64()),
     ]
 )
 
 
+@dataclass
+class LogSettings:
+    """``log`` in config: the trajectory log's parts and its size for long runs."""
+
+    part_every: int = 10  # learner steps per part file (what a crash can lose at most)
+    sample_frac: float = 1.0  # fraction of trajectories logged (chosen by a hash of the id)
+    max_rows: int | None = None  # stop logging after this many rows in all (null: no cap)
+    # Per-step trajectory ids, in the order the learner trained on them (``batches.jsonl``,
+    # what ``asyncrl-replay`` feeds the learner again); small, so never sampled.
+    batch_ids: bool = True
+
+    def check(self) -> None:
+        if self.part_every < 1:
+            raise ConfigError(f"log.part_every={self.part_every}: must be >= 1")
+        if not 0.0 < self.sample_frac <= 1.0:
+            raise ConfigError(f"log.sample_frac={self.sample_frac}: must be in (0, 1]")
+        if self.max_rows is not None and self.max_rows < 0:
+            raise ConfigError(f"log.max_rows={self.max_rows}: must be >= 0 or null")
+
+    @classmethod
+    def from_config(cls, node: Any) -> LogSettings:
+        from asyncrl.config import settings_from
+
+        return cls() if node is None else settings_from(cls, node, "log")
+
+    def spec(self, out_dir: Path) -> dict[str, Any]:
+        """What the learner's rank 0 needs to write the log (plain data, for Ray)."""
+        return {"dir": str(out_dir / LOG_DIR), **self.__dict__}
+
+
+def _sampled(traj_id: str, frac: float) -> bool:
+    """Deterministic per trajectory id, so a rerun logs the same rows."""
+    return frac >= 1.0 or zlib.crc32(traj_id.encode()) / 2**32 < frac
+
+
 class TrajectoryLog:
-    """Appends one row group per learner step; readable with ``pyarrow.parquet``."""
+    """Buffers the rows of ``part_every`` steps, then writes them as one closed part."""
 
-    def __init__(self, path: Path):
-        self.path = path
-        self._w = pq.ParquetWriter(str(path), _SCHEMA)
+    def __init__(self, spec: str | dict[str, Any]):
+        if isinstance(spec, str):  # a bare folder: the default settings
+            spec = {"dir": spec}
+        self.dir = Path(spec["dir"])
+        self.dir.mkdir(parents=True, exist_ok=True)
+        known = {k: v for k, v in spec.items() if k in LogSettings.__dataclass_fields__}
+        self.settings = LogSettings(**known)
+        self.settings.check()
+        self._rows: dict[str, list[Any]] = {f.name: [] for f in _SCHEMA}
+        self._steps = 0
+        self._part = len(list(self.dir.glob("part-*.parquet")))  # a resumed run appends
+        self.rows_written = 0
+        self.rows_skipped = 0
 
-    def write(self, step: int, trajs: list[Trajectory], learner_version: int) -> None:
-        if not trajs:
-            return
-        cols: dict[str, list[Any]] = {f.name: [] for f in _SCHEMA}
-        for t in trajs:
+    def write(
+        self,
+        step: int,
+        trajs: list[Trajectory],
+        learner_version: int,
+        tokens: list[dict[str, Any] | None] | None = None,
+    ) -> None:
+        """One learner step's rows; ``tokens[i]``: trajectory i's per-token
+        ``learner_logprobs`` / ``advantages`` / ``is_weights`` (numpy), or None."""
+        s = self.settings
+        if s.batch_ids and trajs:
+            with open(self.dir / "batches.jsonl", "a") as f:  # one line: survives a kill
+                f.write(json.dumps({"step": step, "traj_ids": [t.traj_id for t in trajs]}) + "\n")
+        for i, t in enumerate(trajs):
+            if not _sampled(t.traj_id, s.sample_frac):
+                continue
+            if s.max_rows is not None and self.rows_written >= s.max_rows:
+                if not self.rows_skipped:
+                    log.warning("log.max_rows=%d reached: no more trajectory rows", s.max_rows)
+                self.rows_skipped += 1
+                continue
+            tok = (tokens[i] if tokens else None) or {}
             row = {
                 "step": step,
                 "traj_id": t.traj_id,
@@ -68,15 +154,71 @@ class TrajectoryLog:
                 "behaviour_logprobs": t.behaviour_logprobs.tolist(),
                 "versions": t.versions.tolist(),
                 "loss_mask": t.loss_mask.tolist(),
+                "learner_logprobs": _list(tok.get("learner_logprobs")),
+                "advantages": _list(tok.get("advantages")),
+                "is_weights": _list(tok.get("is_weights")),
                 "t_start": t.t_start,
                 "t_end": t.t_end,
             }
             for k, v in row.items():
-                cols[k].append(v)
-        self._w.write_table(pa.table(cols, schema=_SCHEMA))
+                self._rows[k].append(v)
+            self.rows_written += 1
+        self._steps += 1
+        if self._steps >= s.part_every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered rows as the next part (closed, renamed into place)."""
+        self._steps = 0
+        if not self._rows["step"]:
+            return
+        path = self.dir / f"part-{self._part:05d}.parquet"
+        tmp = path.with_name(path.name + ".tmp")
+        pq.write_table(pa.table(self._rows, schema=_SCHEMA), str(tmp))
+        os.replace(tmp, path)  # atomic: readers never see half a part
+        self._part += 1
+        self._rows = {f.name: [] for f in _SCHEMA}
 
     def close(self) -> None:
-        self._w.close()
+        self.flush()
+
+
+def _list(a: Any) -> list[float] | None:
+    return None if a is None else [float(x) for x in a]
+
+
+def trajectory_parts(run_dir: str | Path) -> list[Path]:
+    """The finished part files of a run (its folder, or the run directory), in order."""
+    p = Path(run_dir)
+    folder = p / LOG_DIR if (p / LOG_DIR).is_dir() else p
+    return sorted(folder.glob("part-*.parquet"))
+
+
+def read_trajectories(run_dir: str | Path, columns: list[str] | None = None) -> pa.Table:
+    """Every logged trajectory of a run as one table (the part files in order; a run
+    made before the parts: its single ``trajectories.parquet``)."""
+    p = Path(run_dir)
+    parts = trajectory_parts(p)
+    if not parts and (p / LEGACY_FILE).is_file():
+        return pq.read_table(p / LEGACY_FILE, columns=columns)
+    if not parts:
+        raise FileNotFoundError(f"{p}: no trajectory log ({LOG_DIR}/part-*.parquet)")
+    tables = [pq.read_table(f, columns=columns) for f in parts]
+    return pa.concat_tables(tables, promote_options="default")
+
+
+def read_batches(run_dir: str | Path) -> dict[int, list[str]]:
+    """``step -> trajectory ids`` in the order the learner trained on them."""
+    p = Path(run_dir)
+    f = (p / LOG_DIR if (p / LOG_DIR).is_dir() else p) / "batches.jsonl"
+    out: dict[int, list[str]] = {}
+    for line in f.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a killed run may be cut short
+            continue
+        out[int(rec["step"])] = rec["traj_ids"]
+    return out
 
 
 class Scalars:
