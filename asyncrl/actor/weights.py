@@ -105,25 +105,40 @@ async def paused_update(
     prefix_caching: bool,
     pause_timeout_s: float,
     labelled: Callable[[int], None] | None = None,
+    hops: dict[str, float] | None = None,
 ) -> tuple[Any, float]:
     """Pause per ``mode``, ``await load()``, label ``version`` (then ``labelled(version)``),
     resume. Returns (load's result, seconds paused). Generation is resumed even when
-    anything fails."""
+    anything fails. ``hops`` (if given) gets the seconds of each step: ``pause``,
+    ``load``, ``label``, ``resume`` (where an update's pause goes, docs/weight_sync.md)."""
     t0 = time.monotonic()
+    marks = {"start": t0}
     try:
         await asyncio.wait_for(
             engine.pause_generation(mode=mode, clear_cache=mode != "keep"), pause_timeout_s
         )
+        marks["pause"] = time.monotonic()
         result = await load()
+        marks["load"] = time.monotonic()
         # Every token the engine produces from here on is labelled `version`.
         await engine.update_weight_version(str(version))
         if labelled is not None:
             labelled(version)
         if mode == "keep" and prefix_caching:
             await engine.reset_prefix_cache(reset_running_requests=True)
+        marks["label"] = time.monotonic()
     finally:
         await asyncio.wait_for(engine.resume_generation(), RPC_TIMEOUT_S)
-    return result, time.monotonic() - t0
+        marks["resume"] = time.monotonic()
+    if hops is not None:
+        hops.update(_spans(marks))
+    return result, marks["resume"] - t0
+
+
+def _spans(marks: dict[str, float]) -> dict[str, float]:
+    """Consecutive marks (insertion order) -> the seconds between each and the one before."""
+    names, times = list(marks), list(marks.values())
+    return {names[i]: times[i] - times[i - 1] for i in range(1, len(names))}
 
 
 def engine_dead(engine: Any, exc: BaseException | None = None) -> bool:
@@ -146,11 +161,13 @@ class WeightUpdates:
         self._lock = asyncio.Lock()
 
     async def _paused(
-        self, engine: Any, mode: str, version: int, load, pause_timeout_s: float = 600.0
+        self, engine: Any, mode: str, version: int, load, pause_timeout_s: float = 600.0,
+        hops: dict[str, float] | None = None,
     ) -> tuple[Any, float]:
         return await paused_update(
-            engine, mode, version, load, self.prefix_caching, pause_timeout_s, self.labelled
-        )
+            engine, mode, version, load, self.prefix_caching, pause_timeout_s, self.labelled,
+            hops,
+        )  # fmt: skip
 
     async def load_state_dict(
         self, engine: Any, mode: str, state: dict, version: int
@@ -197,7 +214,8 @@ class WeightUpdates:
                     return out
                 out["transfer_seconds"] = time.monotonic() - t0
                 out["bytes"] = states[0]["bytes"]
-                _, out["pause_seconds"] = await self._paused(
+                hops: dict[str, float] = {"receive": out["transfer_seconds"]}
+                applied, out["pause_seconds"] = await self._paused(
                     engine,
                     mode,
                     version,
@@ -208,7 +226,11 @@ class WeightUpdates:
                         order["apply_timeout_s"],
                     ),
                     order["pause_timeout_s"],
+                    hops,
                 )
+                # the bare in-place reload, as the slowest worker timed it
+                out["reload_seconds"] = max(a.get("seconds", 0.0) for a in applied)
+                out["hops"] = hops
                 if order["with_digests"]:
                     loaded = await rpc(engine, "asyncrl_loaded_digests")
                     out["digests"] = [d["digests"] for d in loaded]

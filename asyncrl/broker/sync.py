@@ -35,6 +35,10 @@ class SyncTally:
     buckets_sparse: int = 0
     transfer_seconds: float = 0.0
     pause_max: float = 0.0
+    reload_max: float = 0.0  # the bare in-place reload inside the engine, slowest actor
+    # per actor-side step of an update (actor/weights.py: receive, pause, load, label,
+    # resume): the slowest actor's seconds
+    hops: dict[str, float] = field(default_factory=dict)
     sets: int = 0
     updated: int = 0
     errors: list[str] = field(default_factory=list)
@@ -49,6 +53,14 @@ class SyncTally:
             self.buckets_sparse += sender["buckets_sparse"]
             self.transfer_seconds += sender["seconds"]
 
+    def add_actor(self, res: dict[str, Any]) -> None:
+        """Count one actor's successful update from its result."""
+        self.updated += 1
+        self.pause_max = max(self.pause_max, res.get("pause_seconds", 0.0))
+        self.reload_max = max(self.reload_max, res.get("reload_seconds", 0.0))
+        for k, v in (res.get("hops") or {}).items():
+            self.hops[k] = max(self.hops.get(k, 0.0), v)
+
     def metrics(self, seconds: float, dead: int) -> dict[str, float]:
         gbps = self.bytes_sent / self.transfer_seconds / 1e9 if self.transfer_seconds else 0.0
         return {
@@ -62,6 +74,8 @@ class SyncTally:
             "broker/gbps": gbps,
             "broker/pack_seconds": self.pack_seconds,
             "broker/pause_seconds_max": self.pause_max,
+            "broker/reload_seconds": self.reload_max,
+            **{f"broker/hop/{k}_seconds": v for k, v in self.hops.items()},
             "broker/sets": float(self.sets),
             "broker/actors_updated": float(self.updated),
             "broker/errors": float(len(self.errors)),

@@ -269,8 +269,7 @@ class WeightBroker:
             view = self.views[name]
             if res.get("ok"):
                 view.loaded, view.held, view.failures = version, res["held"], 0
-                acc.updated += 1
-                acc.pause_max = max(acc.pause_max, res.get("pause_seconds", 0.0))
+                acc.add_actor(res)
                 bad = digest_mismatch(name, res, snap)
                 if bad:
                     self._error(acc, bad)
