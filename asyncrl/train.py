@@ -25,7 +25,7 @@ from asyncrl.loop import LoopHooks, LoopResult, RunError, run_loop
 from asyncrl.runtime import check_resources, init_ray
 from asyncrl.utils.fingerprint import fingerprint, markdown
 from asyncrl.utils.runlog import Scalars
-from asyncrl.wiring import Setup, prepare, start_parts, stop_parts
+from asyncrl.wiring import Setup, StartupClock, prepare, start_parts, stop_parts
 
 log = logging.getLogger("asyncrl")
 
@@ -107,11 +107,12 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         parts = start_parts(setup, out_dir, started)
         version = resume(parts, cfg.resume) if cfg.resume else 0
         hooks = LoopHooks(checkpoint_dir=out_dir / "checkpoint", progress=bool(cfg.progress))
-        loop = run_loop(cfg, parts, scalars, version, hooks)
+        loop = run_loop(cfg, parts, clock := StartupClock(scalars), version, hooks)
         save_checkpoint(parts, out_dir / "checkpoint")  # with the queue and sampler state
         queue_stats, actor_stats = stop_parts(parts)
         parts = None
         summary = summarise(cfg, loop, queue_stats, actor_stats, time.time() - t0)
+        summary["startup_seconds"] = clock.startup_seconds()  # process start -> first step
         summary["fingerprint"] = fp
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
