@@ -87,6 +87,7 @@ class MultiTurnEpisodes:
         self.engine = engine
         self.task = task
         self.env = env
+        env.prepare()  # the sandbox pool, if the env grades programs
         self.n = settings.sampling.n
         self.max_model_len = settings.engine.max_model_len
         self.turn_tokens = settings.sampling.max_tokens

@@ -106,6 +106,15 @@ class EnvSettings:
             return self._cls(**self.kwargs, sandbox=self.pool())
         return self._cls(**self.kwargs)
 
+    def prepare(self) -> None:
+        """Build what every episode shares before the first one runs (the runner calls it
+        when the actor starts): the sandbox pool, whose set-up probes the kernel once, a
+        blocking call that must not stall the first episodes' event loop."""
+        if self._cls is None:
+            self._cls = _locate("env", self.target)
+        if takes_sandbox(self._cls):
+            self.pool()
+
     def pool(self) -> Any:
         """This process's SandboxPool of ``sandbox.workers`` (built once, on first use:
         in the actor, never in the driver, which only checks the settings)."""
