@@ -75,20 +75,35 @@ class MetricSums:
         }
 
 
-def trajectory_metrics(trajs: list, learner_version: int) -> dict[str, float]:
-    """``reward/*`` and ``staleness/*`` of the trajectories one step trained on (their
-    ``learner.shard.RowSummary``: every rank's, on rank 0)."""
+def trajectory_metrics(trajs: list, learner_version: int) -> dict[str, Any]:
+    """``reward/*``, ``response_length/*`` and ``staleness/*`` of the trajectories one
+    step trained on (their ``learner.shard.RowSummary``: every rank's, on rank 0); every
+    value a float but ``staleness/hist``, each trajectory's staleness (a histogram)."""
     import numpy as np
 
     rewards = np.array([t.reward for t in trajs], dtype=np.float64)
     stale = np.array([learner_version - t.min_version for t in trajs], dtype=np.int64)
-    out = {
+    lengths = np.array([t.response_len for t in trajs], dtype=np.float64)
+    groups: dict[str, list[float]] = {}
+    for t, r in zip(trajs, rewards, strict=True):
+        groups.setdefault(t.group_id, []).append(float(r))
+    out: dict[str, Any] = {
         "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()),
         "reward/sum": float(rewards.sum()),
         "reward/count": float(len(rewards)),
         "reward/errors": float(sum(bool(t.error) for t in trajs)),
+        # groups whose members all scored alike: no GRPO signal (DAPO's dynamic sampling)
+        "reward/zero_variance_frac": sum(max(g) == min(g) for g in groups.values()) / len(groups),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        # stopped by the token limit, not by the model (veRL's response_length/clip_ratio)
+        "response_length/clip_ratio": float(
+            np.mean([getattr(t, "finish_reason", "") == "length" for t in trajs])
+        ),
         "staleness/mean": float(stale.mean()),
         "staleness/max": float(stale.max()),
+        "staleness/hist": stale.tolist(),  # a list: the TensorBoard sink draws a histogram
         "tokens/trained": float(sum(t.mask_tokens for t in trajs)),  # not observations
         "tokens/trained_with_prompt": float(sum(t.num_tokens for t in trajs)),
     }

@@ -40,6 +40,7 @@ class RowSummary:
     error: str = ""
     reward_breakdown: dict[str, float] = field(default_factory=dict)
     episode: dict[str, float] = field(default_factory=dict)  # Trajectory.episode (multi-turn)
+    finish_reason: str = ""  # "length": cut by the token limit
 
     @classmethod
     def of(cls, t: Any) -> RowSummary:
@@ -47,7 +48,7 @@ class RowSummary:
             num_tokens=t.num_tokens, mask_tokens=int(t.loss_mask.sum()),
             response_len=len(t.response_ids), reward=t.reward, group_id=t.group_id,
             min_version=t.min_version, error=t.error or "", reward_breakdown=t.reward_breakdown,
-            episode=getattr(t, "episode", {}),
+            episode=getattr(t, "episode", {}), finish_reason=t.finish_reason,
         )  # fmt: skip
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -230,11 +231,14 @@ class Scalars:
         self._w = SummaryWriter(str(logdir))
         self.last: dict[str, float] = {}
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Numbers are scalars; a list or array of numbers is a histogram (``staleness/hist``)."""
         for k, v in metrics.items():
             if isinstance(v, int | float):
                 self._w.add_scalar(k, v, step)
                 self.last[k] = float(v)
+            elif isinstance(v, list | tuple) or hasattr(v, "__array__"):
+                self.histogram(k, np.asarray(v, dtype=np.float64), step)
 
     def text(self, tag: str, markdown: str, step: int = 0) -> None:
         """A TensorBoard text tab (Markdown), e.g. the run's fingerprint."""
