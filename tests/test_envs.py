@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from asyncrl.actor.episode import EpisodeAborted, SingleTurnEpisodes
+from asyncrl.actor.episode import EpisodeAborted, SingleTurnEpisodes, turn_seed
 from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
 from asyncrl.config import ConfigError
 from asyncrl.envs.base import StepResult
@@ -30,6 +30,7 @@ class ScriptedEngine:
 
     def __init__(self, policy, version: int = 0, tok=TOK):
         self.policy, self.version, self.requests = policy, version, []
+        self.seeds: list[int | None] = []  # each request's sampling seed
         self.abort = False
         self.tok = tok
 
@@ -40,6 +41,7 @@ class ScriptedEngine:
         tok = self.tok
         ids = prompt.get("prompt_token_ids") or tok.encode(prompt["prompt"])
         self.requests.append(list(ids))
+        self.seeds.append(params.seed)
         out = tok.encode(self.policy(list(ids)), add_special_tokens=False)[: params.max_tokens]
         out += [tok.eos_token_id] if len(out) < params.max_tokens else []
         await asyncio.sleep(0)
@@ -90,6 +92,29 @@ def test_calculator_episode_is_exact_and_masks_the_tool_output():
         assert t.reward_breakdown["tool_used"] == 1.0
     # turn 2's request: the prompt, turn 1's ids and the observation's, as generated
     assert engine.requests[-1] == TOK.encode("37*48=") + call + obs
+
+
+def test_every_turn_request_has_its_own_seed():
+    """Seeded as vLLM seeds a request: from the engine's seed (the run's), the group's
+    place in the actor's start order, the sample and the turn; a fresh runner on an
+    engine of the same seed asks for the same seeds, another seed for none of them."""
+
+    def seeds(engine_seed: int) -> list[int]:
+        engine = ScriptedEngine(calculator_policy)
+        engine.model_config = SimpleNamespace(seed=engine_seed)
+        r = runner(engine, CALC, n=3)
+        for prompt in (Prompt("37*48=", "1776"), Prompt("12*11=", "132")):
+            asyncio.run(r.run_group(prompt))
+        return engine.seeds
+
+    first = seeds(5)
+    want = {turn_seed(5, g, i, t) for g in range(2) for i in range(3) for t in range(2)}
+    assert len(first) == 12 and set(first) == want  # 2 groups x 3 samples x 2 turns
+    assert sorted(seeds(5)) == sorted(first)
+    assert not set(seeds(6)) & set(first)
+    plain = ScriptedEngine(calculator_policy)  # an engine with no seed: unseeded requests
+    asyncio.run(runner(plain, CALC, n=1).run_group(Prompt("2*3=", "6")))
+    assert plain.seeds == [None, None]
 
 
 def test_versions_across_an_update_between_turns():
