@@ -10,7 +10,7 @@ staleness and throughput benchmarks), with small hooks for what they vary.
              broker.publish(V+1)               the sync runs in the background ...
              hooks.wait_for_sync: broker.wait()  ... unless every step waits for it
              queue.set_learner_version(V+1)    the staleness window moves on
-             log metrics; checkpoint every ``learner.checkpoint_every``
+             alerts (hooks.monitor); log metrics; checkpoint every ``learner.checkpoint_every``
 
 Only ObjectRefs and small metadata pass through the driver: trajectories go from an
 actor's ``ray.put`` to the learner ranks' ``ray.get``, weights from the learner to the
@@ -56,6 +56,9 @@ class LoopHooks:
     # A checkpoint every N steps into this directory (N = learner.checkpoint_every).
     checkpoint_dir: Path | None = None
     progress: bool = False
+    # Run-health alerts (asyncrl.monitor.HealthMonitor): ``check(step, metrics)`` adds
+    # ``alerts/*`` to each step's metrics and warns once when one starts firing.
+    monitor: Any = None
 
 
 @dataclass
@@ -108,6 +111,8 @@ def run_loop(
         out.per_step.append((m["reward/sum"], m["reward/count"]))
         out.tokens_trained += int(m["tokens/trained"])
         m.update(progress_metrics(stats, t0, out.tokens_trained, phases))
+        if hooks.monitor is not None:
+            m.update(hooks.monitor.check(version, m))
         sink.log(version, m)
         every = cfg.learner.checkpoint_every
         if hooks.checkpoint_dir is not None and every and version % every == 0:

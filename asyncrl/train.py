@@ -23,6 +23,7 @@ from asyncrl.confdir import conf_dir
 from asyncrl.config import ConfigError
 from asyncrl.learner.resume import resume, save_checkpoint
 from asyncrl.loop import LoopHooks, LoopResult, RunError, run_loop
+from asyncrl.monitor import HealthMonitor, MonitorSettings
 from asyncrl.runtime import check_resources, init_ray
 from asyncrl.utils.fingerprint import fingerprint, markdown
 from asyncrl.utils.runlog import Scalars
@@ -96,6 +97,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             "staleness window never lets the actors make. Use replay.max_staleness to bound "
             "staleness here."
         )
+    monitor = HealthMonitor(
+        MonitorSettings.from_config(cfg.get("monitor")), setup.replay.max_staleness
+    )  # its thresholds are checked here too, before Ray starts
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     fp = fingerprint(cfg, setup.model_path, setup.run.seed)  # what this run ran
@@ -107,7 +111,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         check_resources(setup.resources)
         parts = start_parts(setup, out_dir, started)
         version = resume(parts, cfg.resume) if cfg.resume else 0
-        hooks = LoopHooks(checkpoint_dir=out_dir / "checkpoint", progress=bool(cfg.progress))
+        hooks = LoopHooks(
+            checkpoint_dir=out_dir / "checkpoint", progress=bool(cfg.progress), monitor=monitor
+        )
         loop = run_loop(cfg, parts, clock := StartupClock(scalars), version, hooks)
         save_checkpoint(parts, out_dir / "checkpoint")  # with the queue and sampler state
         queue_stats, actor_stats = stop_parts(parts)
@@ -115,6 +121,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         summary = summarise(cfg, loop, queue_stats, actor_stats, time.time() - t0)
         summary["startup_seconds"] = clock.startup_seconds()  # process start -> first step
         summary["fingerprint"] = fp
+        summary["alerts"] = monitor.summary()  # name -> steps it fired, first step
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
     finally:
