@@ -214,10 +214,18 @@ def test_shipped_env_configs_compose():
     with initialize_config_dir(CONF_DIR, version_base=None):
         default = compose("config")
         calc = compose("config", overrides=["env=calculator"])
+        code = compose("config", overrides=["env=code", "sandbox.workers=3"])
     assert EnvSettings.from_config(default.env).single_turn
+    assert default.max_steps == 300  # an env's own max_steps does not leak into the default
     s = EnvSettings.from_config(calc.env)
     assert s.max_turns >= 2 and calc.actor.engine.enable_prefix_caching
     assert calc.task._target_.endswith("CalculatorTask")
+    assert calc.max_steps == 60 and calc.learner.batch_groups == 8  # the plain run's
+    task = CalculatorTask(**{k: v for k, v in calc.task.items() if k != "_target_"})
+    assert len(task.header) >= 32 and set(task.header) <= set(task.alphabet)
+    c = EnvSettings.from_config(code.env, code.sandbox)
+    assert c.sandbox.workers == 3 and c._pool is None  # the pool is the actor's, not the driver's
+    assert code.task.timeout_s == code.sandbox.timeout_s
     engine = ScriptedEngine(calculator_policy)
     settings = ActorSettings.from_config(default.actor)
     assert isinstance(make_runner(engine, None, settings, None, int), SingleTurnEpisodes)
