@@ -33,8 +33,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 # How often the actor asks its workers whether the transfer finished: a cheap
-# engine utility call, frequent enough to add little to a sync.
-POLL_S = 0.02
+# engine utility call (answered between two engine steps). A transfer of the tiny
+# model takes ~10 ms, so a 20 ms period added about as much again to every sync.
+POLL_S = 0.005
 # Bound on one small control RPC (start, poll, digests); a live engine answers in ms.
 RPC_TIMEOUT_S = 60.0
 
@@ -109,30 +110,71 @@ async def paused_update(
 ) -> tuple[Any, float]:
     """Pause per ``mode``, ``await load()``, label ``version`` (then ``labelled(version)``),
     resume. Returns (load's result, seconds paused). Generation is resumed even when
-    anything fails. ``hops`` (if given) gets the seconds of each step: ``pause``,
-    ``load``, ``label``, ``resume`` (where an update's pause goes, docs/weight_sync.md)."""
+    anything fails. ``hops`` (if given) gets the seconds of each step: ``pause`` (not
+    under ``keep``), ``load`` (under ``keep`` with the pause), ``resume`` (with the
+    label; where an update's pause goes: docs/weight_sync.md).
+
+    The engine core reads its input in order, and under ``keep`` it runs no step from
+    the moment it reads the pause: the load's call follows the pause's without waiting
+    for its reply, and after the load the label, the prefix-cache reset and the resume
+    go out together. Two round trips to the engine core instead of five."""
     t0 = time.monotonic()
     marks = {"start": t0}
+    resumed = False
     try:
-        await asyncio.wait_for(
-            engine.pause_generation(mode=mode, clear_cache=mode != "keep"), pause_timeout_s
-        )
-        marks["pause"] = time.monotonic()
-        result = await load()
+        if mode == "keep":  # the pause takes effect at once: the load may follow it
+            pause = asyncio.ensure_future(_pause(engine, mode))
+            await asyncio.sleep(0)  # the pause's first slice: its message is sent
+            result = await load()
+            await asyncio.wait_for(pause, pause_timeout_s)
+        else:  # abort and wait: the engine drains first (wait: still stepping)
+            await asyncio.wait_for(_pause(engine, mode), pause_timeout_s)
+            marks["pause"] = time.monotonic()
+            result = await load()
         marks["load"] = time.monotonic()
         # Every token the engine produces from here on is labelled `version`.
-        await engine.update_weight_version(str(version))
+        calls = [engine.update_weight_version(str(version))]
+        if mode == "keep" and prefix_caching:
+            calls.append(engine.reset_prefix_cache(reset_running_requests=True))
+        resumed = True  # the resume is among these calls: `finally` must not send another
+        await asyncio.wait_for(_in_order([*calls, engine.resume_generation()]), RPC_TIMEOUT_S)
         if labelled is not None:
             labelled(version)
-        if mode == "keep" and prefix_caching:
-            await engine.reset_prefix_cache(reset_running_requests=True)
-        marks["label"] = time.monotonic()
     finally:
-        await asyncio.wait_for(engine.resume_generation(), RPC_TIMEOUT_S)
+        if not resumed:
+            await asyncio.wait_for(engine.resume_generation(), RPC_TIMEOUT_S)
         marks["resume"] = time.monotonic()
     if hops is not None:
         hops.update(_spans(marks))
     return result, marks["resume"] - t0
+
+
+async def _pause(engine: Any, mode: str) -> None:
+    """``engine.pause_generation(mode)``; for ``keep`` on a real AsyncLLM straight to its
+    engine core: ``pause_generation`` then sleeps 20 ms so that outputs already made reach
+    their streams first (its comment: "not required for correctness"), 20 ms of every
+    update's pause. With ``keep`` nothing is lost or reordered: those outputs still arrive,
+    labelled with the version that made them."""
+    core = getattr(engine, "engine_core", None)
+    if mode == "keep" and hasattr(core, "pause_scheduler_async"):
+        await core.pause_scheduler_async(mode=mode, clear_cache=False)
+    else:
+        await engine.pause_generation(mode=mode, clear_cache=mode != "keep")
+
+
+async def _in_order(coros: list[Awaitable[Any]]) -> list[Any]:
+    """Start each engine call in turn (each sends its message in its first slice, so
+    they reach the engine core in this order), then await them all; the first error
+    is raised once every call is done."""
+    tasks = []
+    for c in coros:
+        tasks.append(asyncio.ensure_future(c))
+        await asyncio.sleep(0)  # the task's first slice: its message is sent
+    got = await asyncio.gather(*tasks, return_exceptions=True)
+    for g in got:
+        if isinstance(g, BaseException):
+            raise g
+    return got
 
 
 def _spans(marks: dict[str, float]) -> dict[str, float]:
@@ -161,7 +203,12 @@ class WeightUpdates:
         self._lock = asyncio.Lock()
 
     async def _paused(
-        self, engine: Any, mode: str, version: int, load, pause_timeout_s: float = 600.0,
+        self,
+        engine: Any,
+        mode: str,
+        version: int,
+        load,
+        pause_timeout_s: float = 600.0,
         hops: dict[str, float] | None = None,
     ) -> tuple[Any, float]:
         return await paused_update(
@@ -202,7 +249,8 @@ class WeightUpdates:
         says ``ok``, or the error and whether the engine is ``dead``; ``held`` is the
         version the workers keep for deltas."""
         version = order["version"]
-        out: dict[str, Any] = {"version": version, "ok": False}
+        # wall clock (the broker's is the same on one machine): its order's trip here
+        out: dict[str, Any] = {"version": version, "ok": False, "t_enter": time.time()}
         async with self._lock:
             t0 = time.monotonic()
             try:
@@ -239,6 +287,7 @@ class WeightUpdates:
                 return out
             out["ok"] = True
             out["seconds"] = time.monotonic() - t0
+            out["t_exit"] = time.time()
             return out
 
 

@@ -39,6 +39,7 @@ class SyncTally:
     # per actor-side step of an update (actor/weights.py: receive, pause, load, label,
     # resume): the slowest actor's seconds
     hops: dict[str, float] = field(default_factory=dict)
+    t_ordered: float = 0.0  # wall clock: the last set's orders went to its actors
     sets: int = 0
     updated: int = 0
     errors: list[str] = field(default_factory=list)
@@ -58,7 +59,11 @@ class SyncTally:
         self.updated += 1
         self.pause_max = max(self.pause_max, res.get("pause_seconds", 0.0))
         self.reload_max = max(self.reload_max, res.get("reload_seconds", 0.0))
-        for k, v in (res.get("hops") or {}).items():
+        hops = dict(res.get("hops") or {})
+        if self.t_ordered and "t_enter" in res:  # the Ray calls' trips, both ways
+            hops["order"] = res["t_enter"] - self.t_ordered
+            hops["reply"] = res.get("t_back", res["t_exit"]) - res["t_exit"]
+        for k, v in hops.items():
             self.hops[k] = max(self.hops.get(k, 0.0), v)
 
     def metrics(self, seconds: float, dead: int) -> dict[str, float]:

@@ -244,6 +244,7 @@ class WeightBroker:
                     return sset, group, sender, refs
                 group.port = futs["port"].result()
             order = self._order(version, group, sset)
+            acc.t_ordered = time.time()
             refs = {
                 n: self.actors[n].receive_weights.remote({**order, "rank_offset": group.ranks[n]})
                 for n in sset.members
@@ -266,6 +267,7 @@ class WeightBroker:
         deadline = self._transfer_deadline_s() + self.s.pause_timeout_s + 2 * self.s.timeout_s
         for name in sset.members:
             res = await self._actor_result(name, refs.get(name), deadline + SLACK_S)
+            res.setdefault("t_back", time.time())
             view = self.views[name]
             if res.get("ok"):
                 view.loaded, view.held, view.failures = version, res["held"], 0
