@@ -158,11 +158,13 @@ def start_parts(
         )
         for i in range(setup.actor.num_actors if num_actors is None else num_actors)
     }
+    # the engines (~25 s each on a CPU) start while the learner ranks load the model
+    started = [a.start.remote() for a in actors.values()]
     learner = start_learner(
         setup.learner, setup.model_path, setup.loss, setup.advantage, setup.actor.sampling,
         seed, setup.run.max_steps, trajectory_log=setup.log.spec(out_dir),
     )  # fmt: skip
-    ray.get([a.start.remote() for a in actors.values()])  # engines up (~25 s each on a CPU)
+    ray.get(started)  # engines up
     moved = keep_off_engines(
         [s["placement"] for s in ray.get([a.get_stats.remote() for a in actors.values()])]
     )
