@@ -19,6 +19,7 @@ actors through the broker.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -59,6 +60,8 @@ class LoopHooks:
     # Run-health alerts (asyncrl.monitor.HealthMonitor): ``check(step, metrics)`` adds
     # ``alerts/*`` to each step's metrics and warns once when one starts firing.
     monitor: Any = None
+    # Every periodic checkpoint also copied to checkpoints/step-V (log.keep_checkpoints).
+    keep_checkpoints: bool = False
 
 
 @dataclass
@@ -119,6 +122,9 @@ def run_loop(
             from asyncrl.learner.resume import save_checkpoint
 
             save_checkpoint(parts, hooks.checkpoint_dir)
+            if hooks.keep_checkpoints:  # asyncrl-replay starts from these
+                keep = hooks.checkpoint_dir.parent / "checkpoints" / f"step-{version}"
+                shutil.copytree(hooks.checkpoint_dir, keep, dirs_exist_ok=True)
         _show(bar, m)
     bar.close()
     out.phases = phases

@@ -112,7 +112,10 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         parts = start_parts(setup, out_dir, started)
         version = resume(parts, cfg.resume) if cfg.resume else 0
         hooks = LoopHooks(
-            checkpoint_dir=out_dir / "checkpoint", progress=bool(cfg.progress), monitor=monitor
+            checkpoint_dir=out_dir / "checkpoint",
+            progress=bool(cfg.progress),
+            monitor=monitor,
+            keep_checkpoints=setup.log.keep_checkpoints,
         )
         loop = run_loop(cfg, parts, clock := StartupClock(scalars), version, hooks)
         save_checkpoint(parts, out_dir / "checkpoint")  # with the queue and sampler state

@@ -156,7 +156,7 @@ class Learner(WeightsOut, CheckpointMethods):
             return {}
         metrics.update(trajectory_metrics(summaries, version))
         if self.traj_log is not None:
-            self.traj_log.write(version, trajs, version, toks)
+            self.traj_log.write(version, trajs, version, toks, metrics)
         metrics["perf/learner_fetch_seconds"] = t_fetch
         metrics["perf/learner_step_seconds"] = time.time() - t0
         return metrics

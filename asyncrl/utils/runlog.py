@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 LOG_DIR = "trajectories"  # inside the run directory
 LEGACY_FILE = "trajectories.parquet"  # runs before the part files
+REPLAY_KEYS = ("loss/total", "learner/grad_norm")  # per step in batches.jsonl
 
 _SCHEMA = pa.schema(
     [
@@ -46,6 +47,7 @@ _SCHEMA = pa.schema(
         ("staleness", pa.int32()),
         ("prompt_tokens", pa.int32()),
         ("response_tokens", pa.int32()),
+        ("prompt_ids", pa.list_(pa.int32())),  # with the rest: the learner's exact input (replay)
         ("response_ids", pa.list_(pa.int32())),
         ("behaviour_logprobs", pa.list_(pa.float32())),
         ("versions", pa.list_(pa.int32())),
@@ -69,9 +71,13 @@ class LogSettings:
     part_every: int = 10  # learner steps per part file (what a crash can lose at most)
     sample_frac: float = 1.0  # fraction of trajectories logged (chosen by a hash of the id)
     max_rows: int | None = None  # stop logging after this many rows in all (null: no cap)
-    # Per-step trajectory ids, in the order the learner trained on them (``batches.jsonl``,
-    # what ``asyncrl-replay`` feeds the learner again); small, so never sampled.
+    # Per-step trajectory ids, in the order the learner trained on them, with the step's
+    # loss and grad norm (``batches.jsonl``, what ``asyncrl-replay`` feeds the learner
+    # again and compares with); small, so never sampled.
     batch_ids: bool = True
+    # Keep every periodic checkpoint (learner.checkpoint_every) as checkpoints/step-V, not
+    # only the latest: what ``asyncrl-replay --from-step V`` starts from.
+    keep_checkpoints: bool = False
 
     def check(self) -> None:
         if self.part_every < 1:
@@ -120,13 +126,17 @@ class TrajectoryLog:
         trajs: list[Trajectory],
         learner_version: int,
         tokens: list[dict[str, Any] | None] | None = None,
+        metrics: dict[str, float] | None = None,
     ) -> None:
         """One learner step's rows; ``tokens[i]``: trajectory i's per-token
-        ``learner_logprobs`` / ``advantages`` / ``is_weights`` (numpy), or None."""
+        ``learner_logprobs`` / ``advantages`` / ``is_weights`` (numpy), or None;
+        ``metrics``: the step's (``batches.jsonl`` keeps the loss and grad norm)."""
         s = self.settings
         if s.batch_ids and trajs:
+            rec = {"step": step, "traj_ids": [t.traj_id for t in trajs]}
+            rec.update({k: float(metrics[k]) for k in REPLAY_KEYS if k in (metrics or {})})
             with open(self.dir / "batches.jsonl", "a") as f:  # one line: survives a kill
-                f.write(json.dumps({"step": step, "traj_ids": [t.traj_id for t in trajs]}) + "\n")
+                f.write(json.dumps(rec) + "\n")  # floats as repr: exact doubles
         for i, t in enumerate(trajs):
             if not _sampled(t.traj_id, s.sample_frac):
                 continue
@@ -151,6 +161,7 @@ class TrajectoryLog:
                 "staleness": learner_version - t.min_version,
                 "prompt_tokens": len(t.prompt_ids),
                 "response_tokens": len(t.response_ids),
+                "prompt_ids": t.prompt_ids.tolist(),
                 "response_ids": t.response_ids.tolist(),
                 "behaviour_logprobs": t.behaviour_logprobs.tolist(),
                 "versions": t.versions.tolist(),
@@ -208,8 +219,9 @@ def read_trajectories(run_dir: str | Path, columns: list[str] | None = None) -> 
     return pa.concat_tables(tables, promote_options="default")
 
 
-def read_batches(run_dir: str | Path) -> dict[int, list[str]]:
-    """``step -> trajectory ids`` in the order the learner trained on them."""
+def read_batches(run_dir: str | Path, full: bool = False) -> dict[int, Any]:
+    """``step -> trajectory ids`` in the order the learner trained on them (``full``:
+    the whole record, with the step's ``loss/total`` and ``learner/grad_norm``)."""
     p = Path(run_dir)
     f = (p / LOG_DIR if (p / LOG_DIR).is_dir() else p) / "batches.jsonl"
     out: dict[int, list[str]] = {}
@@ -218,7 +230,7 @@ def read_batches(run_dir: str | Path) -> dict[int, list[str]]:
             rec = json.loads(line)
         except json.JSONDecodeError:  # the last line of a killed run may be cut short
             continue
-        out[int(rec["step"])] = rec["traj_ids"]
+        out[int(rec["step"])] = rec if full else rec["traj_ids"]
     return out
 
 

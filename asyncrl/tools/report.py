@@ -1,0 +1,172 @@
+"""``asyncrl-inspect RUN_DIR --html OUT``: one self-contained page (PNG plots embedded as
+base64) a person would rather look at than read: the reward curve, the staleness
+histogram, IS statistics, the step time split between generation wait / training /
+weight sync, the broker's timings, and the alerts and summary.
+
+The series come from the run's TensorBoard events (every step) and its trajectory log;
+a series the run did not log is left out of its plot, never invented.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def scalars(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
+    """``tag -> (steps, values)`` of every scalar in RUN_DIR/tb (all points kept)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = run_dir / "tb"
+    if not tb.is_dir():
+        return {}
+    ea = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+    ea.Reload()
+    out = {}
+    for tag in ea.Tags()["scalars"]:
+        ev = ea.Scalars(tag)
+        out[tag] = ([e.step for e in ev], [e.value for e in ev])
+    return out
+
+
+def _png(fig) -> str:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _lines(ax, s: dict, tags: list[str]) -> bool:
+    drawn = False
+    for t in tags:
+        if t in s:
+            ax.plot(*s[t], label=t, lw=1.2)
+            drawn = True
+    if drawn:
+        ax.legend(fontsize=7)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    return drawn
+
+
+def figures(s: dict, rows: list[dict], summary: dict) -> dict[str, str]:
+    """Title -> base64 PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out: dict[str, str] = {}
+    fig, ax = plt.subplots(figsize=(6, 3))
+    if rows:  # the log's per-step mean, beside the TensorBoard series
+        steps = sorted({r["step"] for r in rows})
+        by = {k: [r["reward"] for r in rows if r["step"] == k] for k in steps}
+        ax.plot(steps, [np.mean(by[k]) for k in steps], ".", ms=3, alpha=0.4,
+                label="logged trajectories, mean per step")  # fmt: skip
+    _lines(ax, s, ["reward/mean"])
+    ax.set_title("reward")
+    ax.legend(fontsize=7)
+    out["Reward"] = _png(fig)
+
+    hist = summary.get("staleness_histogram") or {}
+    stale = [r["staleness"] for r in rows]
+    if hist or stale:
+        fig, ax = plt.subplots(figsize=(6, 3))
+        if hist:
+            ax.bar([int(k) for k in hist], list(hist.values()), color="tab:blue")
+            ax.set_title("staleness of trained trajectories (summary, whole run)")
+        else:
+            ax.hist(stale, bins=range(max(stale) + 2), color="tab:blue", align="left")
+            ax.set_title("staleness of logged trajectories")
+        ax.set_xlabel("learner version - min token version")
+        out["Staleness"] = _png(fig)
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3))
+    _lines(a1, s, ["is/ess", "is/ratio_mean", "is/clip_frac"])
+    a1.set_title("importance sampling")
+    if _lines(a2, s, ["is/mismatch_kl"]):
+        a2.set_yscale("symlog", linthresh=1e-6)
+    a2.set_title("actor/learner mismatch KL")
+    out["IS statistics"] = _png(fig)
+
+    split = [
+        t for t in ("perf/wait_seconds", "perf/train_seconds", "perf/publish_seconds") if t in s
+    ]
+    if split:
+        fig, ax = plt.subplots(figsize=(6, 3))
+        steps = s[split[0]][0]
+        names = {"perf/wait_seconds": "waiting for generation", "perf/train_seconds": "training",
+                 "perf/publish_seconds": "weight sync (publish)"}  # fmt: skip
+        ax.stackplot(steps, *[s[t][1] for t in split], labels=[names[t] for t in split])
+        ax.set_xlabel("step")
+        ax.set_ylabel("seconds per step")
+        ax.legend(fontsize=7, loc="upper left")
+        ax.set_title("step time: generation / training / sync")
+        out["Throughput split"] = _png(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3))
+    if _lines(ax, s, ["broker/sync_seconds", "broker/transfer_seconds", "broker/reload_seconds",
+                      "broker/pack_seconds", "broker/pause_seconds_max"]):  # fmt: skip
+        ax.set_ylabel("seconds")
+        ax.set_title("weight broker timings")
+        out["Broker"] = _png(fig)
+    else:
+        plt.close(fig)
+
+    alerts = sorted(t for t in s if t.startswith("alerts/") and t != "alerts/firing")
+    if any(max(s[t][1]) > 0 for t in alerts):
+        fig, ax = plt.subplots(figsize=(6, 0.4 * len(alerts) + 1))
+        for i, t in enumerate(alerts):
+            st, v = s[t]
+            ax.scatter([x for x, y in zip(st, v) if y], [i] * sum(1 for y in v if y), s=6)
+        ax.set_yticks(range(len(alerts)), [t.removeprefix("alerts/") for t in alerts])
+        ax.set_xlabel("step")
+        ax.set_title("alerts firing")
+        out["Alerts"] = _png(fig)
+    return out
+
+
+def write_report(run_dir: Path, rows: list[dict[str, Any]], out: Path) -> Path:
+    summary = {}
+    if (run_dir / "summary.json").is_file():
+        summary = json.loads((run_dir / "summary.json").read_text())
+    figs = figures(scalars(run_dir), rows, summary)
+    keep = {k: v for k, v in summary.items() if not isinstance(v, dict)}
+    cells = "".join(
+        f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>"
+        for k, v in keep.items()
+    )
+    alerts = (
+        "".join(
+            f"<li>{html.escape(n)}: {a['steps']} steps, first at step {a['first_step']}</li>"
+            for n, a in (summary.get("alerts") or {}).items()
+        )
+        or "<li>none</li>"
+    )
+    imgs = "".join(
+        f"<figure><figcaption>{html.escape(t)}</figcaption>"
+        f'<img alt="{html.escape(t)}" src="data:image/png;base64,{b}"></figure>'
+        for t, b in figs.items()
+    )
+    page = f"""<!doctype html><html><head><meta charset="utf-8">
+<title>asyncrl run {html.escape(run_dir.name)}</title>
+<style>body{{font-family:sans-serif;margin:1.5em;max-width:1100px}}
+figure{{display:inline-block;margin:0.5em;vertical-align:top}}
+figcaption{{font-weight:bold}} td{{padding:0 0.8em;font-size:0.9em}}</style></head><body>
+<h1>asyncrl run: {html.escape(str(run_dir))}</h1>
+<p>{len(rows)} logged trajectories{"" if summary else "; no summary.json (the run did not finish)"}</p>
+{imgs}
+<h2>Alerts</h2><ul>{alerts}</ul>
+<h2>Summary</h2><table>{cells}</table>
+</body></html>"""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page)
+    return out
