@@ -16,9 +16,10 @@ from omegaconf import DictConfig
 
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.broker.settings import BrokerSettings
-from asyncrl.config import ConfigError, build, check_model_dir, settings_from
+from asyncrl.config import ConfigError, build, settings_from
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.learner.config import LearnerSettings
+from asyncrl.models.resolve import resolve_model  # model.preset / path / tiny, checked
 from asyncrl.replay.settings import ReplaySettings
 from asyncrl.runtime import Parts, RaySettings
 from asyncrl.utils.affinity import keep_off, restore
@@ -58,22 +59,6 @@ class Setup:
     resources: dict[str, float] = field(default_factory=dict)
     env: EnvSettings = field(default_factory=EnvSettings)  # the episodes' (env=single_turn)
     log: LogSettings = field(default_factory=LogSettings)  # the trajectory log's parts
-
-
-def resolve_model(cfg: DictConfig, task: Any) -> str:
-    if cfg.model.path:
-        return str(check_model_dir(cfg.model.path))
-    from asyncrl.models.tiny import TinyModelSpec, ensure_tiny_model
-
-    if not hasattr(task, "alphabet"):
-        raise ConfigError(
-            "model.path is null (tiny model) but the task has no `alphabet` to build a tokenizer from"
-        )
-    try:
-        spec = settings_from(TinyModelSpec, cfg.model.tiny, "model.tiny")
-    except ValueError as e:  # TinyModelSpec's own check (head_dim)
-        raise ConfigError(str(e)) from e
-    return str(ensure_tiny_model(task, spec, cfg.model.cache_dir))
 
 
 def build_task(cfg: DictConfig) -> Any:

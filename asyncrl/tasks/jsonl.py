@@ -1,5 +1,9 @@
 """A task from a JSONL file: one ``{"prompt": ..., "answer": ...}`` object per line,
-scored by exact match of the stripped completion against the answer."""
+scored by exact match of the stripped completion against the answer.
+
+With a chat model (``task.chat``, :mod:`asyncrl.tasks.chat`) each prompt is the user
+message of the model's chat template, and a numeric answer also matches the
+completion's final number ("13 + 29 = 42" matches "42")."""
 
 from __future__ import annotations
 
@@ -8,10 +12,14 @@ import random
 from pathlib import Path
 
 from asyncrl.tasks.base import Prompt
+from asyncrl.tasks.chat import ChatForm, final_answer
 
 
 class JsonlTask:
-    def __init__(self, path: str, alphabet: str = ""):
+    def __init__(
+        self, path: str, alphabet: str = "", chat: bool | None = None, system: str = ""
+    ):
+        self.chat_form = ChatForm(chat, system)
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"task.path={path}: no such file")
@@ -34,8 +42,18 @@ class JsonlTask:
             sorted({c for it in self.items for c in it.text + it.answer})
         )
 
+    def bind_model(self, model_path: str | Path) -> None:
+        """The driver, once the model is resolved: chat form if the model has a template."""
+        self.chat_form.bind(model_path)
+
     def sample(self, rng: random.Random) -> Prompt:
-        return rng.choice(self.items)
+        item = rng.choice(self.items)
+        if not self.chat_form.on:
+            return item
+        return Prompt(self.chat_form.render(item.text), item.answer, dict(item.meta))
 
     def reward(self, prompt: Prompt, completion: str) -> dict[str, float]:
-        return {"reward": float(completion.strip() == prompt.answer)}
+        got = completion.strip()
+        if self.chat_form.on and prompt.answer.lstrip("-").isdigit():
+            got = final_answer(completion) or got
+        return {"reward": float(got == prompt.answer)}
