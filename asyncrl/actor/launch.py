@@ -33,6 +33,7 @@ def new_actor(
 
     return (
         ray.remote(cls or RolloutActor)
-        .options(num_cpus=settings.num_cpus, max_concurrency=MAX_CONCURRENCY)
+        .options(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
+                 max_concurrency=MAX_CONCURRENCY)
         .remote(name, model_path, task, queue, settings, seed, env)
     )

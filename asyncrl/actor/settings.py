@@ -102,6 +102,7 @@ class ActorSettings:
 
     num_actors: int = 1
     num_cpus: float = 1  # Ray CPUs reserved per actor
+    num_gpus: float = 0  # Ray GPUs per actor (1 on a GPU cluster: its engine's own)
     max_inflight_groups: int = 256  # prompts generating at once in one engine
     handoff_linger_ms: float = 100  # finished groups wait up to this long to travel together
     engine_cores: str | None = None  # CPU list ("0", "0-3", "0,2") of the engine; None: the OS's
@@ -114,6 +115,9 @@ class ActorSettings:
         _check_number("actor.num_cpus", self.num_cpus)
         if self.num_cpus < 0:
             raise ConfigError(f"actor.num_cpus={self.num_cpus!r}: expected a number >= 0")
+        _check_number("actor.num_gpus", self.num_gpus)
+        if self.num_gpus < 0:
+            raise ConfigError(f"actor.num_gpus={self.num_gpus!r}: expected a number >= 0")
         _check_int("actor.max_inflight_groups", self.max_inflight_groups, 1)
         _check_number("actor.handoff_linger_ms", self.handoff_linger_ms)
         if self.handoff_linger_ms < 0:
