@@ -66,11 +66,12 @@ def figures(s: dict, rows: list[dict], summary: dict) -> dict[str, str]:
 
     out: dict[str, str] = {}
     fig, ax = plt.subplots(figsize=(6, 3))
-    if rows:  # the log's per-step mean, beside the TensorBoard series
+    if rows:  # the log's per-step mean, beside the TensorBoard series; the log's step
+        # is the version a batch trained from, TensorBoard's the version it published (+1)
         steps = sorted({r["step"] for r in rows})
         by = {k: [r["reward"] for r in rows if r["step"] == k] for k in steps}
-        ax.plot(steps, [np.mean(by[k]) for k in steps], ".", ms=3, alpha=0.4,
-                label="logged trajectories, mean per step")  # fmt: skip
+        ax.plot([k + 1 for k in steps], [np.mean(by[k]) for k in steps], "o", ms=3,
+                alpha=0.5, label="logged trajectories, mean per step")  # fmt: skip
     _lines(ax, s, ["reward/mean"])
     ax.set_title("reward")
     ax.legend(fontsize=7)
@@ -82,6 +83,7 @@ def figures(s: dict, rows: list[dict], summary: dict) -> dict[str, str]:
         fig, ax = plt.subplots(figsize=(6, 3))
         if hist:
             ax.bar([int(k) for k in hist], list(hist.values()), color="tab:blue")
+            ax.set_xticks([int(k) for k in hist])
             ax.set_title("staleness of trained trajectories (summary, whole run)")
         else:
             ax.hist(stale, bins=range(max(stale) + 2), color="tab:blue", align="left")
