@@ -64,9 +64,10 @@ RUN_TIMEOUT_S = 3600  # one side of one pair; a run that outlives this is broken
 
 
 # ---- the synchronous loop (runs in its own process: --sync-worker) -------------------------
-def sync_loop(overrides: list[str], out: Path) -> dict[str, Any]:
+def sync_loop(overrides: list[str], out: Path, threads: int = 0) -> dict[str, Any]:
     """The simple thing: generate a batch with HF, score it, take one learner step on it,
-    repeat ``max_steps`` times. Writes and returns its figures."""
+    repeat ``max_steps`` times, with ``threads`` torch threads (0: every core). Writes
+    and returns its figures."""
     import torch
 
     from asyncrl.learner.learner import Learner
@@ -75,7 +76,7 @@ def sync_loop(overrides: list[str], out: Path) -> dict[str, Any]:
 
     cfg = compose(*overrides, "progress=false")
     setup = prepare(cfg)
-    threads = len(os.sched_getaffinity(0))
+    threads = threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)  # every core to torch: nothing else runs here
     s = setup.learner
     learner = Learner(
@@ -172,7 +173,7 @@ def generate_batch(model, tok, task, prompts, sampling, version: int) -> list:
 
 
 # ---- one side of a pair, in its own process ------------------------------------------------
-def run_side(side: str, overrides: list[str], out: Path) -> dict[str, Any]:
+def run_side(side: str, overrides: list[str], out: Path, sync_threads: int = 0) -> dict[str, Any]:
     """Spawn one run, time it from spawn to exit, read its figures."""
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -182,7 +183,7 @@ def run_side(side: str, overrides: list[str], out: Path) -> dict[str, Any]:
                f"hydra.run.dir={out}"]  # fmt: skip
     else:
         cmd = [sys.executable, "-m", "benchmarks.vs_sync", "--sync-worker", "--out", str(out),
-               *overrides]  # fmt: skip
+               "--sync-threads", str(sync_threads), *overrides]  # fmt: skip
     t0 = time.perf_counter()
     with (out / "stdout.log").open("w") as so, (out / "stderr.log").open("w") as se:
         r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=so, stderr=se, timeout=RUN_TIMEOUT_S)
@@ -251,9 +252,11 @@ def main() -> None:
                    help="one pair per seed (default: 0 1 2; --quick: 0)")  # fmt: skip
     p.add_argument("--size", choices=["default"], default="default",
                    help="the job: the default one (tiny model, addition)")  # fmt: skip
+    p.add_argument("--sync-threads", type=int, default=0,
+                   help="torch threads of the sync loop (default 0: every core)")  # fmt: skip
     args, extra = p.parse_known_args()
     if args.sync_worker:
-        sync_loop(extra, args.out)
+        sync_loop(extra, args.out, args.sync_threads)
         return
     steps = args.steps or QUICK_STEPS
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
@@ -263,7 +266,7 @@ def main() -> None:
         # alternate which side goes first, so that a drift in load hits both alike
         order = ("sync", "asyncrl") if i % 2 == 0 else ("asyncrl", "sync")
         for side in order:
-            row = run_side(side, overrides, args.out / f"seed{seed}" / side)
+            row = run_side(side, overrides, args.out / f"seed{seed}" / side, args.sync_threads)
             row["seed"] = seed
             rows.append(row)
             print(f"seed {seed} {side}: {row['total_seconds']:.1f} s total, "
@@ -273,11 +276,11 @@ def main() -> None:
     fp = run_fingerprint(cfg, None, seeds[0])
     write_csv(args.out / "vs_sync.csv", rows, fp)
     figures = summarise(rows, len(seeds))
+    cols = ("seed", "side", "seconds_per_step", "total_seconds", "reward_last", "load_1min")
     print_table(
         "vs_sync: the default job, asyncrl vs a synchronous single-process loop",
         ["seed", "side", "s/step", "total s", "reward_last", "load"],
-        [[r["seed"], r["side"], r["seconds_per_step"], r["total_seconds"], r["reward_last"],
-          r["load_1min"]] for r in rows],  # fmt: skip
+        [[r[c] for c in cols] for r in rows],
     )
     plot(rows, args.out / "vs_sync.png")
     emit_json(figures)

@@ -154,6 +154,114 @@ async def test_paused_update_labels_the_version_and_always_resumes(mode, prefix,
     assert eng.events == [want[0], "resume"]  # never left paused, never labelled
 
 
+class _InOrderCore:
+    """An engine core at the process boundary, as vLLM's behaves: a call's message is
+    queued when it is sent (in the caller's first slice), messages are handled one at a
+    time in order, and between them, while not paused, the engine steps (2 ms)."""
+
+    def __init__(self) -> None:
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.log: list[str] = []
+        self.paused = False
+        self._loop = asyncio.ensure_future(self._run())
+
+    def send(self, what: str, fn=lambda: None):
+        fut = asyncio.get_running_loop().create_future()
+        self.inbox.put_nowait((what, fn, fut))
+        return fut
+
+    async def _run(self) -> None:
+        while True:
+            if self.inbox.empty() and not self.paused:
+                self.log.append("step")
+                await asyncio.sleep(0.002)
+                continue
+            what, fn, fut = await self.inbox.get()
+            self.log.append(what)
+            try:
+                fut.set_result(fn())
+            except Exception as e:  # noqa: BLE001 - the caller gets it, as from vLLM
+                fut.set_exception(e)
+
+    async def pause_scheduler_async(self, mode, clear_cache):
+        await self.send(f"pause:{mode}", lambda: setattr(self, "paused", True))
+
+
+class _InOrderEngine:
+    """AsyncLLM's update surface over :class:`_InOrderCore`."""
+
+    errored = False
+
+    def __init__(self, apply_fails: bool = False) -> None:
+        self.engine_core = _InOrderCore()
+        self.apply_fails = apply_fails
+
+    def _apply(self):
+        if self.apply_fails:
+            raise RuntimeError("reload failed")
+        time.sleep(0.01)
+        return [{"seconds": 0.01}]
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        fn = {"asyncrl_clock": lambda: [time.monotonic()], "asyncrl_apply": self._apply}[method]
+        return await self.engine_core.send(method, fn)
+
+    async def update_weight_version(self, v):
+        await self.engine_core.send(f"version:{v}")
+
+    async def resume_generation(self):
+        await self.engine_core.send("resume", lambda: setattr(self.engine_core, "paused", False))
+
+
+async def test_keep_update_pipelines_its_calls_and_no_step_runs_while_paused():
+    """Under keep the calls go out without awaiting each other's answers; the engine
+    core still reads clock, pause, apply, label, clock, resume in that order, runs no
+    step between the pause and the resume, and the engine's pause is timed by its
+    clock; a failed load is never labelled and the engine always resumes."""
+    from asyncrl.actor import weights
+
+    eng = _InOrderEngine()
+    await asyncio.sleep(0.01)  # the engine generates
+    hops: dict[str, float] = {}
+    applied, call_s = await weights.paused_update(
+        eng, "keep", 3, lambda: weights.rpc(eng, "asyncrl_apply"), False, 5.0, hops=hops
+    )
+    assert applied == [{"seconds": 0.01}]
+    log = eng.engine_core.log
+    msgs = [m for m in log if m != "step"]
+    assert msgs == ["asyncrl_clock", "pause:keep", "asyncrl_apply", "version:3",
+                    "asyncrl_clock", "resume"]  # fmt: skip
+    assert "step" not in log[log.index("pause:keep") : log.index("resume")]
+    assert 0.01 <= hops["engine_paused"] <= call_s
+    assert set(hops) == {"load", "resume", "engine_paused"}
+
+    eng = _InOrderEngine(apply_fails=True)
+    with pytest.raises(RuntimeError, match="reload failed"):
+        await weights.paused_update(eng, "keep", 4, lambda: weights.rpc(eng, "asyncrl_apply"),
+                                    False, 5.0)  # fmt: skip
+    msgs = [m for m in eng.engine_core.log if m != "step"]
+    assert msgs == ["asyncrl_clock", "pause:keep", "asyncrl_apply", "resume"]
+
+
+def test_sync_tally_reports_reload_pause_and_hops():
+    from asyncrl.broker.sync import SyncTally
+
+    acc = SyncTally(version=2, t0=0.0)
+    acc.t_ordered = 100.0
+    for pause, reload_s, enter in ((0.05, 0.02, 100.01), (0.07, 0.03, 100.03)):
+        acc.add_actor({"pause_seconds": pause, "pause_call_seconds": pause + 0.04,
+                       "reload_seconds": reload_s, "hops": {"load": reload_s + 0.01},
+                       "t_enter": enter, "t_exit": enter + 0.2, "t_back": enter + 0.21})  # fmt: skip
+    m = acc.metrics(seconds=0.3, dead=0)
+    assert m["broker/pause_seconds_max"] == pytest.approx(0.07)
+    assert m["broker/pause_call_seconds_max"] == pytest.approx(0.11)
+    assert m["broker/reload_seconds"] == pytest.approx(0.03)
+    assert m["broker/hop/load_seconds"] == pytest.approx(0.04)
+    assert m["broker/hop/order_seconds"] == pytest.approx(0.03)
+    assert m["broker/hop/reply_seconds"] == pytest.approx(0.01)
+    assert m["broker/actors_updated"] == 2
+
+
 async def test_rpc_to_a_dead_engine_fails_fast():
     from asyncrl.actor import weights
 
