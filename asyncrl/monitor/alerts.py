@@ -88,9 +88,11 @@ class HealthMonitor:
         if step < self.quiet_until.get(name, -1):
             return
         self.quiet_until[name] = step + self.s.cooldown_steps
+        # ``step`` is the version the step published, as in TensorBoard; the trajectory
+        # log files the batch under the version it trained from, one less
         line = (
             f"alert {name} at step {step}: {f.series}={f.value:.4g} ({f.against}); "
-            f"likely cause: {f.cause}"
+            f"likely cause: {f.cause} [its batch: asyncrl-inspect RUN_DIR --step {step - 1}]"
         )
         self.warnings.append(line)
         log.warning(line)
