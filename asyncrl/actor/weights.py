@@ -109,24 +109,30 @@ async def paused_update(
     hops: dict[str, float] | None = None,
 ) -> tuple[Any, float]:
     """Pause per ``mode``, ``await load()``, label ``version`` (then ``labelled(version)``),
-    resume. Returns (load's result, seconds paused). Generation is resumed even when
-    anything fails. ``hops`` (if given) gets the seconds of each step: ``pause`` (not
-    under ``keep``), ``load`` (under ``keep`` with the pause), ``resume`` (with the
-    label; where an update's pause goes: docs/weight_sync.md).
+    resume. Returns (load's result, seconds paused as this caller sees it: pause sent to
+    resume answered). Generation is resumed even when anything fails. ``hops`` (if
+    given) gets the seconds of each step: ``pause`` (not under ``keep``), ``load``
+    (under ``keep`` with the pause), ``resume`` (with the label), and on a real engine
+    under ``keep`` ``engine_paused``: from the engine core reading the pause to its
+    reading the resume, by its own clock (docs/weight_sync.md).
 
     The engine core reads its input in order, and under ``keep`` it runs no step from
     the moment it reads the pause: the load's call follows the pause's without waiting
     for its reply, and after the load the label, the prefix-cache reset and the resume
-    go out together. Two round trips to the engine core instead of five."""
+    go out together. Two round trips to the engine core instead of five. What the
+    caller sees also holds the end of the engine step in progress when the pause was
+    sent (the engine still generates) and the resume's answer coming back (it
+    generates again)."""
     t0 = time.monotonic()
     marks = {"start": t0}
-    resumed = False
+    clock = _clock_call(engine) if mode == "keep" else None
+    resumed, before, after = False, None, None
     try:
         if mode == "keep":  # the pause takes effect at once: the load may follow it
-            pause = asyncio.ensure_future(_pause(engine, mode))
-            await asyncio.sleep(0)  # the pause's first slice: its message is sent
+            sent = await _send_in_order(([clock()] if clock else []) + [_pause(engine, mode)])
             result = await load()
-            await asyncio.wait_for(pause, pause_timeout_s)
+            got = await asyncio.wait_for(_all(sent), pause_timeout_s)
+            before = got[0] if clock else None
         else:  # abort and wait: the engine drains first (wait: still stepping)
             await asyncio.wait_for(_pause(engine, mode), pause_timeout_s)
             marks["pause"] = time.monotonic()
@@ -136,8 +142,12 @@ async def paused_update(
         calls = [engine.update_weight_version(str(version))]
         if mode == "keep" and prefix_caching:
             calls.append(engine.reset_prefix_cache(reset_running_requests=True))
+        if clock:
+            calls.append(clock())  # read just before the resume, in the same gap
         resumed = True  # the resume is among these calls: `finally` must not send another
-        await asyncio.wait_for(_in_order([*calls, engine.resume_generation()]), RPC_TIMEOUT_S)
+        sent = await _send_in_order([*calls, engine.resume_generation()])
+        got = await asyncio.wait_for(_all(sent), RPC_TIMEOUT_S)
+        after = got[-2] if clock else None
         if labelled is not None:
             labelled(version)
     finally:
@@ -146,7 +156,18 @@ async def paused_update(
         marks["resume"] = time.monotonic()
     if hops is not None:
         hops.update(_spans(marks))
+        if before and after:  # one reading per worker: the slowest worker's pause
+            hops["engine_paused"] = max(b - a for a, b in zip(before, after))
     return result, marks["resume"] - t0
+
+
+def _clock_call(engine: Any) -> Callable[[], Awaitable[list[float]]] | None:
+    """On a real AsyncLLM: a call reading each worker's monotonic clock (None otherwise;
+    the workers run in the engine core's process or next to it, so the reading marks
+    when the engine core got to that point of its input)."""
+    if not hasattr(getattr(engine, "engine_core", None), "pause_scheduler_async"):
+        return None
+    return lambda: engine.collective_rpc("asyncrl_clock", timeout=RPC_TIMEOUT_S)
 
 
 async def _pause(engine: Any, mode: str) -> None:
@@ -162,14 +183,18 @@ async def _pause(engine: Any, mode: str) -> None:
         await engine.pause_generation(mode=mode, clear_cache=mode != "keep")
 
 
-async def _in_order(coros: list[Awaitable[Any]]) -> list[Any]:
-    """Start each engine call in turn (each sends its message in its first slice, so
-    they reach the engine core in this order), then await them all; the first error
-    is raised once every call is done."""
+async def _send_in_order(coros: list[Awaitable[Any]]) -> list[asyncio.Future]:
+    """Start each engine call in turn: each sends its message in its first slice, so
+    they reach the engine core in this order. Returns the calls (await :func:`_all`)."""
     tasks = []
     for c in coros:
         tasks.append(asyncio.ensure_future(c))
         await asyncio.sleep(0)  # the task's first slice: its message is sent
+    return tasks
+
+
+async def _all(tasks: list[asyncio.Future]) -> list[Any]:
+    """Every call's result; the first error is raised once every call is done."""
     got = await asyncio.gather(*tasks, return_exceptions=True)
     for g in got:
         if isinstance(g, BaseException):
@@ -263,7 +288,7 @@ class WeightUpdates:
                 out["transfer_seconds"] = time.monotonic() - t0
                 out["bytes"] = states[0]["bytes"]
                 hops: dict[str, float] = {"receive": out["transfer_seconds"]}
-                applied, out["pause_seconds"] = await self._paused(
+                applied, out["pause_call_seconds"] = await self._paused(
                     engine,
                     mode,
                     version,
@@ -279,6 +304,9 @@ class WeightUpdates:
                 # the bare in-place reload, as the slowest worker timed it
                 out["reload_seconds"] = max(a.get("seconds", 0.0) for a in applied)
                 out["hops"] = hops
+                # the engine's own view where it has one: the caller's also holds the
+                # end of the step in progress and the resume's answer (still generating)
+                out["pause_seconds"] = hops.get("engine_paused", out["pause_call_seconds"])
                 if order["with_digests"]:
                     loaded = await rpc(engine, "asyncrl_loaded_digests")
                     out["digests"] = [d["digests"] for d in loaded]

@@ -81,6 +81,14 @@ class AsyncRLWorkerExtension:
         self.model_runner.reload_weights(weights_iterator=iter(tensors))
         self._asyncrl_retie()
 
+    def asyncrl_clock(self) -> float:
+        """This process's monotonic clock: the actor reads it just before the pause and
+        just before the resume (in the engine core's input order) to time the engine's
+        real pause."""
+        import time
+
+        return time.monotonic()
+
     def asyncrl_loaded_digests(self) -> dict[str, Any]:
         """Per-tensor digests of exactly what the last ``asyncrl_apply`` loaded
         (taken at load time when it was asked ``with_digests``)."""

@@ -34,7 +34,8 @@ class SyncTally:
     buckets_skipped: int = 0
     buckets_sparse: int = 0
     transfer_seconds: float = 0.0
-    pause_max: float = 0.0
+    pause_max: float = 0.0  # the engine's pause (its own clock where it has one)
+    pause_call_max: float = 0.0  # the actor's view: pause sent to resume answered
     reload_max: float = 0.0  # the bare in-place reload inside the engine, slowest actor
     # per actor-side step of an update (actor/weights.py: receive, pause, load, label,
     # resume): the slowest actor's seconds
@@ -58,6 +59,7 @@ class SyncTally:
         """Count one actor's successful update from its result."""
         self.updated += 1
         self.pause_max = max(self.pause_max, res.get("pause_seconds", 0.0))
+        self.pause_call_max = max(self.pause_call_max, res.get("pause_call_seconds", 0.0))
         self.reload_max = max(self.reload_max, res.get("reload_seconds", 0.0))
         hops = dict(res.get("hops") or {})
         if self.t_ordered and "t_enter" in res:  # the Ray calls' trips, both ways
@@ -79,6 +81,7 @@ class SyncTally:
             "broker/gbps": gbps,
             "broker/pack_seconds": self.pack_seconds,
             "broker/pause_seconds_max": self.pause_max,
+            "broker/pause_call_seconds_max": self.pause_call_max,
             "broker/reload_seconds": self.reload_max,
             **{f"broker/hop/{k}_seconds": v for k, v in self.hops.items()},
             "broker/sets": float(self.sets),
