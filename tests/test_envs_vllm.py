@@ -10,16 +10,13 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
+from helpers import engine_actor, fp32_learner
 
-from asyncrl.actor.rollout import RolloutActor
 from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
 from asyncrl.envs.base import StepResult
 from asyncrl.envs.runner import MultiTurnEpisodes
 from asyncrl.envs.settings import EnvSettings
-from asyncrl.learner.config import LearnerSettings
-from asyncrl.learner.learner import Learner, OptimSettings
-from asyncrl.losses.advantages import GroupNormalized
-from asyncrl.losses.clipped import ClippedISLoss
+from asyncrl.learner.learner import Learner
 from asyncrl.tasks.base import Prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -62,23 +59,13 @@ async def actor(tiny_model, task):
         engine=EngineSettings(enable_prefix_caching=True, extra={"block_size": KV_BLOCK}),
     )
     env = EnvSettings(target=f"{__name__}.ScriptedEnv", max_turns=4, max_tokens=56)
-    a = RolloutActor("e0", str(tiny_model), task, None, settings, seed=0, env=env)
-    from asyncrl.actor.engine import make_engine
-    from asyncrl.envs.runner import make_runner
-
-    a.engine = make_engine(str(tiny_model), settings.engine, 0)
-    a.episodes = make_runner(a.engine, task, settings, env, lambda: a.version)
-    await a.engine.update_weight_version("0")
-    yield a
-    a.engine.shutdown()
-    a.engine = None
+    async with engine_actor(tiny_model, task, settings, "e0", env) as a:
+        yield a
 
 
 @pytest.fixture(scope="module")
 def learner(tiny_model):
-    torch.set_num_threads(1)
-    settings = LearnerSettings(optim=OptimSettings(lr=1e-2))
-    return Learner(str(tiny_model), ClippedISLoss(), GroupNormalized(), settings, temperature=1.0)
+    return fp32_learner(tiny_model)
 
 
 class Recorder:
@@ -142,6 +129,48 @@ async def test_token_ids_are_the_engines_turn_by_turn(actor, learner):
         np.testing.assert_allclose(
             t.behaviour_logprobs[t.loss_mask], np.asarray(lp)[t.loss_mask], atol=FP32_LOGP_TOL
         )
+
+
+class SeedRecorder(Recorder):
+    """Also records each request's sampling seed."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.seeds: dict[str, int] = {}
+
+    async def generate(self, prompt, params, request_id):
+        self.seeds[request_id] = params.seed
+        async for out in super().generate(prompt, params, request_id):
+            yield out
+
+
+async def test_the_same_seed_gives_the_same_episode_tokens(actor):
+    """Multi-turn requests are seeded per (group, sample, turn) from the engine's seed
+    (the run's): the same episode run twice by a fresh runner (group 0 of its actor)
+    samples the same tokens turn by turn, the second time beside another group in the
+    engine's batches; every request of a group has a seed of its own."""
+
+    def fresh(engine):
+        return MultiTurnEpisodes(engine, actor.task, actor.settings, actor.env, lambda: 0)
+
+    prompt = Prompt("12+7=", "19")
+    await actor.engine.reset_prefix_cache()  # both runs compute every token themselves
+    rec1 = SeedRecorder(actor.engine)
+    first = await fresh(rec1).run_group(prompt)
+    await actor.engine.reset_prefix_cache()
+    rec2 = SeedRecorder(actor.engine)
+    again, _ = await asyncio.gather(
+        fresh(rec2).run_group(prompt), fresh(actor.engine).run_group(Prompt("3+15=", "18"))
+    )
+    turns = len(OBSERVATIONS) + 1
+    assert len(rec1.seeds) == actor.settings.sampling.n * turns
+    assert len(set(rec1.seeds.values())) == len(rec1.seeds)  # one seed per request
+    assert sorted(rec1.seeds.values()) == sorted(rec2.seeds.values())
+    for a, b in zip(first.trajectories, again.trajectories):
+        assert a.traj_id != b.traj_id
+        assert a.response_ids.tolist() == b.response_ids.tolist()
+        assert a.loss_mask.tolist() == b.loss_mask.tolist()
+        np.testing.assert_allclose(a.behaviour_logprobs, b.behaviour_logprobs, atol=FP32_LOGP_TOL)
 
 
 def _perturbed_state(learner: Learner, seed: int) -> dict[str, torch.Tensor]:
