@@ -85,7 +85,7 @@ def smollm2_world(ray_local):
     ray.get(actor.start.remote())
     print(f"engine start {time.monotonic() - t0:.0f} s")
     broker = start_weight_broker(
-        BrokerSettings(mode="full", timeout_s=120.0, join_timeout_s=300.0, verify=True),
+        BrokerSettings(mode="full", timeout_s=600.0, join_timeout_s=600.0, verify=True),
         {"actor0": actor}, learner.ranks,
     )  # fmt: skip
     yield {"actor": actor, "learner": learner, "broker": broker, "queue": queue, "task": task}
