@@ -222,7 +222,9 @@ def test_shipped_env_configs_compose():
     assert calc.task._target_.endswith("CalculatorTask")
     assert calc.max_steps == 60 and calc.learner.batch_groups == 8  # the plain run's
     task = CalculatorTask(**{k: v for k, v in calc.task.items() if k != "_target_"})
-    assert len(task.header) >= 32 and set(task.header) <= set(task.alphabet)
+    assert task.header == ""  # the header's model never learned the tool format (docs/envs.md)
+    with_header = CalculatorTask(header="Multiply. Tool: <calc>a*b</calc> gives =a*b. ")
+    assert len(with_header.header) >= 32 and set(with_header.header) <= set(with_header.alphabet)
     c = EnvSettings.from_config(code.env, code.sandbox)
     assert c.sandbox.workers == 3 and c._pool is None  # the pool is the actor's, not the driver's
     assert code.task.timeout_s == code.sandbox.timeout_s
