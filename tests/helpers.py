@@ -73,3 +73,17 @@ def fp32_learner(model):
     torch.set_num_threads(1)
     settings = LearnerSettings(optim=OptimSettings(lr=1e-2))
     return Learner(str(model), ClippedISLoss(), GroupNormalized(), settings, temperature=1.0)
+
+
+def perturbed_state(learner, seed: int) -> dict:
+    """Learner weights nudged by seeded noise (in place), as a state dict without the tied
+    ``lm_head.weight``: a new policy version for the in-place update tests."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))
+    sd = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
+    sd.pop("lm_head.weight", None)
+    return sd

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
-from helpers import engine_actor, fp32_learner
+from helpers import engine_actor, fp32_learner, perturbed_state
 
 from asyncrl.actor.episode import SingleTurnEpisodes
 from asyncrl.actor.rollout import RolloutActor
@@ -44,16 +44,6 @@ async def _update(actor: RolloutActor, state: dict, version: int) -> None:
     ref = asyncio.get_running_loop().create_future()
     ref.set_result(state)
     await actor.update_weights([ref], version)
-
-
-def _perturbed_state(learner: Learner, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in learner.model.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=g))
-    sd = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
-    sd.pop("lm_head.weight", None)
-    return sd
 
 
 async def test_logprobs_match_learner_at_version_0(actor, learner):
@@ -108,7 +98,7 @@ async def test_prompts_rendered_by_the_actor_are_the_raw_prompts_tokens(actor):
 async def test_update_changes_engine_weights(actor, learner):
     before = await actor.episodes.run_group(Prompt("3+4=", "7"))
     old_lp = learner.logprobs_of(before.trajectories)
-    state = _perturbed_state(learner, seed=1)
+    state = perturbed_state(learner, seed=1)
     await _update(actor, state, 1)
     after = await actor.episodes.run_group(Prompt("3+4=", "7"))
     new_lp = learner.logprobs_of(after.trajectories)
@@ -148,7 +138,7 @@ async def test_versions_exact_across_inflight_update(actor, learner, tiny_model)
     tasks = [asyncio.create_task(gen(i)) for i in range(8)]
     # Not a fixed sleep: on a quiet machine 40 tokens can finish before it ends.
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-    await _update(actor, _perturbed_state(learner, seed=2), 2)
+    await _update(actor, perturbed_state(learner, seed=2), 2)
     outs = await asyncio.gather(*tasks)
 
     from asyncrl.actor.engine import completion_arrays

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
-from helpers import engine_actor, fp32_learner
+from helpers import engine_actor, fp32_learner, perturbed_state
 
 from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
 from asyncrl.envs.base import StepResult
@@ -173,16 +173,6 @@ async def test_the_same_seed_gives_the_same_episode_tokens(actor):
         np.testing.assert_allclose(a.behaviour_logprobs, b.behaviour_logprobs, atol=FP32_LOGP_TOL)
 
 
-def _perturbed_state(learner: Learner, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in learner.model.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=g))
-    sd = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
-    sd.pop("lm_head.weight", None)
-    return sd
-
-
 async def test_update_between_turns_labels_each_token(actor, learner, tiny_model):
     """Every episode's first turn on version 0, a weight update (version 1) lands while
     the env answers, the later turns run on version 1: each generated token carries the
@@ -199,7 +189,7 @@ async def test_update_between_turns_labels_each_token(actor, learner, tiny_model
         waiting["n"] += 1
         if waiting["n"] == actor.episodes.n:  # every episode has finished its turn 1
             ref = asyncio.get_running_loop().create_future()
-            ref.set_result(_perturbed_state(learner, seed=3))
+            ref.set_result(perturbed_state(learner, seed=3))
             await actor.update_weights([ref], 1)
             updated.set()
         await updated.wait()
