@@ -160,7 +160,7 @@ def start_parts(
 
 class StartupClock:
     """The run's metrics sink, passed through; the first step it logs ends the start-up:
-    ``startup_seconds`` is this process's start (imports included) to that moment."""
+    ``startup_seconds`` is ``asyncrl``'s import (the run's own imports included) to that moment."""
 
     def __init__(self, sink: Any):
         self.sink = sink
@@ -175,11 +175,11 @@ class StartupClock:
         return getattr(self.sink, name)
 
     def startup_seconds(self) -> float | None:
-        import psutil  # Ray's own dependency
+        import asyncrl
 
         if self.first_step_at is None:
             return None
-        return round(self.first_step_at - psutil.Process().create_time(), 2)
+        return round(self.first_step_at - asyncrl.STARTED_AT, 2)
 
 
 def keep_off_engines(placements: list[dict[str, Any]]) -> dict[int, set[int]]:

@@ -1,0 +1,31 @@
+"""``startup_seconds`` counts the run's own start-up, not what ran before it in the same
+process: scripts/run.sh `exec`s Python after its set-up, and the process keeps the shell's
+create time."""
+
+import subprocess
+import sys
+
+PROGRAM = """
+import time
+from asyncrl.wiring import StartupClock
+
+class Sink:
+    def __init__(self): self.logged = []
+    def log(self, step, metrics): self.logged.append((step, metrics))
+
+clock = StartupClock(Sink())
+assert clock.startup_seconds() is None  # no step yet
+time.sleep(0.3)
+clock.log(1, {"x": 1.0})
+print(clock.startup_seconds(), clock.logged)
+"""
+
+
+def test_startup_seconds_starts_at_asyncrl_not_at_the_shell_that_execd_python():
+    out = subprocess.run(
+        ["bash", "-c", 'sleep 2; exec "$0" -c "$1"', sys.executable, PROGRAM],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout.split(maxsplit=1)  # fmt: skip
+    seconds = float(out[0])
+    assert 0.3 <= seconds < 1.9, seconds  # the shell's 2 s sleep is not counted
+    assert out[1].strip() == "[(1, {'x': 1.0})]"  # the sink got the step, passed through
