@@ -11,6 +11,7 @@ deadline, the temp dir removed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import selectors
@@ -25,6 +26,7 @@ from pathlib import Path
 from asyncrl.sandbox.isolation import Isolation
 from asyncrl.sandbox.settings import SandboxSettings
 
+log = logging.getLogger(__name__)
 HARNESS_SOURCE = (Path(__file__).parent / "_harness.py").read_text()
 STARTUP_GRACE_S = 3.0  # interpreter start, namespace set-up and the kill sweeps, loaded box
 EXIT_GRACE_S = 1.0  # the harness has sent its frame; it only has to exit
@@ -108,6 +110,7 @@ def _spawn(
     finally:
         _kill_group(proc)
         os.close(r_chan)
+        _reap_stragglers(MARKER + run_id)
 
 
 def _collect(
@@ -153,6 +156,35 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
     proc.wait()
     proc.stdout.close()
+
+
+def _reap_stragglers(marker: str, within_s: float = 10.0) -> None:
+    """Return only once no process carries this run's marker. SIGKILL is asynchronous: on a
+    loaded box the harness (PID 1 of its namespace) can still be alive for a while after
+    unshare is reaped, and grading must not return with a sandbox process running."""
+    needle = marker.encode()
+    end = time.monotonic() + within_s
+    while True:
+        alive = []
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                if needle in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    alive.append(int(pid))
+            except OSError:
+                continue  # gone meanwhile, or not ours to read
+        if not alive:
+            return
+        if time.monotonic() > end:
+            log.warning("sandbox processes %s survived SIGKILL for %.0f s", alive, within_s)
+            return
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.01)
 
 
 def _parse_frame(data: bytes, nonce: str, n: int) -> tuple[dict | None, str]:
