@@ -213,3 +213,17 @@ def test_cpu_model_reads_the_first_processor(tmp_path):
         "id": "vendor_id AuthenticAMD cpu family 25 model 17 stepping 1",
     }
     assert cpu_model(tmp_path / "missing")["id"] is None
+
+
+def test_group_seeds_follow_the_run_seed_and_the_index():
+    from types import SimpleNamespace
+
+    from asyncrl.actor.engine import GROUP_SEED_STRIDE, group_params, sampling_params
+    from asyncrl.actor.settings import SamplingSettings
+
+    sampling = SamplingSettings(n=4, temperature=1.0, max_tokens=6)
+    params = sampling_params(sampling)
+    engine = SimpleNamespace(model_config=SimpleNamespace(seed=3))
+    assert group_params(engine, params, 5).seed == 3 * GROUP_SEED_STRIDE + 5 * sampling.n
+    assert params.seed is None  # the shared params stay unseeded
+    assert group_params(SimpleNamespace(), params, 5) is params  # an engine without a seed

@@ -56,14 +56,3 @@ async def test_other_seeds_sample_otherwise(engine, task):
     b = samples([await second.run_group(p) for p in prompts(task)])
     assert a != b
 
-
-def test_group_seeds_follow_the_run_seed_and_the_index():
-    from types import SimpleNamespace
-
-    from asyncrl.actor.engine import GROUP_SEED_STRIDE, group_params, sampling_params
-
-    params = sampling_params(SAMPLING)
-    engine = SimpleNamespace(model_config=SimpleNamespace(seed=3))
-    assert group_params(engine, params, 5).seed == 3 * GROUP_SEED_STRIDE + 5 * SAMPLING.n
-    assert params.seed is None  # the shared params stay unseeded
-    assert group_params(SimpleNamespace(), params, 5) is params  # an engine without a seed
