@@ -62,6 +62,9 @@ class LoopHooks:
     monitor: Any = None
     # Every periodic checkpoint also copied to checkpoints/step-V (log.keep_checkpoints).
     keep_checkpoints: bool = False
+    # Held-out evaluation (asyncrl.eval.driver.Evaluator): ``step(V)`` starts one every
+    # eval.every versions when its actor is idle and returns ``eval/*`` as they arrive.
+    evaluator: Any = None
 
 
 @dataclass
@@ -114,6 +117,8 @@ def run_loop(
         out.per_step.append((m["reward/sum"], m["reward/count"]))
         out.tokens_trained += int(m["tokens/trained"])
         m.update(progress_metrics(stats, t0, out.tokens_trained, phases))
+        if hooks.evaluator is not None:  # never waits for the evaluation
+            m.update(hooks.evaluator.step(version))
         if hooks.monitor is not None:
             m.update(hooks.monitor.check(version, m))
         sink.log(version, m)

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from asyncrl.confdir import conf_dir
 from asyncrl.config import ConfigError
+from asyncrl.eval.launch import launch as launch_eval
 from asyncrl.learner.resume import resume, save_checkpoint
 from asyncrl.loop import LoopHooks, LoopResult, RunError, run_loop
 from asyncrl.monitor import HealthMonitor, MonitorSettings
@@ -104,11 +105,12 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     fp = fingerprint(cfg, setup.model_path, setup.run.seed)  # what this run ran
     started = init_ray(cfg.ray)
-    parts = None
+    parts = eval_run = None
     scalars = Scalars(out_dir / "tb")
     scalars.text("fingerprint", markdown(fp))
     try:
         check_resources(setup.resources)
+        eval_run = launch_eval(setup.evaluation, setup)  # its engine starts beside the actors'
         parts = start_parts(setup, out_dir, started)
         version = resume(parts, cfg.resume) if cfg.resume else 0
         hooks = LoopHooks(
@@ -116,8 +118,11 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             progress=bool(cfg.progress),
             monitor=monitor,
             keep_checkpoints=setup.log.keep_checkpoints,
+            evaluator=eval_run.evaluator(parts.learner) if eval_run else None,
         )
         loop = run_loop(cfg, parts, clock := StartupClock(scalars), version, hooks)
+        if hooks.evaluator is not None:  # the evaluation in flight (eval.timeout_s)
+            clock.log(loop.policy_version, hooks.evaluator.finish())
         save_checkpoint(parts, out_dir / "checkpoint")  # with the queue and sampler state
         queue_stats, actor_stats = stop_parts(parts)
         parts = None
@@ -125,10 +130,15 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         summary["startup_seconds"] = clock.startup_seconds()  # process start -> first step
         summary["fingerprint"] = fp
         summary["alerts"] = monitor.summary()  # name -> steps it fired, first step
+        if hooks.evaluator is not None:  # set -> first, last, best, version_best
+            summary["eval"] = hooks.evaluator.summary()
+            summary["eval_skipped_versions"] = hooks.evaluator.skipped
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
     finally:
         scalars.close()
+        if eval_run is not None:
+            eval_run.stop()
         if parts is not None:
             stop_parts(parts, quiet=True)
         if started:

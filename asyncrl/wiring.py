@@ -18,6 +18,8 @@ from asyncrl.actor.settings import ActorSettings
 from asyncrl.broker.settings import BrokerSettings
 from asyncrl.config import ConfigError, build, settings_from
 from asyncrl.envs.settings import EnvSettings
+from asyncrl.eval.launch import EvalPlan, prepare_eval
+from asyncrl.eval.settings import EvalSettings
 from asyncrl.learner.config import LearnerSettings
 from asyncrl.models.resolve import resolve_model  # model.preset / path / tiny, checked
 from asyncrl.replay.settings import ReplaySettings
@@ -59,6 +61,7 @@ class Setup:
     resources: dict[str, float] = field(default_factory=dict)
     env: EnvSettings = field(default_factory=EnvSettings)  # the episodes' (env=single_turn)
     log: LogSettings = field(default_factory=LogSettings)  # the trajectory log's parts
+    evaluation: EvalPlan = field(default_factory=lambda: EvalPlan(EvalSettings()))  # eval.*
 
 
 def build_task(cfg: DictConfig) -> Any:
@@ -89,6 +92,7 @@ def prepare(cfg: DictConfig) -> Setup:
     task = build_task(cfg)
     env = EnvSettings.from_config(cfg.get("env"), cfg.get("sandbox"))  # sandbox.*: env=code
     log_settings = LogSettings.from_config(cfg.get("log"))
+    evaluation = EvalSettings.from_config(cfg.get("eval"))
     loss = build("loss", cfg.loss)
     if not callable(loss):
         raise ConfigError(
@@ -107,13 +111,16 @@ def prepare(cfg: DictConfig) -> Setup:
 
         check_resume(run.resume)
     model_path = resolve_model(cfg, task)
+    # with eval.every > 0: the held-out sets, and the training task without their prompts
+    eval_plan, task = prepare_eval(evaluation, task)
     resources = {
         "actors": actor.num_actors * actor.num_cpus,
         "learner": learner.world_size * learner.num_cpus,
+        "eval": evaluation.num_cpus if evaluation.enabled else 0,
     }
     return Setup(
         model_path, task, loss, advantage, run, actor, learner, broker, replay, ray_settings,
-        resources, env, log_settings,
+        resources, env, log_settings, eval_plan,
     )  # fmt: skip
 
 

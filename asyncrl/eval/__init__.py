@@ -1,0 +1,7 @@
+"""Periodic held-out evaluation beside training (issue 24 item 1): settings.py (the
+``eval.*`` keys), split.py (the held-out split of a task), actor.py (the Ray actor with
+its own vLLM engine), driver.py (what the training loop calls each step)."""
+
+from asyncrl.eval.settings import EvalSetSettings, EvalSettings
+
+__all__ = ["EvalSetSettings", "EvalSettings"]

@@ -1,0 +1,120 @@
+"""EvalActor: a Ray actor with its own vLLM engine that scores one policy version on
+the held-out sets, while training goes on.
+
+    evaluate([ref], V):  load the published weights of V (the object-store path the
+                         rollout actors' update_weights takes: actor/weights.py)
+                         ─▶ per set: every prompt greedy (pass@1) and k samples at
+                            eval.temperature (pass@k), all requests at once
+                         ─▶ {set: {"pass@1", "pass@k", "reward_mean"}}, "version": V
+
+Never in the broker's sync set: the driver hands it weights only when it is idle
+(eval/driver.py), so a slow evaluation costs skipped versions, never a training wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from asyncrl.actor.settings import EngineSettings
+from asyncrl.eval.settings import EvalSettings
+from asyncrl.tasks.base import Prompt, Task, score
+
+
+class EvalActor:
+    def __init__(
+        self,
+        model_path: str,
+        engine: EngineSettings,
+        settings: EvalSettings,
+        sets: dict[str, tuple[Task, list[Prompt]]],
+        max_tokens: int,
+        seed: int = 0,
+    ):
+        self.model_path, self.engine_settings, self.seed = model_path, engine, seed
+        self.settings = settings
+        self.sets = sets
+        self.max_tokens = max_tokens
+        self.engine = None
+        self.version = 0
+        self.evaluations = 0
+        self._render = None
+
+    async def start(self) -> None:
+        from asyncrl.actor import weights
+        from asyncrl.actor.engine import make_engine, prompt_renderer
+
+        self.engine = make_engine(self.model_path, self.engine_settings, self.seed)
+        self._render = prompt_renderer(self.engine)
+        self._weights = weights.WeightUpdates("eval", False, self._labelled)
+        await self.engine.update_weight_version("0")
+
+    def _labelled(self, version: int) -> None:
+        self.version = version
+
+    def ping(self) -> str:
+        return "eval"
+
+    async def evaluate(self, ref_list: list, version: int) -> dict[str, Any]:
+        """Load ``version``'s weights (``ref_list[0]``: the learner's PackedWeights in
+        the object store) and score every set on them."""
+        t0 = time.time()
+        state = await ref_list[0]
+        # "wait": nothing generates between evaluations, so nothing is cut short
+        await self._weights.load_state_dict(self.engine, "wait", state, version)
+        out: dict[str, Any] = {"version": version, "sets": {}}
+        for name, (task, prompts) in self.sets.items():
+            out["sets"][name] = await self._score_set(task, prompts)
+        self.evaluations += 1
+        out["seconds"] = time.time() - t0
+        return out
+
+    async def _score_set(self, task: Task, prompts: list[Prompt]) -> dict[str, float]:
+        s = self.settings
+        greedy = self._params(1, 0.0)
+        sampled = self._params(s.k, s.temperature)
+        jobs = [self._generate(p, greedy) for p in prompts]
+        jobs += [self._generate(p, sampled) for p in prompts]
+        texts = await asyncio.gather(*jobs)
+        n = len(prompts)
+        passed1, passedk, rewards = 0, 0, []
+        for i, p in enumerate(prompts):
+            r1 = [score(task, p, t)[0] for t in texts[i]]
+            rk = [score(task, p, t)[0] for t in texts[n + i]]
+            passed1 += r1[0] >= s.pass_reward
+            passedk += any(r >= s.pass_reward for r in rk)
+            rewards += r1
+        return {
+            "pass@1": passed1 / max(n, 1),
+            "pass@k": passedk / max(n, 1),
+            "reward_mean": sum(rewards) / max(len(rewards), 1),
+            "prompts": float(n),
+        }
+
+    def _params(self, n: int, temperature: float) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=n,
+            temperature=temperature,
+            max_tokens=self.max_tokens,
+            seed=self.seed if temperature > 0 else None,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def _generate(self, prompt: Prompt, params: Any) -> list[str]:
+        final = None
+        async for out in self.engine.generate(
+            self._render(prompt.text), params, request_id="eval-" + uuid.uuid4().hex[:12]
+        ):
+            final = out
+        return [c.text for c in final.outputs]
+
+    def stop(self) -> dict[str, Any]:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        return {"evaluations": self.evaluations, "version": self.version}

@@ -1,0 +1,73 @@
+"""The held-out split of a task: which prompts training never sees.
+
+A prompt is held out when a hash of its text falls below ``eval.heldout_frac``: a fixed
+property of the problem itself, not of the order it was drawn in, so the split is the
+same in every actor, every run and every resume. The addition task draws operands
+uniformly from a finite space (asyncrl/tasks/arithmetic.py: 20 x 20 = 400 problems at
+the default max_operand 19), so a different seed alone would re-draw problems the
+policy trains on; with evaluation on, the training task is wrapped in
+:class:`TrainSplit`, which redraws every held-out problem, and the evaluation sets are
+drawn from the held-out problems only (:func:`heldout_prompts`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any
+
+from asyncrl.tasks.base import Prompt, Task
+
+# Draws a split may take to find a prompt of its side before it gives up: with the
+# default 10% held out, a training draw needs 1.1 on average; a task whose prompts
+# (almost) all fall on one side is a config error, not a loop.
+MAX_DRAWS = 1000
+
+
+def is_heldout(text: str, frac: float) -> bool:
+    """Whether a prompt (by its text) belongs to the held-out split."""
+    h = hashlib.sha256(text.encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64 < frac
+
+
+class TrainSplit:
+    """``task`` without its held-out prompts (drawn again, from the same rng). Forwards
+    every other attribute (alphabet, bind_model, ...) to the task."""
+
+    def __init__(self, task: Task, frac: float):
+        self.inner = task
+        self.frac = frac
+
+    def sample(self, rng: random.Random) -> Prompt:
+        for _ in range(MAX_DRAWS):
+            p = self.inner.sample(rng)
+            if not is_heldout(p.text, self.frac):
+                return p
+        raise RuntimeError(
+            f"{MAX_DRAWS} draws in a row were held out (eval.heldout_frac={self.frac})"
+        )
+
+    def reward(self, prompt: Prompt, completion: str) -> Any:
+        return self.inner.reward(prompt, completion)
+
+    def __getattr__(self, name: str) -> Any:
+        # pickling looks attributes up before __init__ ran: no recursion through inner
+        if name.startswith("__") or name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def heldout_prompts(task: Task, frac: float, seed: int, n: int) -> list[Prompt]:
+    """Up to ``n`` distinct held-out prompts of ``task``, drawn with ``seed``. Fewer when
+    the held-out split has fewer problems (the default addition task: about 40)."""
+    rng = random.Random(seed)
+    out: dict[str, Prompt] = {}
+    misses = 0
+    while len(out) < n and misses < MAX_DRAWS * max(n, 1):
+        p = task.sample(rng)
+        if is_heldout(p.text, frac) and p.text not in out:
+            out[p.text] = p
+            misses = 0
+        else:
+            misses += 1
+    return list(out.values())
