@@ -99,7 +99,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             "staleness here."
         )
     monitor = HealthMonitor(
-        MonitorSettings.from_config(cfg.get("monitor")), setup.replay.max_staleness
+        MonitorSettings.from_config(cfg.get("monitor")),
+        setup.replay.max_staleness,
+        setup.reward.monitor,  # reward.monitor: the hacking/* rules
     )  # its thresholds are checked here too, before Ray starts
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))

@@ -23,6 +23,7 @@ from asyncrl.eval.settings import EvalSettings
 from asyncrl.learner.config import LearnerSettings
 from asyncrl.models.resolve import resolve_model  # model.preset / path / tiny, checked
 from asyncrl.replay.settings import ReplaySettings
+from asyncrl.rewards.settings import RewardSettings
 from asyncrl.runtime import Parts, RaySettings
 from asyncrl.utils.affinity import keep_off, restore
 from asyncrl.utils.runlog import LogSettings
@@ -62,6 +63,7 @@ class Setup:
     env: EnvSettings = field(default_factory=EnvSettings)  # the episodes' (env=single_turn)
     log: LogSettings = field(default_factory=LogSettings)  # the trajectory log's parts
     evaluation: EvalPlan = field(default_factory=lambda: EvalPlan(EvalSettings()))  # eval.*
+    reward: RewardSettings = field(default_factory=RewardSettings)  # components, workers
 
 
 def build_task(cfg: DictConfig) -> Any:
@@ -92,6 +94,7 @@ def prepare(cfg: DictConfig) -> Setup:
     task = build_task(cfg)
     env = EnvSettings.from_config(cfg.get("env"), cfg.get("sandbox"))  # sandbox.*: env=code
     log_settings = LogSettings.from_config(cfg.get("log"))
+    reward = RewardSettings.from_config(cfg.get("reward"))
     evaluation = EvalSettings.from_config(cfg.get("eval"))
     loss = build("loss", cfg.loss)
     if not callable(loss):
@@ -121,6 +124,7 @@ def prepare(cfg: DictConfig) -> Setup:
     return Setup(
         model_path, task, loss, advantage, run, actor, learner, broker, replay, ray_settings,
         resources, env, log_settings, eval_plan,
+        reward=reward,
     )  # fmt: skip
 
 
@@ -150,6 +154,11 @@ def start_parts(
         )
         for i in range(setup.actor.num_actors if num_actors is None else num_actors)
     }
+    from asyncrl.rewards.pool import RewardClient, start_workers
+
+    reward_workers = start_workers(setup.reward)  # none on the fast path (task reward only)
+    for a in actors.values():  # ordered before start: the runner is built with it
+        a.set_rewards.remote(RewardClient(setup.reward, reward_workers))
     # the engines (~25 s each on a CPU) start while the learner ranks load the model
     started = [a.start.remote() for a in actors.values()]
     learner = start_learner(
@@ -162,7 +171,9 @@ def start_parts(
     )
     learner.ping()
     broker = make_broker(setup.broker, actors, learner)
-    return Parts(queue, actors, learner, broker, started_ray, moved)
+    parts = Parts(queue, actors, learner, broker, started_ray, moved)
+    parts.reward_workers = reward_workers  # stopped with the actors (stop_parts)
+    return parts
 
 
 class StartupClock:
@@ -237,6 +248,9 @@ def stop_parts(parts: Parts, quiet: bool = False) -> tuple[dict, dict]:
         # free its CPUs now: a second run in the same Ray (benchmarks) must fit
         ray.kill(a, no_restart=True)
     parts.actors.clear()
+    from asyncrl.rewards.pool import stop_workers
+
+    stop_workers(getattr(parts, "reward_workers", []))  # after the actors: none scores now
     restore(parts.moved_affinity)  # the engines are gone: their cores are everyone's again
     parts.moved_affinity = {}
     queue_stats: dict[str, Any] = {}

@@ -4,7 +4,9 @@
     actor:  prompt ─▶ EpisodeRunner.run_group(prompt) ─▶ TrajectoryGroup ─▶ outbox
     SingleTurnEpisodes.run_group:
             engine.generate(prompt, n samples) ─▶ decode each completion once
-            ─▶ score it with the task's reward ─▶ one Trajectory per completion
+            ─▶ score it with the task's reward (the env's reward) ─▶ one Trajectory per
+            completion ─▶ await the reward components (asyncrl/rewards/pool.py: in-process
+            for the task's reward alone, else on the reward workers)
 
 The contract every runner keeps (the learner and the queue rely on it):
 
@@ -18,8 +20,9 @@ The contract every runner keeps (the learner and the queue rely on it):
 * ``loss_mask[i]`` is True for tokens the policy generated, False for tokens it did
   not (an environment's observation, a tool's output): the learner trains on the
   first only.
-* A reward that fails is a recorded outcome, never a raised error: reward 0 and
-  ``Trajectory.error`` set (the actor counts them as ``reward_errors``).
+* A reward that fails is a recorded outcome, never a raised error: ``reward.on_error``
+  (0) for the failed component and ``Trajectory.error`` set (the actor counts them as
+  ``reward_errors``).
 * An episode that a weight update under ``actor.update_mode=abort`` cut short
   raises :class:`EpisodeAborted`: the actor runs the prompt again, so every
   trajectory is produced by complete generation. Any other exception fails the
@@ -40,6 +43,8 @@ import numpy as np
 
 from asyncrl.actor.engine import completion_arrays, group_params, prompt_renderer, sampling_params
 from asyncrl.actor.settings import SamplingSettings
+from asyncrl.rewards.base import RewardInput
+from asyncrl.rewards.pool import RewardClient
 from asyncrl.tasks.base import Prompt, Task, score
 from asyncrl.trajectory import Trajectory, TrajectoryGroup
 
@@ -62,10 +67,16 @@ class SingleTurnEpisodes:
     the engine left unlabelled."""
 
     def __init__(
-        self, engine: Any, task: Task, sampling: SamplingSettings, version: Callable[[], int]
+        self,
+        engine: Any,
+        task: Task,
+        sampling: SamplingSettings,
+        version: Callable[[], int],
+        rewards: RewardClient | None = None,  # None: the task's reward, in-process
     ):
         self.engine = engine
         self.task = task
+        self.rewards = rewards or RewardClient()
         self.n = sampling.n
         self.version = version
         self.params = sampling_params(sampling)  # vLLM's SamplingParams, the same for every group
@@ -90,7 +101,7 @@ class SingleTurnEpisodes:
             raise EpisodeAborted(f"group {gid}: a weight update aborted its requests")
         prompt_ids = np.asarray(final.prompt_token_ids, dtype=np.int32)  # one per group
         version = self.version()
-        trajs = []
+        trajs, inputs = [], []
         for i, (c, text) in enumerate(zip(comps, self.texts(comps))):
             ids, lps, versions = completion_arrays(c, version)
             reward, breakdown, err = score(self.task, prompt, text)
@@ -113,6 +124,8 @@ class SingleTurnEpisodes:
                     t_end=time.time(),
                 )
             )
+            inputs.append(reward_input(self.task, prompt, text, ids, breakdown, reward))
+        await self.rewards.apply(trajs, inputs)
         return TrajectoryGroup(gid, trajs)
 
     def render(self, text: str) -> Any:
@@ -127,6 +140,21 @@ class SingleTurnEpisodes:
         if self._tokenizer is None:
             self._tokenizer = self.engine.get_tokenizer()
         return [self._tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps]
+
+
+def reward_input(
+    task: Task, prompt: Prompt, text: str, ids: Any, info: dict[str, float], env_reward: float
+) -> RewardInput:
+    """One finished episode as a reward sees it (``ids``: the generated tokens only)."""
+    return RewardInput(
+        prompt=prompt.text,
+        response=text,
+        response_ids=[int(i) for i in ids],
+        answer=prompt.answer if prompt.answer != "" else None,
+        info=dict(info),
+        env_reward=float(env_reward),
+        task=str(prompt.meta.get("task", type(task).__name__)),
+    )
 
 
 def turn_seed(seed: int, group: int, sample: int, turn: int) -> int:

@@ -22,8 +22,9 @@ now, never waiting). The loop itself asks, and waits, only once a quarter of
 window is shut). Under ``abort`` an episode that lost requests to a weight update
 runs again from its prompt: every trajectory comes from complete generation.
 
-Beside it: one episode (episode.py, envs/runner.py), placement.py, weights.py,
-settings.py, and the test and benchmark controls (controlled.py).
+Beside it: one episode (episode.py, envs/runner.py; its rewards, asyncrl/rewards/),
+the hand-off's answers (handoff.py), placement.py, weights.py, settings.py, and the
+test and benchmark controls (controlled.py).
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ from typing import Any
 from asyncrl.actor import placement, weights
 from asyncrl.actor.engine import make_engine
 from asyncrl.actor.episode import EpisodeAborted, EpisodeRunner
+from asyncrl.actor.handoff import HandOffSlots, group_meta
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.envs.runner import make_runner
 from asyncrl.envs.settings import EnvSettings
-from asyncrl.replay.buffer import GroupMeta
 from asyncrl.replay.queue import Outbox
+from asyncrl.rewards.pool import RewardClient
 from asyncrl.tasks.base import Prompt, Task, TaskSampler
 from asyncrl.trajectory import TrajectoryGroup
 from asyncrl.utils.affinity import parse_cpu_list
@@ -73,7 +75,7 @@ class RolloutActor:
     """A Ray actor (asyncrl/actor/launch.py ``new_actor``). Its remote methods: start,
     stop, get_stats, ping, sampler_state, load_sampler_state, update_weights (the
     object-store path), receive_weights (the broker's process group), weight_state,
-    close_weight_groups."""
+    close_weight_groups, set_rewards."""
 
     def __init__(
         self,
@@ -115,6 +117,7 @@ class RolloutActor:
         )
         self.engine = None
         self.episodes: EpisodeRunner | None = None  # built with the engine (start())
+        self.rewards = RewardClient()  # the task's reward in-process, until set_rewards
         self.fatal: str = ""
         self.placement: dict[str, Any] = {}  # where engine and frontend run
 
@@ -122,7 +125,7 @@ class RolloutActor:
         """Generate into ``queue``, prompts drawn from ``seed``."""
         self.queue = queue
         self.sampler = TaskSampler(self.task, seed)
-        self._outbox = Outbox(queue, self.settings.handoff_linger_s, slots=_HandOffSlots(self))
+        self._outbox = Outbox(queue, self.settings.handoff_linger_s, slots=HandOffSlots(self))
 
     # ---- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -131,7 +134,7 @@ class RolloutActor:
         if cores is not None:
             self.placement = placement.place_frontend(*cores)
         self.episodes = make_runner(
-            self.engine, self.task, self.settings, self.env, lambda: self.version
+            self.engine, self.task, self.settings, self.env, lambda: self.version, self.rewards
         )
         await self.engine.update_weight_version(str(self.version))
         # the clock of idle_seconds starts with the loop, not with the engine's start-up
@@ -205,6 +208,10 @@ class RolloutActor:
 
     def ping(self) -> str:
         return self.name
+
+    def set_rewards(self, rewards: RewardClient) -> None:
+        """Score with ``rewards`` (asyncrl/rewards/pool.py); called before ``start``."""
+        self.rewards = rewards
 
     def sampler_state(self) -> dict[str, Any]:
         """Where this actor's prompt stream is (saved with a checkpoint)."""
@@ -298,7 +305,7 @@ class RolloutActor:
             self.fatal = f"group generation failed: {type(e).__name__}: {e}"
             return
         self._count(group)
-        self._outbox.put(group, _meta(group, self.name))
+        self._outbox.put(group, group_meta(group, self.name))
 
     def _count(self, group: TrajectoryGroup) -> None:
         ts = group.trajectories
@@ -364,37 +371,3 @@ class RolloutActor:
 
     async def close_weight_groups(self, keys: list[str] | None = None) -> None:
         await weights.rpc(self.engine, "asyncrl_close_groups", {"keys": keys})
-
-
-class _HandOffSlots:
-    """The actor's answers to its outbox (replay/queue.py ``SlotAsker``): each hand-off
-    also asks for the slots free by then. Not methods of the actor itself, which is a
-    Ray actor: nobody may call these remotely."""
-
-    def __init__(self, actor: RolloutActor):
-        self.actor = actor
-        self.name = actor.name
-
-    def ask(self) -> int:
-        return self.actor._ask()
-
-    def answered(self, asked: int, granted: int) -> None:
-        self.actor._answered(asked, granted)
-
-    def outbox_idle(self) -> None:
-        self.actor._slot_freed.set()  # the loop may ask for slots itself again
-
-    def worth_lingering(self) -> bool:
-        return self.actor._worth_lingering()
-
-
-def _meta(group: TrajectoryGroup, actor: str) -> GroupMeta:
-    ts = group.trajectories
-    return GroupMeta(
-        group_id=group.group_id,
-        traj_ids=[t.traj_id for t in ts],
-        min_versions=[t.min_version for t in ts],
-        num_tokens=[t.num_tokens for t in ts],
-        rewards=[t.reward for t in ts],
-        actor=actor,
-    )

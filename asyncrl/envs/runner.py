@@ -7,6 +7,8 @@ engine's own token ids turn by turn.
               (mask 1; the engine's ids, never the text tokenized again)
             await env.step(text, ids) ─▶ observation ─▶ tokenized once (mask 0)
       until done / env.max_turns / the token budget / env.timeout_s
+    then the group's episodes are scored by the reward components (asyncrl/rewards/pool.py,
+    awaited: env_reward = the steps' summed reward, response = the generated turns only)
     what waits: the engine's requests and the env's steps (both awaited: every episode
     of every group shares the actor's event loop); nothing else.
 
@@ -33,10 +35,17 @@ from typing import Any
 import numpy as np
 
 from asyncrl.actor.engine import completion_arrays, prompt_renderer, sampling_params
-from asyncrl.actor.episode import EpisodeAborted, EpisodeRunner, SingleTurnEpisodes, turn_params
+from asyncrl.actor.episode import (
+    EpisodeAborted,
+    EpisodeRunner,
+    SingleTurnEpisodes,
+    reward_input,
+    turn_params,
+)
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.envs.base import StepResult
 from asyncrl.envs.settings import EnvSettings
+from asyncrl.rewards.pool import RewardClient
 from asyncrl.tasks.base import Prompt, Task
 from asyncrl.trajectory import Trajectory, TrajectoryGroup
 
@@ -53,6 +62,7 @@ class _Episode:
     versions: list[np.ndarray] = field(default_factory=list)
     mask: list[np.ndarray] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    generated: list[str] = field(default_factory=list)  # the policy's turns (what rewards read)
     reward: float = 0.0
     breakdown: dict[str, float] = field(default_factory=dict)
     turns: int = 0
@@ -83,10 +93,12 @@ class MultiTurnEpisodes:
         settings: ActorSettings,
         env: EnvSettings,
         version: Callable[[], int],
+        rewards: RewardClient | None = None,  # None: the env's reward, in-process
     ):
         self.engine = engine
         self.task = task
         self.env = env
+        self.rewards = rewards or RewardClient()
         env.prepare()  # the sandbox pool, if the env grades programs
         self.n = settings.sampling.n
         self.max_model_len = settings.engine.max_model_len
@@ -109,9 +121,18 @@ class MultiTurnEpisodes:
                 ]
         except BaseExceptionGroup as eg:
             raise eg.exceptions[0] from None
-        return TrajectoryGroup(gid, [t.result() for t in tasks])
+        trajs = [t.result()[0] for t in tasks]
+        inputs = [
+            reward_input(self.task, prompt, "".join(ep.generated), t.response_ids[t.loss_mask],
+                         ep.breakdown, ep.reward)
+            for t, (_, ep) in zip(trajs, (t.result() for t in tasks))
+        ]  # fmt: skip
+        await self.rewards.apply(trajs, inputs)
+        return TrajectoryGroup(gid, trajs)
 
-    async def _episode(self, prompt: Prompt, gid: str, index: int, i: int) -> Trajectory:
+    async def _episode(
+        self, prompt: Prompt, gid: str, index: int, i: int
+    ) -> tuple[Trajectory, _Episode]:
         t_start = time.time()
         env = self.env.make()
         ep = _Episode(prompt_ids=[], group=index, sample=i)
@@ -123,7 +144,7 @@ class MultiTurnEpisodes:
             raise
         except Exception as e:  # noqa: BLE001 - an env's failure is a recorded outcome
             ep.finish, ep.error, ep.reward = "env_error", f"{type(e).__name__}: {e}", 0.0
-        return self._trajectory(ep, prompt, gid, i, t_start)
+        return self._trajectory(ep, prompt, gid, i, t_start), ep
 
     async def _turns(self, env: Any, prompt: Prompt, ep: _Episode, rid: str) -> None:
         await env.reset(prompt, self.task)
@@ -139,6 +160,7 @@ class MultiTurnEpisodes:
             ep.turns += 1
             text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
             ep.texts.append(text)
+            ep.generated.append(text)
             step: StepResult = await env.step(text, ids.tolist())
             ep.reward += float(step.reward)
             ep.tool_calls += int(step.tool_calls)
@@ -247,9 +269,11 @@ def make_runner(
     settings: ActorSettings,
     env: EnvSettings | None,
     version: Callable[[], int],
+    rewards: RewardClient | None = None,
 ) -> EpisodeRunner:
     """The actor's episode runner: today's single-turn one for ``env=single_turn`` (one
-    request for the whole group), the multi-turn one for any other env."""
+    request for the whole group), the multi-turn one for any other env. ``rewards``:
+    what scores the finished groups (None: the env's reward, in-process)."""
     if env is None or env.single_turn:
-        return SingleTurnEpisodes(engine, task, settings.sampling, version)
-    return MultiTurnEpisodes(engine, task, settings, env, version)
+        return SingleTurnEpisodes(engine, task, settings.sampling, version, rewards)
+    return MultiTurnEpisodes(engine, task, settings, env, version, rewards)

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from asyncrl.monitor.hacking import HackingRules, HackingSettings
 from asyncrl.monitor.settings import MonitorSettings
 
 log = logging.getLogger("asyncrl.monitor")
@@ -48,7 +49,12 @@ class HealthMonitor:
     """``check(step, metrics)`` -> the ``alerts/*`` metrics; warnings go to the log and
     to :attr:`warnings` (the lines, for the summary and tests)."""
 
-    def __init__(self, settings: MonitorSettings | None = None, max_staleness: int = 0):
+    def __init__(
+        self,
+        settings: MonitorSettings | None = None,
+        max_staleness: int = 0,
+        hacking: HackingSettings | None = None,  # reward.monitor: the hacking/* rules
+    ):
         self.s = settings or MonitorSettings()
         self.max_staleness = max_staleness
         self.h = _History()
@@ -66,6 +72,10 @@ class HealthMonitor:
             "idle_imbalance": self._idle_imbalance,
             "response_length_explosion": self._length_explosion,
         }
+        # the hacking/* rules (asyncrl/monitor/hacking.py), with the reward's settings
+        # (train.py passes reward.monitor; None: off, as for a monitor of other streams)
+        self.hacking = HackingRules(hacking or HackingSettings(enabled=False))
+        self.rules.update(self.hacking.rules())
 
     def check(self, step: int, metrics: dict) -> dict[str, float]:
         if not self.s.enabled:
@@ -73,12 +83,14 @@ class HealthMonitor:
         m = {k: float(v) for k, v in metrics.items() if _number(v)}
         self.steps += 1
         out: dict[str, float] = {}
+        hacking = self.hacking.observe(m)  # hacking/*: the series its rules read
         for name, rule in self.rules.items():
             f = rule(m) if self.steps > self.s.warmup_steps else None
             out[f"alerts/{name}"] = 1.0 if f else 0.0
             if f:
                 self._record(name, step, f)
         out["alerts/firing"] = sum(out.values())
+        out.update(hacking)
         self._remember(m)
         return out
 

@@ -34,7 +34,7 @@ class RewardInput:
     response: str  # the policy's text (all generated turns joined, observations excluded)
     response_ids: list[int]  # the generated token ids (mask 1 tokens)
     answer: Any  # the task sample's reference answer (may be None)
-    info: dict[str, float]  # the env's info / breakdown of the episode (env rewards under their keys)
+    info: dict[str, float]  # the env's info / breakdown (env rewards under their keys)
     env_reward: float  # the env's own reward for the episode (the task reward today)
     task: str = ""  # task name, for mixtures
 

@@ -1,0 +1,96 @@
+"""``reward`` in config: the components, their weights, the failure policy, the pool
+of reward workers and the hacking monitors' thresholds.
+
+Checked once in the driver before Ray starts (``RewardSettings.from_config``): every
+component's class is located and its keyword arguments checked against its
+constructor, without building it (a judge's constructor may start an engine; the
+workers build the components). A bad value names its key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncrl.config import ConfigError, _accepted, _locate
+from asyncrl.monitor.hacking import HackingSettings
+
+TASK_REWARD = "asyncrl.rewards.task.TaskReward"
+
+
+def _default_components() -> list[dict[str, Any]]:
+    return [{"_target_": TASK_REWARD, "weight": 1.0}]
+
+
+@dataclass
+class RewardSettings:
+    workers: int = 2  # Ray actors scoring episodes off the generation path (0: in-process)
+    on_error: float = 0.0  # the value a failed / timed-out component scores
+    components: list = field(default_factory=_default_components)  # {_target_, weight, kwargs}
+    monitor: HackingSettings = field(default_factory=HackingSettings)  # hacking/* monitors
+
+    def check(self) -> None:
+        if self.workers < 0:
+            raise ConfigError(f"reward.workers={self.workers}: must be >= 0")
+        if not math.isfinite(self.on_error):
+            raise ConfigError(f"reward.on_error={self.on_error}: must be a finite number")
+        if not self.components:
+            raise ConfigError("reward.components is empty: list at least one component")
+        names: dict[str, str] = {}
+        for i, spec in enumerate(self.components):
+            name = _check_component(f"reward.components[{i}]", spec)
+            if name in names:
+                raise ConfigError(
+                    f"reward.components[{i}]: name {name!r} is taken by {names[name]}; "
+                    "give one of them name=... (metrics are reward/<name>)"
+                )
+            names[name] = f"reward.components[{i}]"
+
+    @property
+    def inline(self) -> bool:
+        """Only the env's own reward: score in-process on the rollout actor, no Ray hop
+        (the fast path; a Ray call costs about a millisecond of CPU per side)."""
+        return self.workers == 0 or all(
+            s["_target_"] == TASK_REWARD and len(s) == 2 for s in self.components
+        )
+
+    def specs(self) -> list[tuple[dict[str, Any], float]]:
+        """(constructor spec with ``_target_``, weight) per component."""
+        return [
+            ({k: v for k, v in s.items() if k != "weight"}, float(s["weight"]))
+            for s in self.components
+        ]
+
+    @classmethod
+    def from_config(cls, node: Any) -> RewardSettings:
+        from asyncrl.config import settings_from
+
+        return cls() if node is None else settings_from(cls, node, "reward")
+
+
+def _check_component(key: str, spec: Any) -> str:
+    """The component's metric name, or a ConfigError naming ``key``."""
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{key}={spec!r}: expected a mapping with _target_ and weight")
+    if not spec.get("_target_"):
+        raise ConfigError(f"{key}._target_ is missing: set it to a class like {TASK_REWARD}")
+    w = spec.get("weight")
+    if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w):
+        raise ConfigError(f"{key}.weight={w!r}: expected a finite number (total = sum w x value)")
+    from asyncrl.rewards.base import Reward
+
+    cls = _locate(key, spec["_target_"])
+    if not (isinstance(cls, type) and issubclass(cls, Reward)):
+        raise ConfigError(
+            f"{key}._target_={spec['_target_']}: not a subclass of asyncrl.rewards.base.Reward"
+        )
+    accepted = _accepted(cls)
+    given = [k for k in spec if k not in ("_target_", "weight")]
+    unknown = [k for k in given if accepted is not None and k not in accepted]
+    if unknown:
+        raise ConfigError(
+            f"{key}: {spec['_target_']} takes no argument(s) {unknown}; "
+            f"it accepts {sorted(accepted or [])}"
+        )
+    return str(spec.get("name", cls.name))
