@@ -19,7 +19,6 @@ actors through the broker.
 
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -126,10 +125,9 @@ def run_loop(
         if hooks.checkpoint_dir is not None and every and version % every == 0:
             from asyncrl.learner.resume import save_checkpoint
 
-            save_checkpoint(parts, hooks.checkpoint_dir)
-            if hooks.keep_checkpoints:  # asyncrl-replay starts from these
-                keep = hooks.checkpoint_dir.parent / "checkpoints" / f"step-{version}"
-                shutil.copytree(hooks.checkpoint_dir, keep, dirs_exist_ok=True)
+            # asyncrl-replay starts from kept steps (log.keep_checkpoints: keep them all)
+            keep = 0 if hooks.keep_checkpoints else cfg.learner.get("checkpoint_keep", 2)
+            save_checkpoint(parts, hooks.checkpoint_dir.parent, version, keep)
         _show(bar, m)
     bar.close()
     out.phases = phases

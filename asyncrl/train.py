@@ -125,7 +125,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         loop = run_loop(cfg, parts, clock := StartupClock(scalars), version, hooks)
         if hooks.evaluator is not None:  # the evaluation in flight (eval.timeout_s)
             clock.log(loop.policy_version, hooks.evaluator.finish())
-        save_checkpoint(parts, out_dir / "checkpoint")  # with the queue and sampler state
+        keep = 0 if setup.log.keep_checkpoints else setup.learner.checkpoint_keep
+        save_checkpoint(parts, out_dir, loop.policy_version, keep)  # queue + sampler state
         queue_stats, actor_stats = stop_parts(parts)
         parts = None
         summary = summarise(cfg, loop, queue_stats, actor_stats, time.time() - t0)

@@ -1,4 +1,4 @@
-"""Sharded checkpoints with exact resume.
+"""Sharded checkpoints with exact resume, written so that a crash never loses the last one.
 
     PATH/
       state/              torch.distributed.checkpoint: model + optimizer, one file per
@@ -6,11 +6,20 @@
       rng/rank{r}.pt      torch / CUDA / numpy / python RNG states of rank r
       learner.json        policy version, world size, LR scheduler state
       driver_state.json   the driver's opaque state (queue accounting, task samplers)
+      hf/                 (optional) an HF model directory of the weights
       manifest.json       size and CRC32 of every file above; written last
 
-Every rank writes its shard into ``PATH.tmp``; rank 0 writes the rest and renames, so
-``PATH`` is always either the previous or the new complete checkpoint. Loading checks
-the manifest first: a missing, truncated or altered file fails with its name.
+A run keeps its checkpoints as ``RUN/checkpoints/step-V`` (the newest ``keep``) and
+``RUN/checkpoint``, a symlink to the newest. Every save goes aside, then switches:
+
+    write PATH.tmp (every rank) ─▶ manifest (rank 0) ─▶ PATH→PATH.old ─▶ PATH.tmp→PATH
+      ─▶ remove PATH.old ─▶ RUN/checkpoint re-pointed (symlink swap) ─▶ older steps pruned
+
+Renames and the symlink swap are atomic, and nothing complete is removed before its
+successor is complete and in place, so a crash at any moment leaves a complete
+checkpoint: :func:`find_latest` picks the newest one whose manifest checks out
+(``step-V.old`` counts: it is complete, and exists alone only inside the switch).
+Loading checks the manifest first: a missing, truncated or altered file fails with its name.
 """
 
 from __future__ import annotations
@@ -19,10 +28,11 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +47,9 @@ META = "learner.json"
 DRIVER = "driver_state.json"
 STATE_DIR = "state"
 CRC_CHUNK = 1 << 22  # bytes read at a time when checksumming
+STEPS_DIR = "checkpoints"  # RUN/checkpoints/step-V
+LATEST = "checkpoint"  # RUN/checkpoint: symlink to the newest step (a directory in old runs)
+_STEP = re.compile(r"^step-(\d+)(\.old)?$")
 
 
 class CheckpointError(RuntimeError):
@@ -131,8 +144,10 @@ def save(
     meta: dict[str, Any],
     rank: int,
     driver_state: dict[str, Any] | None = None,
+    extra: Callable[[Path], None] | None = None,
 ) -> str:
-    """Collective: every rank calls it. ``meta`` goes to ``learner.json``."""
+    """Collective: every rank calls it. ``meta`` goes to ``learner.json``; ``extra(tmp)``
+    (rank 0) adds files before the manifest seals them (the HF export)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -151,16 +166,110 @@ def save(
         )
     torch.save(rng_state(), tmp / "rng" / f"rank{rank}.pt")
     barrier()
+    _crash_point("shards written")
     if rank == 0:
         full = {"format": FORMAT, **meta, "scheduler": sched.state_dict()}
         (tmp / META).write_text(json.dumps(full, indent=1))
         (tmp / DRIVER).write_text(json.dumps(driver_state or {}))
+        if extra is not None:
+            extra(tmp)
+        _crash_point("files written")
         write_manifest(tmp)
-        if root.exists():
-            shutil.rmtree(root)
-        os.replace(tmp, root)
+        _fsync_tree(tmp)
+        _crash_point("manifest written")
+        _switch(tmp, root)
     barrier()
     return str(root)
+
+
+def _crash_point(name: str) -> None:
+    """A point between two steps of a save; tests make it raise to prove each is safe."""
+
+
+def _fsync_tree(root: Path) -> None:
+    """Contents on disk before the rename makes them the checkpoint (a power cut after
+    the rename must not leave a renamed directory of empty files)."""
+    for p in [*_files(root), root / MANIFEST]:
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def _switch(tmp: Path, root: Path) -> None:
+    """``tmp`` (complete) becomes ``root``; the old ``root`` is removed only after."""
+    old = root.with_name(root.name + ".old")
+    if old.exists() and not root.exists():  # a crash inside the last switch: restore first
+        os.replace(old, root)
+    shutil.rmtree(old, ignore_errors=True)  # root is complete, so this leftover is spare
+    if root.exists():
+        os.replace(root, old)
+        _crash_point("old moved aside")
+    os.replace(tmp, root)
+    _crash_point("new in place")
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def step_dir(run_dir: str | Path, version: int) -> Path:
+    return Path(run_dir) / STEPS_DIR / f"step-{version}"
+
+
+def publish(run_dir: str | Path, version: int, keep: int) -> None:
+    """After ``step-<version>`` is saved: point ``RUN/checkpoint`` at it (atomic symlink
+    swap) and remove all but the newest ``keep`` steps (0: keep every one)."""
+    run = Path(run_dir)
+    latest, target = run / LATEST, Path(STEPS_DIR) / f"step-{version}"
+    if latest.is_dir() and not latest.is_symlink():  # a run written before step dirs
+        shutil.rmtree(latest)
+    link = run / (LATEST + ".link")
+    link.unlink(missing_ok=True)
+    link.symlink_to(target, target_is_directory=True)  # relative: the run dir can move
+    os.replace(link, latest)
+    _crash_point("latest switched")
+    if keep <= 0:
+        return
+    steps = sorted(_steps(run), key=lambda p: (_version_of(p), not p.name.endswith(".old")))
+    complete = [p for p in steps if _is_complete(p)]
+    survivors = set(complete[-keep:]) | {run / target}
+    for p in steps:
+        if p not in survivors and _version_of(p) < version:
+            shutil.rmtree(p, ignore_errors=True)
+            _crash_point("pruned one")
+
+
+def _steps(run: Path) -> list[Path]:
+    d = run / STEPS_DIR
+    return [p for p in d.iterdir() if p.is_dir() and _STEP.match(p.name)] if d.is_dir() else []
+
+
+def _version_of(p: Path) -> int:
+    m = _STEP.match(p.name)
+    return int(m.group(1)) if m else -1
+
+
+def _is_complete(p: Path) -> bool:
+    try:
+        verify(p, full=False)
+        return True
+    except (CheckpointError, OSError, ValueError):
+        return False
+
+
+def find_latest(path: str | Path) -> Path:
+    """The checkpoint to resume from: ``path`` itself when it is a checkpoint directory
+    (as before; checked by :func:`verify`), else the newest complete one of the run
+    directory ``path`` (``checkpoints/step-V``, then ``checkpoint`` of an older run)."""
+    p = Path(path)
+    if (p / MANIFEST).is_file() or not ((p / STEPS_DIR).is_dir() or (p / LATEST).is_dir()):
+        return p  # a checkpoint directory, or not a run directory: verify() says which
+    found = [(v, s) for s in _steps(p) if _is_complete(s) for v in [_version_of(s)]]
+    legacy = p / LATEST
+    if legacy.is_dir() and not legacy.is_symlink() and _is_complete(legacy):
+        found.append((int(json.loads((legacy / META).read_text()).get("version", 0)), legacy))
+    if not found:
+        raise CheckpointError(
+            f"{p} holds no complete checkpoint (neither a checkpoint directory nor a run "
+            f"directory with {STEPS_DIR}/step-V)"
+        )
+    return max(found, key=lambda vs: (vs[0], not vs[1].name.endswith(".old")))[1]
 
 
 def load(
@@ -245,12 +354,15 @@ class CheckpointMethods:
             "value_head": self.value_head is not None,
             "lr_scale": self.lr_scale,
         }
-        out = _save(path, self.policy, self.opt, self.sched, meta, self.rank, driver_state)
-        if export_hf:
+        extra = None
+        if export_hf:  # inside the checkpoint, sealed by its manifest
             sd = self.full_state_dict()
             if self.rank == 0:
-                _export_hf(Path(path) / "hf", self.model, sd, self.model_path)
-        return out
+
+                def extra(tmp: Path) -> None:
+                    _export_hf(tmp / "hf", self.model, sd, self.model_path)
+
+        return _save(path, self.policy, self.opt, self.sched, meta, self.rank, driver_state, extra)
 
     def load(self, path: str) -> dict[str, Any]:
         """Restore a checkpoint (collective). Returns ``{"version", "driver_state", ...}``."""

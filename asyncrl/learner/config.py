@@ -79,6 +79,7 @@ class LearnerSettings:
     attn_implementation: str = "sdpa"
     collective_timeout_s: float = 300.0  # a rank stuck this long in a collective raises
     checkpoint_every: int = 0  # read by the driver's loop
+    checkpoint_keep: int = 2  # newest RUN/checkpoints/step-V kept (0: all); read by the driver
     optim: OptimSettings = field(default_factory=OptimSettings)
     advantage: dict[str, Any] = field(
         default_factory=lambda: {"_target_": "asyncrl.losses.advantages.GroupNormalized"}
@@ -100,7 +101,7 @@ class LearnerSettings:
             raise ConfigError(
                 f"learner.num_cpus must be > 0 (Ray CPUs per rank), got {self.num_cpus}"
             )
-        for key in ("num_gpus", "num_threads", "checkpoint_every"):
+        for key in ("num_gpus", "num_threads", "checkpoint_every", "checkpoint_keep"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"learner.{key} must be >= 0, got {getattr(self, key)}")
         if self.pack_row_tokens is not None and self.pack_row_tokens < 1:
@@ -145,11 +146,12 @@ def check_value_head(loss: Any, value_head: bool) -> None:
 
 
 def check_resume(path: str) -> None:
-    """A resumable checkpoint (cheap: sizes against the manifest; CRCs on load)."""
-    from asyncrl.learner.checkpoint import CheckpointError, verify
+    """A resumable checkpoint, or a run directory holding one (cheap: sizes against the
+    manifest; CRCs on load)."""
+    from asyncrl.learner.checkpoint import CheckpointError, find_latest, verify
 
     try:
-        verify(path, full=False)
+        verify(find_latest(path), full=False)
     except (CheckpointError, OSError, ValueError) as e:
         raise ConfigError(f"resume={path}: {e}") from e
 

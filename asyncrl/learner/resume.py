@@ -27,16 +27,24 @@ def driver_state(parts: Any) -> dict[str, Any]:
     }
 
 
-def save_checkpoint(parts: Any, path: Path) -> str:
-    """Learner state (sharded) plus the driver's state, in one checkpoint directory."""
-    return parts.learner.save(str(path), driver_state(parts))
+def save_checkpoint(parts: Any, run_dir: Path, version: int, keep: int) -> str:
+    """Learner state (sharded) plus the driver's state in ``RUN/checkpoints/step-V``, then
+    ``RUN/checkpoint`` points at it and only the newest ``keep`` steps stay (0: all)."""
+    from asyncrl.learner.checkpoint import publish, step_dir
+
+    out = parts.learner.save(str(step_dir(run_dir, version)), driver_state(parts))
+    publish(run_dir, version, keep)
+    return out
 
 
 def resume(parts: Any, path: str) -> int:
-    """Continue from ``path``; returns the policy version the run continues from."""
+    """Continue from ``path`` (a checkpoint, or a run directory: its newest complete
+    checkpoint); returns the policy version the run continues from."""
     import ray
 
-    meta = parts.learner.load(path)
+    from asyncrl.learner.checkpoint import find_latest
+
+    meta = parts.learner.load(str(find_latest(path)))
     version = int(meta["version"])
     ds = meta.get("driver_state") or {}
     if "queue" in ds:
