@@ -202,6 +202,44 @@ def _typed(key: str, value: Any, hint: Any) -> Any:
     return value
 
 
+def hydra_error_line(e: Exception) -> str:
+    """One line for an override Hydra could not compose, naming the key or group and
+    what it accepts (``foo=1``: the keys there are; ``loss=x``: the group's options)."""
+    import re
+
+    options = getattr(e, "options", None)
+    missing = re.search(r"Could not find '([^']+)/([^']+)'", str(e))
+    if missing and options is not None:
+        group, name = missing.groups()
+        return (
+            f"{group}={name}: no such option in config group {group!r}; accepted: {sorted(options)}"
+        )
+    unknown = re.search(r"Could not override '([^']+)'", str(e))
+    if unknown:
+        key = unknown.group(1)
+        return (
+            f"{key}: no such key; accepted here: {_keys_beside(key)} (to add a new key: +{key}=...)"
+        )
+    first = str(e).split("\n\n")[0]  # Hydra appends the search path after a blank line
+    return " ".join(first.split())
+
+
+def _keys_beside(key: str) -> list[str] | str:
+    """The keys of the default config at ``key``'s parent (what a typo was meant to be)."""
+    try:
+        from hydra import compose, initialize_config_dir
+
+        from asyncrl.confdir import conf_dir
+
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            node: Any = compose("config")
+        for part in key.split(".")[:-1]:
+            node = node[part]
+        return sorted(str(k) for k in node.keys())
+    except Exception:  # the line still names the key
+        return "see conf/"
+
+
 def positive(key: str, value: float, strict: bool = True) -> None:
     """ConfigError naming ``key`` unless ``value`` > 0 (>= 0 with ``strict=False``)."""
     if value <= 0 if strict else value < 0:

@@ -74,13 +74,31 @@ def check_resources(needed: dict[str, float]) -> None:
     """Fail at start-up, with the numbers, when the cluster cannot hold the parts."""
     import ray
 
-    have = ray.cluster_resources().get("CPU", 0.0)
+    _compare(needed, ray.cluster_resources().get("CPU", 0.0), "the cluster", "or add nodes")
+
+
+def check_local_cpus(needed: dict[str, float], ray_settings: RaySettings) -> None:
+    """The same check before a local Ray starts, against the CPUs it will have
+    (``ray.num_cpus``, or what Ray detects: cores, cgroup limits). A cluster
+    (``ray.address``) is checked once joined."""
+    if ray_settings.address:
+        return
+    if ray_settings.num_cpus is not None:
+        have, where = float(ray_settings.num_cpus), f"ray.num_cpus={ray_settings.num_cpus}"
+    else:
+        from ray._private.utils import get_num_cpus
+
+        have, where = float(get_num_cpus()), "this machine"
+    _compare(needed, have, where, "or raise ray.num_cpus")
+
+
+def _compare(needed: dict[str, float], have: float, where: str, more: str) -> None:
     want = sum(needed.values())
     if want > have:
-        parts = ", ".join(f"{k}: {v:g}" for k, v in needed.items())
+        parts = ", ".join(f"{k}: {v:g}" for k, v in needed.items() if v)
         raise ConfigError(
-            f"the run needs {want:g} Ray CPUs ({parts}) but the cluster has {have:g}; lower "
-            f"actor.num_actors / learner.world_size or their num_cpus, or add nodes"
+            f"the run needs {want:g} Ray CPUs ({parts}) but {where} has {have:g}; lower "
+            f"actor.num_actors / learner.world_size or their num_cpus, {more}"
         )
 
 

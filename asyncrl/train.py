@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,12 +21,12 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from asyncrl.confdir import conf_dir
-from asyncrl.config import ConfigError
+from asyncrl.config import ConfigError, hydra_error_line
 from asyncrl.eval.launch import launch as launch_eval
 from asyncrl.learner.resume import resume, save_checkpoint
 from asyncrl.loop import LoopHooks, LoopResult, RunError, run_loop
 from asyncrl.monitor import HealthMonitor, MonitorSettings
-from asyncrl.runtime import check_resources, init_ray
+from asyncrl.runtime import check_local_cpus, check_resources, init_ray
 from asyncrl.utils.fingerprint import fingerprint, markdown
 from asyncrl.utils.runlog import Scalars
 from asyncrl.wiring import Setup, StartupClock, prepare, start_parts, stop_parts
@@ -103,6 +104,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         setup.replay.max_staleness,
         setup.reward.monitor,  # reward.monitor: the hacking/* rules
     )  # its thresholds are checked here too, before Ray starts
+    check_local_cpus(setup.resources, setup.ray)  # what a local Ray will have, before it starts
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     fp = fingerprint(cfg, setup.model_path, setup.run.seed)  # what this run ran
@@ -182,13 +184,26 @@ def _one_line(e: Exception) -> str:
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
-def main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     code = execute(cfg, Path(HydraConfig.get().runtime.output_dir))
     if code:
         sys.exit(code)
+
+
+def main() -> None:
+    """``asyncrl-train``: Hydra composes the command line's overrides; an override it
+    cannot compose (an unknown key or config-group option) is a config error too."""
+    from hydra.errors import HydraException
+
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing many lines
+    try:
+        _hydra_main()
+    except HydraException as e:
+        print(f"asyncrl: config error: {hydra_error_line(e)}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":  # vLLM spawns processes: entry points need the guard

@@ -4,6 +4,7 @@ the CLI runs after Hydra composed the config)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,90 @@ def test_every_component_has_a_bad_value_case():
     assert {c for c, _, _ in BAD} >= {
         "run", "ray", "actor", "replay", "learner", "broker", "loss", "task", "model"
     }  # fmt: skip
+
+
+def _refused(overrides: list[str], tmp_path: Path, capsys, monkeypatch) -> str:
+    """The one line ``execute`` prints for ``overrides``; fails if Ray was started."""
+    import asyncrl.train
+    from asyncrl.train import execute
+
+    def no_ray(*_a, **_k):
+        raise AssertionError("Ray was started before the config was refused")
+
+    monkeypatch.setattr(asyncrl.train, "init_ray", no_ray)
+    code = execute(cfg(*overrides, "progress=false"), tmp_path / "out")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("asyncrl: config error: "), err
+    assert not (tmp_path / "out").exists()
+    return err[0]
+
+
+def test_more_ranks_than_the_machine_has_cpus_is_refused_before_ray(tmp_path, capsys, monkeypatch):
+    """Issue 25: learner.world_size=3 on 2 cores was refused only after Ray started."""
+    from ray._private.utils import get_num_cpus
+
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path / "cache"))  # the tiny model installed
+    cpus = get_num_cpus()  # one rank per CPU plus the actor's: one CPU too many
+    line = _refused([f"learner.world_size={cpus}"], tmp_path, capsys, monkeypatch)
+    assert (
+        f"needs {cpus + 1} Ray CPUs (actors: 1, learner: {cpus}) but this machine has {cpus}"
+        in line
+    )
+    line = _refused(["ray.num_cpus=1"], tmp_path, capsys, monkeypatch)
+    assert "but ray.num_cpus=1 has 1" in line
+    assert list((tmp_path / "cache").glob("tiny-*"))  # the model was resolved, so locked,
+    assert not list((tmp_path / "cache").glob(".tiny-*.lock"))  # and its lock file removed
+
+
+def test_a_huge_prompt_is_refused_at_once(tmp_path, capsys, monkeypatch):
+    """Issue 25: one 8 MB JSONL line hung start-up in the tiny model's warm start."""
+    big = tmp_path / "big.jsonl"
+    big.write_text('{"prompt": "1+1=", "answer": "2"}\n' + json.dumps(
+        {"prompt": "x" * (8 << 20), "answer": "y"}) + "\n")  # fmt: skip
+    line = _refused(["task=jsonl", f"task.path={big}"], tmp_path, capsys, monkeypatch)
+    assert "line 2: the prompt is 8388608 characters, more than task.max_prompt_chars=" in line
+
+
+# The command line itself, for what only it can get wrong (issue 25): Hydra's own
+# refusals (an unknown key, an unknown group option) were multi-line exits 1, and
+# max_steps=abc a traceback. A harness replaces init_ray with an exit 99, so a row that
+# got as far as starting Ray fails loudly; the rest is the real `asyncrl.train.main`.
+HARNESS = """
+import sys
+import asyncrl.train as t
+def no_ray(*a, **k):
+    print("RAY STARTED", file=sys.stderr)
+    sys.exit(99)
+t.init_ray = no_ray
+sys.argv = ["asyncrl-train", *sys.argv[1:]]
+t.main()
+"""
+CLI_ROWS = {
+    "max_steps": ("max_steps=abc", "max_steps='abc': expected an integer"),
+    "unknown_key": ("foo=1", "foo: no such key; accepted here: ['actor', "),
+    "unknown_option": (
+        "loss=nonexistent",
+        "loss=nonexistent: no such option in config group 'loss'; accepted: ['clipped', ",
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.slow  # a process per row (import time), all at once
+def test_the_command_line_refuses_with_one_line_and_exit_2(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(CONF.parent), "ASYNCRL_CACHE": str(tmp_path / "c")}
+    procs = {}
+    for name, (arg, _) in CLI_ROWS.items():
+        cmd = [sys.executable, "-c", HARNESS, arg, f"hydra.run.dir={tmp_path / name}"]
+        procs[name] = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True)  # fmt: skip
+    for name, p in procs.items():
+        _, err = p.communicate(timeout=300)
+        lines = err.strip().splitlines()
+        assert p.returncode == 2, (name, err[-2000:])
+        assert len(lines) == 1 and lines[0].startswith("asyncrl: config error: "), (name, lines)
+        assert CLI_ROWS[name][1] in lines[0], (name, lines[0])

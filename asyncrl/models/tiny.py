@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -184,8 +185,9 @@ def build_tiny_model(out_dir: Path, task: Task, spec: TinyModelSpec) -> Path:
     model = _build_model(spec, len(tokenizer), tokenizer)
     t0 = time.time()
     losses = warm_start(model, tokenizer, task, spec)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp{os.getpid()}")  # builders never share one
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     meta = {
@@ -197,7 +199,12 @@ def build_tiny_model(out_dir: Path, task: Task, spec: TinyModelSpec) -> Path:
         "warm_start_seconds": round(time.time() - t0, 2),
     }
     (tmp / "asyncrl_build.json").write_text(json.dumps(meta, indent=2))
-    os.replace(tmp, out_dir)  # atomic: a reader never sees a half-written model
+    try:
+        os.replace(tmp, out_dir)  # atomic: a reader never sees a half-written model
+    except OSError:  # another builder finished first: theirs is complete, keep it
+        if not (out_dir / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
@@ -228,14 +235,22 @@ def ensure_tiny_model(task: Task, spec: TinyModelSpec, cache_dir: Path | None = 
     if ready():
         return out
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / f".tiny-{key}.lock", "w") as lock:
+    lock_path = cache_dir / f".tiny-{key}.lock"
+    with open(lock_path, "w") as lock:
+        # flock: the kernel releases it when the holder dies, so a killed start never
+        # blocks the next; the file itself is removed on every exit Python sees.
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if ready():
-            return out
-        if is_shipped:
-            return shipped.install(out)
-        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-        build_tiny_model(out, task, spec)
+        try:
+            if ready():
+                return out
+            if is_shipped:
+                return shipped.install(out)
+            torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+            build_tiny_model(out, task, spec)
+        finally:
+            # A waiter holding the unlinked file re-checks ready() once it has the lock;
+            # a concurrent builder on a new file writes its own .tmp (see build_tiny_model).
+            lock_path.unlink(missing_ok=True)
     return out
 
 

@@ -14,11 +14,16 @@ from pathlib import Path
 from asyncrl.tasks.base import Prompt
 from asyncrl.tasks.chat import ChatForm, final_answer
 
+# Longest prompt accepted by default: prompts are generated from and trained on whole, and
+# the tiny model's warm start attends over each in full (an 8 MB line hung start-up).
+MAX_PROMPT_CHARS = 16384
+
 
 class JsonlTask:
     def __init__(
-        self, path: str, alphabet: str = "", chat: bool | None = None, system: str = ""
-    ):
+        self, path: str, alphabet: str = "", chat: bool | None = None, system: str = "",
+        max_prompt_chars: int = MAX_PROMPT_CHARS,
+    ):  # fmt: skip
         self.chat_form = ChatForm(chat, system)
         p = Path(path)
         if not p.is_file():
@@ -36,6 +41,12 @@ class JsonlTask:
                 raise ValueError(
                     f"task.path={path} line {i}: expected a JSON object with a 'prompt' key ({e})"
                 ) from e
+            if len(self.items[-1].text) > max_prompt_chars:
+                raise ValueError(
+                    f"task.path={path} line {i}: the prompt is {len(self.items[-1].text)} "
+                    f"characters, more than task.max_prompt_chars={max_prompt_chars} (shorten "
+                    f"it, or raise the limit: +task.max_prompt_chars=N)"
+                )
         if not self.items:
             raise ValueError(f"task.path={path} holds no prompts")
         self.alphabet = alphabet or "".join(
