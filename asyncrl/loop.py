@@ -64,6 +64,8 @@ class LoopHooks:
     # Held-out evaluation (asyncrl.eval.driver.Evaluator): ``step(V)`` starts one every
     # eval.every versions when its actor is idle and returns ``eval/*`` as they arrive.
     evaluator: Any = None
+    # Asked before each step: True ends the loop there (SIGINT/SIGTERM of the driver).
+    should_stop: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -92,6 +94,8 @@ def run_loop(
     phases = {"wait": 0.0, "train": 0.0, "publish": 0.0}
     t0 = time.time()
     for _ in range(cfg.max_steps - version):  # a resumed run continues up to max_steps
+        if hooks.should_stop is not None and hooks.should_stop():
+            break
         t = time.time()
         items = wait_batch(parts, cfg.learner.batch_groups, version, cfg.replay.wait_timeout_s)
         t_batch = time.time()
