@@ -25,6 +25,7 @@ from asyncrl.models.resolve import resolve_model  # model.preset / path / tiny, 
 from asyncrl.replay.settings import ReplaySettings
 from asyncrl.rewards.settings import RewardSettings
 from asyncrl.runtime import Parts, RaySettings
+from asyncrl.tasks.sampler import SamplerSettings, with_sampler
 from asyncrl.utils.affinity import keep_off, restore
 from asyncrl.utils.runlog import LogSettings
 
@@ -96,6 +97,7 @@ def prepare(cfg: DictConfig) -> Setup:
     log_settings = LogSettings.from_config(cfg.get("log"))
     reward = RewardSettings.from_config(cfg.get("reward"))
     evaluation = EvalSettings.from_config(cfg.get("eval"))
+    sampler = SamplerSettings.from_config(cfg.get("sampler"))
     loss = build("loss", cfg.loss)
     if not callable(loss):
         raise ConfigError(
@@ -116,6 +118,7 @@ def prepare(cfg: DictConfig) -> Setup:
     model_path = resolve_model(cfg, task)
     # with eval.every > 0: the held-out sets, and the training task without their prompts
     eval_plan, task = prepare_eval(evaluation, task)
+    task = with_sampler(task, sampler)  # how the actors draw prompts (sampler=adaptive)
     resources = {
         "actors": actor.num_actors * actor.num_cpus,
         "learner": learner.world_size * learner.num_cpus,

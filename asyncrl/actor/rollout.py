@@ -44,7 +44,8 @@ from asyncrl.envs.runner import make_runner
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.replay.queue import Outbox
 from asyncrl.rewards.pool import RewardClient
-from asyncrl.tasks.base import Prompt, Task, TaskSampler
+from asyncrl.tasks.base import Prompt, Task
+from asyncrl.tasks.sampler import make_sampler
 from asyncrl.trajectory import TrajectoryGroup
 from asyncrl.utils.affinity import parse_cpu_list
 
@@ -124,7 +125,7 @@ class RolloutActor:
     def _bind(self, queue: Any, seed: int) -> None:
         """Generate into ``queue``, prompts drawn from ``seed``."""
         self.queue = queue
-        self.sampler = TaskSampler(self.task, seed)
+        self.sampler = make_sampler(self.task, seed)  # uniform or adaptive (tasks/sampler.py)
         self._outbox = Outbox(queue, self.settings.handoff_linger_s, slots=HandOffSlots(self))
 
     # ---- lifecycle ----------------------------------------------------------------
@@ -305,6 +306,7 @@ class RolloutActor:
             self.fatal = f"group generation failed: {type(e).__name__}: {e}"
             return
         self._count(group)
+        self.sampler.observe(prompt, [t.reward for t in group.trajectories])
         self._outbox.put(group, group_meta(group, self.name))
 
     def _count(self, group: TrajectoryGroup) -> None:

@@ -109,7 +109,9 @@ def trajectory_metrics(trajs: list, learner_version: int) -> dict[str, Any]:
     }
     keys = {k for t in trajs for k in t.reward_breakdown}
     for k in sorted(keys):
-        out[f"reward/{k}"] = float(np.mean([t.reward_breakdown.get(k, 0.0) for t in trajs]))
+        # task/<name> (a mixture's per-task reward): over that task's trajectories only
+        has = [t for t in trajs if k in t.reward_breakdown] if k.startswith("task/") else trajs
+        out[f"reward/{k}"] = float(np.mean([t.reward_breakdown.get(k, 0.0) for t in has]))
     out.update(episode_metrics([getattr(t, "episode", {}) for t in trajs]))
     return out
 
