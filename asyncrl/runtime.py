@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +50,10 @@ def init_ray(ray_cfg: Any) -> bool:
     }
     if ray.is_initialized():
         return False
+    from asyncrl.utils import watchdog
+
+    # Every process of the run carries the mark: the watchdog kills them when we exit.
+    env[watchdog.MARK] = watchdog.start()
     if ray_cfg.address:
         check_ray_address(str(ray_cfg.address), ray_cfg.connect_timeout_s)
         try:
@@ -111,3 +117,51 @@ class Parts:
     started_ray: bool
     # threads moved off actor.engine_cores (wiring.keep_off_engines): tid -> former cores
     moved_affinity: dict[int, set[int]] = field(default_factory=dict)
+
+
+class Interrupted(Exception):
+    """SIGINT/SIGTERM where the run cannot stop cleanly: before its first step, or a
+    second signal. ``signame``: which."""
+
+    def __init__(self, signame: str, during: str):
+        super().__init__(f"{signame} {during}")
+        self.signame, self.during = signame, during
+
+
+class GracefulStop:
+    """SIGINT / SIGTERM of the driver. While ``deferring`` (the loop and its final
+    checkpoint and summary), the first signal only asks the loop to stop after the step
+    in progress (``requested()``), so that everything is written; before that, or a
+    second signal, raises :class:`Interrupted` at once (parts stopped in ``finally``)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signame: str | None = None
+        self.deferring = False
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> None:
+        """Also after ``ray.init``, which may set handlers of its own. Main thread only."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self.SIGNALS:
+            old = signal.signal(sig, self._on)
+            self._old.setdefault(sig, old)
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+    def requested(self) -> bool:
+        return self.signame is not None
+
+    def _on(self, signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.deferring and self.signame is None:
+            self.signame = name
+            return
+        first = self.signame is None
+        self.signame = self.signame or name
+        raise Interrupted(name, "during start-up" if first else "a second time")

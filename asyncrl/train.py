@@ -20,18 +20,20 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from asyncrl.broker.base import BrokerError
 from asyncrl.confdir import conf_dir
 from asyncrl.config import ConfigError, hydra_error_line
 from asyncrl.eval.launch import launch as launch_eval
 from asyncrl.learner.resume import resume, save_checkpoint
 from asyncrl.loop import LoopHooks, LoopResult, RunError, run_loop
 from asyncrl.monitor import HealthMonitor, MonitorSettings
-from asyncrl.runtime import check_local_cpus, check_resources, init_ray
+from asyncrl.runtime import GracefulStop, Interrupted, check_local_cpus, check_resources, init_ray
 from asyncrl.utils.fingerprint import fingerprint, markdown
 from asyncrl.utils.runlog import Scalars
 from asyncrl.wiring import Setup, StartupClock, prepare, start_parts, stop_parts
 
 log = logging.getLogger("asyncrl")
+SIGNAL_EXIT = 130  # stopped by SIGINT/SIGTERM (the shell's 128 + SIGINT)
 
 
 def summarise(
@@ -89,6 +91,15 @@ def episode_means(actor_stats: dict) -> dict[str, float | None]:
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+    stop = GracefulStop()  # SIGINT/SIGTERM: stop after the step, write everything
+    stop.install()
+    try:
+        return _run(cfg, out_dir, stop)
+    finally:
+        stop.restore()
+
+
+def _run(cfg: DictConfig, out_dir: Path, stop: GracefulStop) -> dict[str, Any]:
     t0 = time.time()
     setup: Setup = prepare(cfg)  # every config error surfaces here, before Ray starts
     if setup.replay.delay_versions:
@@ -109,6 +120,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     fp = fingerprint(cfg, setup.model_path, setup.run.seed)  # what this run ran
     started = init_ray(cfg.ray)
+    stop.install()  # over any handler ray.init set
     parts = eval_run = None
     scalars = Scalars(out_dir / "tb")
     scalars.text("fingerprint", markdown(fp))
@@ -123,7 +135,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             monitor=monitor,
             keep_checkpoints=setup.log.keep_checkpoints,
             evaluator=eval_run.evaluator(parts.learner) if eval_run else None,
+            should_stop=stop.requested,
         )
+        stop.deferring = True  # from here a signal ends the loop; the rest is still written
         loop = run_loop(cfg, parts, clock := StartupClock(scalars), version, hooks)
         if hooks.evaluator is not None:  # the evaluation in flight (eval.timeout_s)
             clock.log(loop.policy_version, hooks.evaluator.finish())
@@ -135,6 +149,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         summary["startup_seconds"] = clock.startup_seconds()  # process start -> first step
         summary["fingerprint"] = fp
         summary["alerts"] = monitor.summary()  # name -> steps it fired, first step
+        summary["stopped_by"] = stop.signame  # null: ran to max_steps
         if hooks.evaluator is not None:  # set -> first, last, best, version_best
             summary["eval"] = hooks.evaluator.summary()
             summary["eval_skipped_versions"] = hooks.evaluator.skipped
@@ -166,9 +181,21 @@ def execute(cfg: DictConfig, out_dir: Path) -> int:
     except ConfigError as e:
         print(f"asyncrl: config error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except RunError as e:
+    except (RunError, BrokerError) as e:  # BrokerError: every actor's engine is gone
         print(f"asyncrl: run failed: {_one_line(e)}", file=sys.stderr)
         return 3
+    except Interrupted as e:
+        what = "before the first step" if e.during == "during start-up" else "abandoning the step"
+        print(f"asyncrl: stopped by {e.signame} {e.during}, {what}; outputs so far: {out_dir}",
+              file=sys.stderr)  # fmt: skip
+        return SIGNAL_EXIT
+    if summary["stopped_by"]:
+        print(
+            f"asyncrl: stopped by {summary['stopped_by']} after step {summary['policy_version']}"
+            f" of {cfg.max_steps}: summary.json, checkpoint and trajectory log in {out_dir}",
+            file=sys.stderr,
+        )
+        return SIGNAL_EXIT
     skip = ("actors", "staleness_histogram", "fingerprint")
     brief = {k: v for k, v in summary.items() if k not in skip}
     print(json.dumps(brief, indent=2))

