@@ -160,8 +160,10 @@ def start_parts(
     from asyncrl.rewards.pool import RewardClient, start_workers
 
     reward_workers = start_workers(setup.reward)  # none on the fast path (task reward only)
-    for a in actors.values():  # ordered before start: the runner is built with it
-        a.set_rewards.remote(RewardClient(setup.reward, reward_workers))
+    client = RewardClient(setup.reward, reward_workers)
+    # set before start (the runner is built with it); waited for: an async actor may
+    # run its calls out of order
+    ray.get([a.set_rewards.remote(client) for a in actors.values()])
     # the engines (~25 s each on a CPU) start while the learner ranks load the model
     started = [a.start.remote() for a in actors.values()]
     learner = start_learner(
