@@ -44,7 +44,10 @@ class Combiner:
         self.on_error = on_error
 
     async def score(self, inputs: list[RewardInput]) -> list[Scored]:
-        per = await asyncio.gather(*(self._component(r, inputs) for r, _ in self.components))
+        if len(self.components) == 1:  # no task to create: the fast path's common case
+            per = [await self._component(self.components[0][0], inputs)]
+        else:
+            per = await asyncio.gather(*(self._component(r, inputs) for r, _ in self.components))
         out = []
         for i in range(len(inputs)):
             s = Scored(total=0.0)
@@ -67,12 +70,17 @@ class Combiner:
     async def _component(self, r: Reward, inputs: list[RewardInput]) -> list[RewardOutput]:
         size = max(1, int(r.max_batch))
         chunks = [inputs[i : i + size] for i in range(0, len(inputs), size)]
+        if len(chunks) == 1:
+            return await self._call(r, chunks[0])
         outs = await asyncio.gather(*(self._call(r, c) for c in chunks))
         return [o for chunk in outs for o in chunk]
 
     async def _call(self, r: Reward, chunk: list[RewardInput]) -> list[RewardOutput]:
         try:
-            outs = await asyncio.wait_for(r.score(chunk), timeout=r.timeout_s)
+            if math.isfinite(r.timeout_s):
+                outs = await asyncio.wait_for(r.score(chunk), timeout=r.timeout_s)
+            else:  # a component that never waits (TaskReward): no timer task per call
+                outs = await r.score(chunk)
             if len(outs) != len(chunk):
                 raise ValueError(f"answered {len(outs)} outputs for {len(chunk)} episodes")
         except TimeoutError:

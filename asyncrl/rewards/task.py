@@ -12,6 +12,9 @@ class TaskReward(Reward):
     (the pool's fast path, asyncrl/rewards/pool.py) when it is the only component."""
 
     name = "task"
+    # it never waits: the combiner calls it without a timeout (a timer task per call
+    # cost more than the reward itself on the fast path)
+    timeout_s = float("inf")
 
     def __init__(self, name: str = "task"):
         self.name = name
