@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +23,7 @@ class RaySettings:
 
     address: str | None  # null: a local Ray; "auto" or host:port joins a cluster
     num_cpus: int | None  # local Ray only; null = all cores
-    node_ip: str  # a local Ray binds here (loopback)
+    node_ip: str  # a local Ray binds here; 127.0.0.1: loopback only (docs/security.md)
     connect_timeout_s: float
 
     @classmethod
@@ -65,15 +67,57 @@ def init_ray(ray_cfg: Any) -> bool:
         except ConnectionError as e:
             raise ConfigError(f"ray.address={ray_cfg.address}: cannot join ({e})") from e
         return True
-    ray.init(
-        _node_ip_address=ray_cfg.node_ip,
-        num_cpus=ray_cfg.num_cpus,
-        include_dashboard=False,
-        runtime_env={"env_vars": env},
-        logging_level=logging.WARNING,
-        log_to_driver=True,
-    )
+    if ray_cfg.node_ip == LOOPBACK:
+        _keep_loopback()
+    with _sigint_ignored_by_children():
+        ray.init(
+            _node_ip_address=ray_cfg.node_ip,
+            num_cpus=ray_cfg.num_cpus,
+            include_dashboard=False,
+            runtime_env={"env_vars": env},
+            logging_level=logging.WARNING,
+            log_to_driver=True,
+        )
     return True
+
+
+@contextlib.contextmanager
+def _sigint_ignored_by_children() -> Iterator[None]:
+    """Ray's GCS, raylet and agents start in the driver's process group, so a terminal's
+    Ctrl-C would reach them too and kill the run under the driver's clean stop. An ignored
+    signal stays ignored across exec: started meanwhile, they ignore SIGINT for good (the
+    watchdog and ray.shutdown still end them)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+# Ray's servers (GCS, raylet, every worker's gRPC port, the agents and their metrics
+# exporters) listen on loopback only when the node's address is exactly this one; any
+# other address, 127.0.0.2 included, makes them listen on every interface (docs/security.md).
+LOOPBACK = "127.0.0.1"
+
+
+def _keep_loopback() -> None:
+    """``ray.init`` replaces 127.0.0.1 by the machine's outward address (so that other
+    nodes could join), which makes every server listen on all interfaces. A local Ray
+    never has other nodes: keep the loopback address (Ray 2.60's
+    ``services.resolve_ip_for_localhost``; tests/test_sockets.py fails if this stops
+    binding loopback)."""
+    from ray._private import services
+
+    if not getattr(services.resolve_ip_for_localhost, "_asyncrl", False):
+
+        def keep(host: str) -> str:
+            return host
+
+        keep._asyncrl = True  # type: ignore[attr-defined]
+        services.resolve_ip_for_localhost = keep
 
 
 def check_resources(needed: dict[str, float]) -> None:

@@ -1,7 +1,8 @@
 """Stopping the driver (issue 25, clean stops): the real `python -m asyncrl.train`.
 
-SIGINT: the step in progress finishes, then summary.json, a checkpoint and every log
-part are written and the driver exits 130 with one line. SIGKILL: nothing can be
+SIGINT to the driver's process group (what Ctrl-C sends): the step in progress
+finishes, then summary.json, a checkpoint and every log part are written and the
+driver exits 130 with one line. SIGKILL: nothing can be
 written, but no process of the run outlives it (asyncrl.utils.watchdog) and every part
 file that exists reads. Both list the driver's process tree before and after.
 """
@@ -31,6 +32,7 @@ def start_run(out: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=open(out / "stdout.txt", "w"),
         stderr=open(out / "stderr.txt", "w"),
+        start_new_session=True,  # its own process group, as a terminal's foreground job
     )  # fmt: skip
 
 
@@ -113,7 +115,7 @@ def test_sigint_stops_cleanly_with_everything_written(tmp_path, tiny_model):
         before = tree(p.pid)
         mark = run_mark(before)
         t0 = time.time()
-        p.send_signal(signal.SIGINT)
+        os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
         rc = p.wait(timeout=120)
         took = time.time() - t0
     finally:
@@ -163,3 +165,43 @@ def test_sigkill_of_the_driver_leaves_no_process_and_readable_parts(tmp_path, ti
     parts = sorted((out / "trajectories").glob("part-*.parquet"))
     assert len(parts) >= 2  # log.part_every=1: a part per finished step
     assert read_trajectories(out).num_rows > 0  # every part that exists reads
+
+
+def test_the_first_signal_asks_the_second_abandons():
+    """GracefulStop in-process: before the loop a signal abandons at once; in the loop
+    the first only asks for a stop, the second abandons."""
+    from asyncrl.runtime import GracefulStop, Interrupted
+
+    before = signal.getsignal(signal.SIGINT)
+    stop = GracefulStop()
+    stop.install()
+    try:
+        with pytest.raises(Interrupted) as e:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert (e.value.signame, e.value.during) == ("SIGTERM", "during start-up")
+        stop.restore()
+        stop = GracefulStop()
+        stop.install()
+        stop.deferring = True
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested() and stop.signame == "SIGINT"
+        with pytest.raises(Interrupted, match="a second time"):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is before  # the handlers given back
+
+
+def test_a_broker_error_ends_the_run_with_one_line_and_exit_3(monkeypatch, capsys, tmp_path):
+    """Issue 25: every engine gone surfaced as a Hydra traceback."""
+    import asyncrl.train
+    from asyncrl.broker.base import BrokerError
+
+    def dead(cfg, out_dir):
+        raise BrokerError("every actor is dead:\n  actor0: EngineGone (engine process exited)")
+
+    monkeypatch.setattr(asyncrl.train, "run", dead)
+    assert asyncrl.train.execute(None, tmp_path) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["asyncrl: run failed: every actor is dead: actor0: EngineGone (engine "
+                   "process exited)"]  # fmt: skip

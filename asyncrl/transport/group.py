@@ -40,6 +40,8 @@ HEARTBEAT_S = 0.1
 # A peer whose counter did not move for this long is silent: 5 missed beats, so a
 # live process briefly starved of CPU on a busy box is not mistaken for a dead one.
 SILENCE_S = 5 * HEARTBEAT_S
+# Pending connections the store's socket queues (every receiver joins at once).
+LISTEN_BACKLOG = 128
 # Polling period for CUDA work, whose wait() does not block the CPU.
 _CUDA_POLL_S = 0.001
 HEADER_BUCKET = -1  # bucket index used in errors raised before any bucket moved
@@ -111,6 +113,39 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _store(
+    host: str, port: int, world_size: int, master: bool, join: datetime.timedelta
+) -> dist.TCPStore:
+    """The group's store. torch's TCPStore server listens on every interface; the
+    sender's listens on ``host`` only (its own socket, handed over as
+    ``master_listen_fd``): loopback for a local run, so no other host can reach the
+    rendezvous (docs/security.md)."""
+    if not master:
+        return dist.TCPStore(host, port, world_size, False, timeout=join)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own does
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(
+        host, port, world_size, True, timeout=join, wait_for_workers=False,
+        master_listen_fd=sock.detach(),  # the store owns (and closes) the fd now
+    )  # fmt: skip
+
+
+def _local_ip(peer: str) -> str:
+    """This host's address on the route to ``peer`` (``peer`` itself when local)."""
+    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))  # UDP: picks the route, sends nothing
+        return s.getsockname()[0]
+
+
 def _resolve_backend(backend: str) -> str:
     if backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"backend must be auto, gloo or nccl, got {backend!r}")
@@ -155,9 +190,7 @@ def make_group(
     if port == 0 and rank != 0:
         raise ValueError("only rank 0 (which hosts the store) may ask for port 0")
     try:
-        store = dist.TCPStore(
-            host, port, world_size, rank == 0, timeout=join, wait_for_workers=False
-        )
+        store = _store(host, port, world_size, rank == 0, join)
         port = store.port
         if on_listening is not None:
             on_listening(port)
@@ -169,7 +202,11 @@ def make_group(
             pg: dist.Backend = dist.ProcessGroupNCCL(pg_store, rank, world_size, opts)
         else:
             device = torch.device("cpu")
-            pg = dist.ProcessGroupGloo(pg_store, rank, world_size, join)
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = join
+            # gloo's pairs listen on this address, not on what the hostname resolves to
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_ip(host))]
+            pg = dist.ProcessGroupGloo(pg_store, rank, world_size, opts)
         pg._set_default_timeout(timeout)
         store.set_timeout(timeout)
     except Exception as e:  # noqa: BLE001 - any setup failure means some peer never joined
