@@ -231,6 +231,9 @@ def main() -> None:
     except HydraException as e:
         print(f"asyncrl: config error: {hydra_error_line(e)}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # before run() took over SIGINT: nothing started yet
+        print("asyncrl: stopped by SIGINT during start-up, before Ray", file=sys.stderr)
+        sys.exit(SIGNAL_EXIT)
 
 
 if __name__ == "__main__":  # vLLM spawns processes: entry points need the guard

@@ -205,3 +205,20 @@ def test_a_broker_error_ends_the_run_with_one_line_and_exit_3(monkeypatch, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["asyncrl: run failed: every actor is dead: actor0: EngineGone (engine "
                    "process exited)"]  # fmt: skip
+
+
+def test_ctrl_c_before_the_run_took_over_is_one_line_and_130(monkeypatch, capsys):
+    """A SIGINT while Hydra composes (before run() installs its handlers) was a
+    KeyboardInterrupt traceback."""
+    import asyncrl.train
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(asyncrl.train, "_hydra_main", interrupted)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # main() sets it; undone after the test
+    with pytest.raises(SystemExit) as e:
+        asyncrl.train.main()
+    assert e.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "asyncrl: stopped by SIGINT during start-up, before Ray"]  # fmt: skip
