@@ -20,7 +20,6 @@ judge: its scores mean nothing, its malformed answers exercise the failure path)
 from __future__ import annotations
 
 import asyncio
-import random
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -57,9 +56,10 @@ class JudgeServer:
         self.requests += len(prompts)
 
         async def one(text: str) -> str:
-            params = SamplingParams(
-                temperature=temperature, max_tokens=max_tokens, seed=random.getrandbits(31)
-            )
+            # no per-request seed: vLLM rewinds a seeded CPU generator when a long
+            # prompt's prefill is chunked, which the CPU generator cannot do (the engine
+            # dies); unseeded, each retry still samples anew from the engine's generator
+            params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
             final = None
             async for out in self.engine.generate(self.render(text), params, uuid.uuid4().hex):
                 final = out
