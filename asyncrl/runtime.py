@@ -131,7 +131,9 @@ def check_local_cpus(needed: dict[str, float], ray_settings: RaySettings) -> Non
     """The same check before a local Ray starts, against the CPUs it will have
     (``ray.num_cpus``, or what Ray detects: cores, cgroup limits). A cluster
     (``ray.address``) is checked once joined."""
-    if ray_settings.address:
+    import ray
+
+    if ray_settings.address or ray.is_initialized():  # joined, not started: checked later
         return
     if ray_settings.num_cpus is not None:
         have, where = float(ray_settings.num_cpus), f"ray.num_cpus={ray_settings.num_cpus}"

@@ -90,6 +90,8 @@ def test_more_ranks_than_the_machine_has_cpus_is_refused_before_ray(tmp_path, ca
     from ray._private.utils import get_num_cpus
 
     monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path / "cache"))  # the tiny model installed
+    # as from the command line: no Ray yet (the suite's session Ray may be up in this process)
+    monkeypatch.setattr("ray.is_initialized", lambda: False)
     cpus = get_num_cpus()  # one rank per CPU plus the actor's: one CPU too many
     line = _refused([f"learner.world_size={cpus}"], tmp_path, capsys, monkeypatch)
     assert (
