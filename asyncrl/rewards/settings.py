@@ -93,4 +93,10 @@ def _check_component(key: str, spec: Any) -> str:
             f"{key}: {spec['_target_']} takes no argument(s) {unknown}; "
             f"it accepts {sorted(accepted or [])}"
         )
+    check = getattr(cls, "check_config", None)  # its own cheap start-up check (a model dir)
+    if check is not None:
+        try:
+            check({k: spec[k] for k in given})
+        except ConfigError as e:
+            raise ConfigError(f"{key}.{e}") from e
     return str(spec.get("name", cls.name))
