@@ -114,3 +114,23 @@ def test_served_scores_batch_and_equal_in_process(ray_local):
     assert all(o.error == "" for o in outs)
     assert got == pytest.approx(want, abs=1e-5)
     assert len(set(round(v, 4) for v in got)) > 1  # the model tells texts apart
+
+
+def test_bad_model_dir_exits_2_before_ray(tmp_path):
+    """reward=rm with a directory that is not a reward model: one line naming the key,
+    exit 2, from the driver's start-up check (no Ray, no engine)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    r = subprocess.run(
+        [sys.executable, "-m", "asyncrl.train", "reward=rm", "max_steps=1",
+         f"reward.components.1.model={tmp_path}", f"hydra.run.dir={tmp_path / 'out'}"],
+        cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
+    assert lines == [
+        f"asyncrl: config error: reward.components[1].model={tmp_path}: no config.json "
+        "(not a Hugging Face model directory)"
+    ]

@@ -133,6 +133,19 @@ class Judge(Reward):
         # the judge call, a process boundary: tests put a recorder here
         self.generate: Callable[[list[str]], Awaitable[list[str]]] = self._remote_generate
 
+    @staticmethod
+    def check_config(kwargs: dict[str, Any]) -> None:
+        """In the driver, before Ray starts (RewardSettings.check): template and model."""
+        try:
+            fence.check_template(kwargs.get("template", fence.TEMPLATE), "template")
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        if kwargs.get("model", "tiny") != "tiny":
+            try:
+                check_model_dir(str(kwargs["model"]))
+            except ConfigError as e:
+                raise ConfigError(str(e).replace("model.path=", "model=", 1)) from e
+
     def server(self) -> Any:
         if self._server is None:
             key = {"model": self.model_dir, "engine": self.engine, "seed": self.seed}

@@ -146,6 +146,12 @@ class RewardModel(Reward):
         )
         self._server: Any = None
 
+    @staticmethod
+    def check_config(kwargs: dict[str, Any]) -> None:
+        """In the driver, before Ray starts (RewardSettings.check): the model directory."""
+        if kwargs.get("model", "tiny") != "tiny":
+            check_rm_dir(str(kwargs["model"]))
+
     def _settings(self) -> dict[str, Any]:
         return {
             k: getattr(self, k)
