@@ -3,9 +3,10 @@ seeded, briefly warm-started, cached under ``$ASYNCRL_CACHE`` by a hash of every
 setting (a file lock: two processes build it once). Nothing is downloaded.
 
 - :func:`ensure_tiny_rm`: a ``LlamaForSequenceClassification`` (one label) on the tiny
-  policy's character tokenizer, trained for a few hundred steps to score an addition
-  episode 1 when the answer is right and 0 when not: a reward model whose scores mean
-  something, for ``reward=rm`` on a CPU.
+  policy's character tokenizer, trained briefly (MSE) towards 1 for a right addition
+  answer and 0 for a wrong one. In that budget it learns little (scores near 0.4,
+  docs/rewards.md): it exercises the serving path of ``reward=rm`` on a CPU, it is
+  not a signal worth training on.
 - :func:`ensure_tiny_judge`: a causal LM on a printable-ASCII character tokenizer, long
   enough for the judge's fenced prompt, warm-started to end the rubric with a
   ``SCORE: <d>`` line (a random digit: it learns the format, not judgement). Sampled at
