@@ -107,8 +107,8 @@ def _keep_loopback() -> None:
     """``ray.init`` replaces 127.0.0.1 by the machine's outward address (so that other
     nodes could join), which makes every server listen on all interfaces. A local Ray
     never has other nodes: keep the loopback address (Ray 2.60's
-    ``services.resolve_ip_for_localhost``; tests/test_sockets.py fails if this stops
-    binding loopback)."""
+    ``services.resolve_ip_for_localhost``; the socket check of tests/test_sockets.py,
+    run in the SIGINT test, fails if this stops binding loopback)."""
     from ray._private import services
 
     if not getattr(services.resolve_ip_for_localhost, "_asyncrl", False):

