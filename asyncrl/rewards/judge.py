@@ -84,6 +84,8 @@ class Judge(Reward):
     hit) and ``cached`` (1 on a hit).
     """
 
+    name = "judge"  # the default metric name (reward/judge); the start-up check reads it
+
     def __init__(
         self,
         model: str = "tiny",

@@ -111,6 +111,8 @@ class RewardModel(Reward):
     The score is the model's single logit on ``prompt + response`` (times ``scale``).
     """
 
+    name = "rm"  # the default metric name (reward/rm); the start-up check reads it
+
     def __init__(
         self,
         model: str = "tiny",
