@@ -87,3 +87,20 @@ def perturbed_state(learner, seed: int) -> dict:
     sd = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
     sd.pop("lm_head.weight", None)
     return sd
+
+
+def refused_before_ray(cfg, tmp_path, capsys, monkeypatch) -> str:
+    """The one line ``asyncrl.train.execute`` prints when it refuses ``cfg``: exit 2, one
+    ``asyncrl: config error:`` line, Ray never started, nothing written."""
+    import asyncrl.train
+
+    def no_ray(*_a, **_k):
+        raise AssertionError("Ray was started before the config was refused")
+
+    monkeypatch.setattr(asyncrl.train, "init_ray", no_ray)
+    code = asyncrl.train.execute(cfg, tmp_path / "out")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("asyncrl: config error: "), err
+    assert not (tmp_path / "out").exists()  # and before anything was written
+    return err[0]

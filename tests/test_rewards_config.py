@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import refused_before_ray
 from hydra import compose, initialize_config_dir
 
 CONF = Path(__file__).parents[1] / "conf"
@@ -37,18 +38,8 @@ def cfg(*overrides: str):
 @pytest.mark.parametrize("override,names", BAD, ids=[o for o, _ in BAD])
 def test_a_bad_reward_value_stops_the_run_before_ray(override, names, tmp_path, capsys,
                                                      monkeypatch):  # fmt: skip
-    import asyncrl.train
-    from asyncrl.train import execute
-
-    def no_ray(*_a, **_k):
-        raise AssertionError("Ray was started before the config was refused")
-
-    monkeypatch.setattr(asyncrl.train, "init_ray", no_ray)
-    code = execute(cfg(override, "progress=false"), tmp_path / "out")
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2
-    assert len(err) == 1 and err[0].startswith("asyncrl: config error: "), err
-    assert names in err[0], err[0]
+    line = refused_before_ray(cfg(override, "progress=false"), tmp_path, capsys, monkeypatch)
+    assert names in line, line
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (CONF / "reward").glob("*.yaml")))

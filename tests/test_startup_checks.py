@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import refused_before_ray
 from hydra import compose, initialize_config_dir
 
 CONF = Path(__file__).parents[1] / "conf"
@@ -47,19 +48,8 @@ def cfg(*overrides: str):
 def test_a_bad_value_stops_the_run_before_ray(
     component, override, names, tmp_path, capsys, monkeypatch
 ):
-    import asyncrl.train
-    from asyncrl.train import execute
-
-    def no_ray(*_a, **_k):
-        raise AssertionError("Ray was started before the config was refused")
-
-    monkeypatch.setattr(asyncrl.train, "init_ray", no_ray)
-    code = execute(cfg(override, "progress=false"), tmp_path / "out")
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2
-    assert len(err) == 1 and err[0].startswith("asyncrl: config error: "), err
-    assert names in err[0], err[0]
-    assert not (tmp_path / "out").exists()  # and before anything was written
+    line = refused_before_ray(cfg(override, "progress=false"), tmp_path, capsys, monkeypatch)
+    assert names in line, line
 
 
 def test_every_component_has_a_bad_value_case():
@@ -70,19 +60,7 @@ def test_every_component_has_a_bad_value_case():
 
 def _refused(overrides: list[str], tmp_path: Path, capsys, monkeypatch) -> str:
     """The one line ``execute`` prints for ``overrides``; fails if Ray was started."""
-    import asyncrl.train
-    from asyncrl.train import execute
-
-    def no_ray(*_a, **_k):
-        raise AssertionError("Ray was started before the config was refused")
-
-    monkeypatch.setattr(asyncrl.train, "init_ray", no_ray)
-    code = execute(cfg(*overrides, "progress=false"), tmp_path / "out")
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2
-    assert len(err) == 1 and err[0].startswith("asyncrl: config error: "), err
-    assert not (tmp_path / "out").exists()
-    return err[0]
+    return refused_before_ray(cfg(*overrides, "progress=false"), tmp_path, capsys, monkeypatch)
 
 
 def test_more_ranks_than_the_machine_has_cpus_is_refused_before_ray(tmp_path, capsys, monkeypatch):
