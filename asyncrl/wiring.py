@@ -20,6 +20,7 @@ from asyncrl.config import ConfigError, build, settings_from
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.eval.launch import EvalPlan, prepare_eval
 from asyncrl.eval.settings import EvalSettings
+from asyncrl.fault.settings import FaultSettings
 from asyncrl.learner.config import LearnerSettings
 from asyncrl.models.resolve import resolve_model  # model.preset / path / tiny, checked
 from asyncrl.replay.settings import ReplaySettings
@@ -65,6 +66,7 @@ class Setup:
     log: LogSettings = field(default_factory=LogSettings)  # the trajectory log's parts
     evaluation: EvalPlan = field(default_factory=lambda: EvalPlan(EvalSettings()))  # eval.*
     reward: RewardSettings = field(default_factory=RewardSettings)  # components, workers
+    fault: FaultSettings = field(default_factory=FaultSettings)  # restarts (asyncrl/fault)
 
 
 def build_task(cfg: DictConfig) -> Any:
@@ -96,6 +98,7 @@ def prepare(cfg: DictConfig) -> Setup:
     env = EnvSettings.from_config(cfg.get("env"), cfg.get("sandbox"))  # sandbox.*: env=code
     log_settings = LogSettings.from_config(cfg.get("log"))
     reward = RewardSettings.from_config(cfg.get("reward"))
+    fault = FaultSettings.from_config(cfg.get("fault"))
     evaluation = EvalSettings.from_config(cfg.get("eval"))
     sampler = SamplerSettings.from_config(cfg.get("sampler"))
     loss = build("loss", cfg.loss)
@@ -127,7 +130,7 @@ def prepare(cfg: DictConfig) -> Setup:
     return Setup(
         model_path, task, loss, advantage, run, actor, learner, broker, replay, ray_settings,
         resources, env, log_settings, eval_plan,
-        reward=reward,
+        reward=reward, fault=fault,
     )  # fmt: skip
 
 
