@@ -364,6 +364,11 @@ class Learner(WeightsOut, CheckpointMethods):
     def ping(self) -> bool:
         return True
 
+    def pid(self) -> int:  # the rank's process: what a fault test or chaos run kills
+        import os
+
+        return os.getpid()
+
     def close(self) -> None:
         import torch.distributed as dist
 
