@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import os
 import signal
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,6 +17,14 @@ from asyncrl.config import ConfigError, check_ray_address, settings_from
 log = logging.getLogger(__name__)
 
 
+class ShipCode(enum.StrEnum):
+    """How the run's code reaches Ray's workers (``ray.ship_code``)."""
+
+    AUTO = "auto"  # a joined cluster (ray.address): ship; a local Ray: the driver's paths
+    ALWAYS = "always"  # ship through runtime_env (py_modules + working_dir) in any case
+    NEVER = "never"  # the driver's paths as PYTHONPATH: every node must have them
+
+
 @dataclass
 class RaySettings:
     """``ray.*`` in config (conf/config.yaml holds the defaults)."""
@@ -25,6 +33,7 @@ class RaySettings:
     num_cpus: int | None  # local Ray only; null = all cores
     node_ip: str  # a local Ray binds here; 127.0.0.1: loopback only (docs/security.md)
     connect_timeout_s: float
+    ship_code: ShipCode = ShipCode.AUTO  # asyncrl/cluster/ship.py
 
     @classmethod
     def from_config(cls, node: Any) -> RaySettings:
@@ -41,13 +50,10 @@ def init_ray(ray_cfg: Any) -> bool:
     """Join ``ray.address`` or start a local Ray on loopback; True if we started it."""
     import ray
 
+    from asyncrl.cluster.ship import code_runtime_env
+
     env = {
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-        # Ray workers do not inherit the driver's sys.path: a user's loss or task module
-        # next to where they launched must import there too.
-        "PYTHONPATH": os.pathsep.join(
-            p for p in [os.getcwd(), os.environ.get("PYTHONPATH", ""), *sys.path[:3]] if p
-        ),
         "TOKENIZERS_PARALLELISM": "false",
     }
     if ray.is_initialized():
@@ -56,17 +62,27 @@ def init_ray(ray_cfg: Any) -> bool:
 
     # Every process of the run carries the mark: the watchdog kills them when we exit.
     env[watchdog.MARK] = watchdog.start()
+    # Ray workers do not inherit the driver's sys.path: asyncrl and a user's loss or task
+    # module next to where they launched must import there too (asyncrl/cluster/ship.py).
+    ship = ShipCode(getattr(ray_cfg, "ship_code", None) or ShipCode.AUTO)
+    runtime_env = code_runtime_env(ship, joined=bool(ray_cfg.address), env_vars=env)
     if ray_cfg.address:
         check_ray_address(str(ray_cfg.address), ray_cfg.connect_timeout_s)
         try:
             ray.init(
                 address=ray_cfg.address,
-                runtime_env={"env_vars": env},
+                runtime_env=runtime_env,
                 logging_level=logging.WARNING,
             )
         except ConnectionError as e:
             raise ConfigError(f"ray.address={ray_cfg.address}: cannot join ({e})") from e
+        from asyncrl.cluster.sink import start_sink
+
+        start_sink()  # learner ranks on other nodes send their files through it
         return True
+    from asyncrl.cluster.sink import forget_sink
+
+    forget_sink()  # one node, the driver's files: ranks write in place
     if ray_cfg.node_ip == LOOPBACK:
         _keep_loopback()
     with _sigint_ignored_by_children():
@@ -74,7 +90,7 @@ def init_ray(ray_cfg: Any) -> bool:
             _node_ip_address=ray_cfg.node_ip,
             num_cpus=ray_cfg.num_cpus,
             include_dashboard=False,
-            runtime_env={"env_vars": env},
+            runtime_env=runtime_env,
             logging_level=logging.WARNING,
             log_to_driver=True,
         )

@@ -20,6 +20,8 @@ successor is complete and in place, so a crash at any moment leaves a complete
 checkpoint: :func:`find_latest` picks the newest one whose manifest checks out
 (``step-V.old`` counts: it is complete, and exists alone only inside the switch).
 Loading checks the manifest first: a missing, truncated or altered file fails with its name.
+A rank on another node than the driver's saves and loads through the driver's file sink
+(asyncrl/cluster): the files, the manifest and the switch end up in the driver's run dir.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import re
 import shutil
 import warnings
@@ -36,10 +37,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from asyncrl.cluster.remote import call, download, remote_sink, staging, upload
 from asyncrl.learner.dist import barrier, broadcast_from_rank0, is_distributed
+from asyncrl.utils.rng import rng_state, set_rng_state  # noqa: F401 (here before)
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -117,25 +119,6 @@ def verify(path: str | Path, full: bool = True) -> dict[str, Any]:
     return meta
 
 
-def rng_state() -> dict[str, Any]:
-    s = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available():
-        s["cuda"] = torch.cuda.get_rng_state_all()
-    return s
-
-
-def set_rng_state(s: dict[str, Any]) -> None:
-    torch.set_rng_state(s["torch"])
-    np.random.set_state(s["numpy"])
-    random.setstate(s["python"])
-    if "cuda" in s and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
-
-
 def save(
     path: str | Path,
     model: torch.nn.Module,
@@ -153,7 +136,16 @@ def save(
 
     root = Path(path)
     tmp = root.with_name(root.name + ".tmp")
-    if rank == 0:
+    # A rank on another node than the driver's writes to a staging folder of its own
+    # node and sends the files to the driver's tmp (asyncrl/cluster): the switch still
+    # happens there, after every file is in. On the driver's node: in place, as always.
+    sink = remote_sink()
+    here = tmp if sink is None else staging(f"save-rank{rank}") / tmp.name
+    if sink is not None:
+        (here / "rng").mkdir(parents=True)
+    if rank == 0 and sink is not None:
+        call(sink.reset_dir.remote(str(tmp)))  # ranks on the driver's node write there
+    elif rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     barrier()
@@ -161,23 +153,31 @@ def save(
     with _single_process_quiet():
         dcp.save(
             {"model": msd, "optim": osd},
-            checkpoint_id=str(tmp / STATE_DIR),
+            checkpoint_id=str(here / STATE_DIR),
             no_dist=not is_distributed(),
         )
-    torch.save(rng_state(), tmp / "rng" / f"rank{rank}.pt")
+    torch.save(rng_state(), here / "rng" / f"rank{rank}.pt")
+    if sink is not None and rank != 0:
+        upload(sink, here, tmp)
     barrier()
     _crash_point("shards written")
     if rank == 0:
         full = {"format": FORMAT, **meta, "scheduler": sched.state_dict()}
-        (tmp / META).write_text(json.dumps(full, indent=1))
-        (tmp / DRIVER).write_text(json.dumps(driver_state or {}))
+        (here / META).write_text(json.dumps(full, indent=1))
+        (here / DRIVER).write_text(json.dumps(driver_state or {}))
         if extra is not None:
-            extra(tmp)
+            extra(here)
         _crash_point("files written")
-        write_manifest(tmp)
-        _fsync_tree(tmp)
-        _crash_point("manifest written")
-        _switch(tmp, root)
+        if sink is None:
+            write_manifest(tmp)
+            _fsync_tree(tmp)
+            _crash_point("manifest written")
+            _switch(tmp, root)
+        else:  # the same manifest, fsync and switch, at the driver's side
+            upload(sink, here, tmp)
+            call(sink.seal_checkpoint.remote(str(tmp), str(root)))
+    if sink is not None:
+        shutil.rmtree(here.parent, ignore_errors=True)
     barrier()
     return str(root)
 
@@ -281,8 +281,11 @@ def load(
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     root = Path(path)
+    sink = remote_sink()  # on another node than the driver's: verify there, then fetch
     err = None
-    if rank == 0:
+    if rank == 0 and sink is not None:
+        err = call(sink.verify.remote(str(root)))
+    elif rank == 0:
         try:
             verify(root, full=True)
         except (CheckpointError, OSError, ValueError) as e:
@@ -290,6 +293,9 @@ def load(
     err = broadcast_from_rank0(err)
     if err:
         raise CheckpointError(err)
+    if sink is not None:  # the HF export is not needed to resume
+        root = staging(f"load-rank{rank}") / root.name
+        download(sink, path, root, skip=("hf",))
     meta = json.loads((root / META).read_text())
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
@@ -308,6 +314,8 @@ def load(
     if rng.is_file():  # absent when resuming on more ranks than were saved
         set_rng_state(torch.load(rng, weights_only=False))
     meta["driver_state"] = json.loads((root / DRIVER).read_text())
+    if sink is not None:
+        shutil.rmtree(root.parent, ignore_errors=True)
     return meta
 
 

@@ -80,6 +80,9 @@ class LearnerSettings:
     collective_timeout_s: float = 300.0  # a rank stuck this long in a collective raises
     checkpoint_every: int = 0  # read by the driver's loop
     checkpoint_keep: int = 2  # newest RUN/checkpoints/step-V kept (0: all); read by the driver
+    # Custom Ray resources each rank needs besides its CPUs/GPUs: places the ranks on the
+    # nodes that offer them (`ray start --resources='{"node_b": 1}'`; docs/cluster.md).
+    resources: dict[str, float] = field(default_factory=dict)
     optim: OptimSettings = field(default_factory=OptimSettings)
     advantage: dict[str, Any] = field(
         default_factory=lambda: {"_target_": "asyncrl.losses.advantages.GroupNormalized"}
@@ -112,6 +115,7 @@ class LearnerSettings:
             raise ConfigError(
                 f"learner.collective_timeout_s must be > 0, got {self.collective_timeout_s}"
             )
+        check_custom_resources("learner.resources", self.resources)
 
     @classmethod
     def from_config(cls, node: Any, loss: Any, max_steps: int) -> LearnerSettings:
@@ -129,6 +133,37 @@ class LearnerSettings:
         s = settings_from(cls, raw, "learner")
         check_value_head(loss, s.value_head)
         return s
+
+
+# Ray's own resources: asked for with num_cpus / num_gpus, never as custom ones.
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def check_custom_resources(key: str, resources: Any) -> None:
+    """A mapping of custom Ray resource names to amounts > 0, or a ConfigError naming ``key``."""
+    for name, amount in dict(resources).items():
+        if not isinstance(name, str) or not name or name in RAY_BUILTIN_RESOURCES:
+            raise ConfigError(
+                f"{key}: {name!r} is not a custom resource name (CPUs and GPUs come from "
+                f"num_cpus / num_gpus)"
+            )
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or amount <= 0:
+            raise ConfigError(f"{key}.{name}={amount!r}: expected a number > 0")
+
+
+def check_cluster_has(key: str, resources: dict[str, float], times: int) -> None:
+    """Once Ray is up: every custom resource exists in the cluster, ``times`` over (else
+    the placement group would wait its timeout for a node that never comes)."""
+    import ray
+
+    have = ray.cluster_resources()
+    for name, amount in resources.items():
+        if have.get(name, 0.0) < amount * times:
+            raise ConfigError(
+                f"{key}.{name}={amount:g} x {times}: the Ray cluster has {have.get(name, 0.0):g} "
+                f"of {name!r}; start a node with `ray start --resources='{{\"{name}\": 1}}'` "
+                f"or drop the key"
+            )
 
 
 def check_value_head(loss: Any, value_head: bool) -> None:
@@ -167,6 +202,7 @@ def start_learner(
     from asyncrl.learner.group import LearnerGroup
 
     del max_steps  # from_config folded it into the LR schedule
+    check_cluster_has("learner.resources", settings.resources, settings.world_size)
     return LearnerGroup(
         model_path, loss, advantage, settings, trajectory_log=trajectory_log,
         temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=seed,

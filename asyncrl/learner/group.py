@@ -91,7 +91,7 @@ class LearnerGroup:
         self.world_size = world_size
         self._inflight: list = []
         check_fits(world_size, num_cpus, num_gpus)
-        bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+        bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {}), **settings.resources}
         self.pg = placement_group([bundle] * world_size, strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
@@ -108,6 +108,7 @@ class LearnerGroup:
             cls.options(
                 num_cpus=num_cpus,
                 num_gpus=num_gpus,
+                resources=dict(settings.resources) or None,  # learner.resources: placement
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=r
                 ),

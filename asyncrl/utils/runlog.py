@@ -5,7 +5,9 @@ The trajectory log is a folder of closed Parquet part files, ``trajectories/part
 temporary name and renamed, so a part that exists is complete and readable even when
 the driver (and with it the learner) is SIGKILLed: a crash loses at most the steps
 since the last part. :func:`read_trajectories` reads every part as one table (and the
-single ``trajectories.parquet`` of runs made before the parts).
+single ``trajectories.parquet`` of runs made before the parts). A learner rank on
+another node than the driver's writes each part to a staging folder of its node and
+sends it to the driver's run directory through the file sink (asyncrl/cluster).
 """
 
 from __future__ import annotations
@@ -94,7 +96,11 @@ class LogSettings:
         return cls() if node is None else settings_from(cls, node, "log")
 
     def spec(self, out_dir: Path) -> dict[str, Any]:
-        """What the learner's rank 0 needs to write the log (plain data, for Ray)."""
+        """What the learner's rank 0 needs to write the log (plain data, for Ray). On a
+        cluster the driver's file sink may now write under ``out_dir`` (asyncrl/cluster)."""
+        from asyncrl.cluster.sink import allow_run_dir
+
+        allow_run_dir(out_dir)
         return {"dir": str(out_dir / LOG_DIR), **self.__dict__}
 
 
@@ -109,14 +115,22 @@ class TrajectoryLog:
     def __init__(self, spec: str | dict[str, Any]):
         if isinstance(spec, str):  # a bare folder: the default settings
             spec = {"dir": spec}
+        from asyncrl.cluster.remote import call, remote_sink, staging
+
         self.dir = Path(spec["dir"])
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._sink = remote_sink()  # None on the driver's node: parts written in place
+        if self._sink is None:
+            self.dir.mkdir(parents=True, exist_ok=True)
         known = {k: v for k, v in spec.items() if k in LogSettings.__dataclass_fields__}
         self.settings = LogSettings(**known)
         self.settings.check()
         self._rows: dict[str, list[Any]] = {f.name: [] for f in _SCHEMA}
         self._steps = 0
-        self._part = len(list(self.dir.glob("part-*.parquet")))  # a resumed run appends
+        if self._sink is None:  # a resumed run appends
+            self._part = len(list(self.dir.glob("part-*.parquet")))
+        else:
+            self._part = call(self._sink.count.remote(str(self.dir), "part-*.parquet"))
+            self._stage = staging("trajectories")
         self.rows_written = 0
         self.rows_skipped = 0
 
@@ -135,8 +149,14 @@ class TrajectoryLog:
         if s.batch_ids and trajs:
             rec = {"step": step, "traj_ids": [t.traj_id for t in trajs]}
             rec.update({k: float(metrics[k]) for k in REPLAY_KEYS if k in (metrics or {})})
-            with open(self.dir / "batches.jsonl", "a") as f:  # one line: survives a kill
-                f.write(json.dumps(rec) + "\n")  # floats as repr: exact doubles
+            line = json.dumps(rec) + "\n"  # floats as repr: exact doubles
+            if self._sink is not None:
+                from asyncrl.cluster.remote import call
+
+                call(self._sink.append.remote(str(self.dir / "batches.jsonl"), line.encode()))
+            else:
+                with open(self.dir / "batches.jsonl", "a") as f:  # one line: survives a kill
+                    f.write(line)
         for i, t in enumerate(trajs):
             if not _sampled(t.traj_id, s.sample_frac):
                 continue
@@ -185,9 +205,15 @@ class TrajectoryLog:
         if not self._rows["step"]:
             return
         path = self.dir / f"part-{self._part:05d}.parquet"
-        tmp = path.with_name(path.name + ".tmp")
+        local = path if self._sink is None else self._stage / path.name
+        tmp = local.with_name(path.name + ".tmp")
         pq.write_table(pa.table(self._rows, schema=_SCHEMA), str(tmp))
-        os.replace(tmp, path)  # atomic: readers never see half a part
+        os.replace(tmp, local)  # atomic: readers never see half a part
+        if self._sink is not None:  # the sink writes aside and renames too
+            from asyncrl.cluster.remote import upload_file
+
+            upload_file(self._sink, local, str(path))
+            local.unlink()
         self._part += 1
         self._rows = {f.name: [] for f in _SCHEMA}
 

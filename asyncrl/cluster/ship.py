@@ -1,0 +1,58 @@
+"""How the run's code reaches Ray's workers (``ray.ship_code``).
+
+    local Ray, auto | never ──▶ env_vars PYTHONPATH = the driver's cwd + its PYTHONPATH +
+                                sys.path[:3]: same machine, nothing uploaded, start-up as
+                                fast as ever
+    ray.address, auto | always ──▶ py_modules = [the asyncrl package]
+                                   working_dir = the driver's cwd (a user's loss, task or
+                                   reward module), less EXCLUDES and .gitignore'd paths
+      Ray zips both once per job into the GCS; every node unpacks them and puts them first
+      on its workers' PYTHONPATH (and so on that of the processes they start: vLLM's
+      engine core imports our worker extension from there).
+
+``never`` on a cluster assumes every node has the driver's paths (a shared filesystem
+and venv); ``always`` on a local Ray exercises the cluster path on one machine.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+# Never uploaded from the working dir: virtual environments, run outputs, caches
+# (the tiny model's cache alone can be hundreds of MB; models are read from model.path,
+# which every node must have), VCS data. Patterns as in .gitignore, relative to the cwd.
+EXCLUDES = [
+    ".git", ".venv", "venv", "outputs", "multirun", ".cache", "__pycache__", "*.pyc",
+    ".pytest_cache", ".ruff_cache", "*.egg-info", "bench_out", "*.parquet", "*.safetensors",
+]  # fmt: skip
+
+
+def package_dir() -> Path:
+    import asyncrl
+
+    return Path(asyncrl.__file__).resolve().parent
+
+
+def code_runtime_env(ship: Any, joined: bool, env_vars: dict[str, str]) -> dict[str, Any]:
+    """The job's ``runtime_env``: ``env_vars`` plus the code, shipped or by path."""
+    from asyncrl.runtime import ShipCode
+
+    env = dict(env_vars)
+    if ship is ShipCode.NEVER or (ship is ShipCode.AUTO and not joined):
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in [os.getcwd(), os.environ.get("PYTHONPATH", ""), *sys.path[:3]] if p
+        )
+        return {"env_vars": env}
+    cwd, pkg = Path.cwd().resolve(), package_dir()
+    excludes = list(EXCLUDES)
+    if pkg.parent == cwd:  # run from a checkout: asyncrl/ ships once, as the py_module
+        excludes.append(f"/{pkg.name}")
+    return {
+        "env_vars": env,
+        "py_modules": [str(pkg)],
+        "working_dir": str(cwd),
+        "excludes": excludes,
+    }
