@@ -96,6 +96,7 @@ def run_loop(
     for _ in range(cfg.max_steps - version):  # a resumed run continues up to max_steps
         if hooks.should_stop is not None and hooks.should_stop():
             break
+        supervise(parts)  # dead actors noticed each step too, while batches still come
         t = time.time()
         items = wait_batch(parts, cfg.learner.batch_groups, version, cfg.replay.wait_timeout_s)
         t_batch = time.time()
@@ -120,6 +121,8 @@ def run_loop(
         out.per_step.append((m["reward/sum"], m["reward/count"]))
         out.tokens_trained += int(m["tokens/trained"])
         m.update(progress_metrics(stats, t0, out.tokens_trained, phases))
+        if getattr(parts, "supervisor", None) is not None:
+            m.update(parts.supervisor.metrics())  # fault/*
         if hooks.evaluator is not None:  # never waits for the evaluation
             m.update(hooks.evaluator.step(version))
         if hooks.monitor is not None:
@@ -150,6 +153,10 @@ def wait_batch(parts: Parts, batch_groups: int, version: int, timeout_s: float) 
         if items:
             return items
         states = actor_states(parts)
+        restarting = supervise(parts, states)
+        if restarting:  # an engine start takes long: its time is not the batch's
+            deadline = max(deadline, time.time() + timeout_s)
+            continue
         alive = [n for n, s in states.items() if isinstance(s, dict) and not s.get("fatal")]
         if not alive or time.time() > deadline:
             why = (
@@ -158,6 +165,22 @@ def wait_batch(parts: Parts, batch_groups: int, version: int, timeout_s: float) 
                 else f"no batch within replay.wait_timeout_s={timeout_s}"
             )
             raise RunError(f"{why}; queue: {ray.get(parts.queue.stats.remote())}; actors: {states}")
+
+
+def supervise(parts: Parts, states: dict[str, Any] | None = None) -> bool:
+    """Let the supervisor (asyncrl/fault/actors.py; none with fault.actor_restarts=0)
+    look at the actors; raises once none is alive or coming back. Returns whether a
+    restart is under way."""
+    sup = getattr(parts, "supervisor", None)
+    if sup is None:
+        return False
+    sup.poll(states)
+    why = sup.hopeless()
+    if why:
+        import ray
+
+        raise RunError(f"{why}; queue: {ray.get(parts.queue.stats.remote())}")
+    return sup.restarting
 
 
 def actor_states(parts: Parts) -> dict[str, Any]:
@@ -208,6 +231,7 @@ def progress_metrics(
         "replay/in_flight": q["in_flight"],
         "staleness/dropped": q["dropped_stale"],
         "staleness/max_trained": q["max_staleness_trained"],
+        "replay/groups_lost": q.get("groups_lost", 0),  # granted to actors that died
         "perf/tokens_per_s_generated": sum(s["tokens"] for s in states) / wall,
         "perf/tokens_per_s_trained": tokens_trained / wall,
         "perf/learner_idle_frac": phases["wait"] / wall,

@@ -181,7 +181,29 @@ def start_parts(
     broker = make_broker(setup.broker, actors, learner)
     parts = Parts(queue, actors, learner, broker, started_ray, moved)
     parts.reward_workers = reward_workers  # stopped with the actors (stop_parts)
+    parts.supervisor = supervise(setup, parts, client, {n: seed + 1000 * i
+                                                        for i, n in enumerate(actors)})
     return parts
+
+
+def supervise(setup: Setup, parts: Parts, rewards: Any, seeds: dict[str, int]) -> Any:
+    """The dead-actor supervisor (asyncrl/fault/actors.py); None with
+    fault.actor_restarts=0 (a dead actor stays dead, as before)."""
+    import ray
+
+    from asyncrl.actor.launch import new_actor
+    from asyncrl.fault.actors import ActorSupervisor
+
+    if not setup.fault.actor_restarts or not parts.actors:
+        return None
+
+    def spawn(name: str, seed: int) -> Any:  # as above, one actor
+        a = new_actor(setup.actor, setup.model_path, setup.task, parts.queue, name, seed,
+                      env=setup.env)  # fmt: skip
+        ray.get(a.set_rewards.remote(rewards))
+        return a
+
+    return ActorSupervisor(setup.fault, parts, spawn, seeds)
 
 
 class StartupClock:
@@ -246,6 +268,8 @@ def stop_parts(parts: Parts, quiet: bool = False) -> tuple[dict, dict]:
             log.warning("weight broker did not close cleanly: %s", e)
         parts.broker = None
     actor_stats: dict[str, Any] = {}
+    if getattr(parts, "supervisor", None) is not None:
+        parts.supervisor.close()  # actors still starting after a death: killed
     for name, a in list(parts.actors.items()):
         try:
             actor_stats[name] = ray.get(a.stop.remote(), timeout=60)

@@ -316,10 +316,11 @@ class _DeadQueue:
                 return asyncio.ensure_future(fail())
 
         class _Abandon:
-            def remote(self, n=1):
+            def remote(self, n=1, actor=None):
                 outer.abandoned.append(n)
 
         self.put_many, self.abandon = _PutMany(), _Abandon()
+        self.hand_over_bundle = self.put_many  # the Outbox's call (the queue puts the bundle)
 
 
 def test_outbox_failure_is_recorded_and_slots_freed(ray_local):
@@ -334,7 +335,7 @@ def test_outbox_failure_is_recorded_and_slots_freed(ray_local):
         return box, dead
 
     box, dead = asyncio.run(main())
-    assert "put_many failed" in box.error and "actor died" in box.error
+    assert "hand_over_bundle failed" in box.error and "actor died" in box.error
     assert box.sent_groups == 0 and sum(dead.abandoned) == 3
 
 
@@ -377,7 +378,7 @@ def test_outbox_hand_over_failure_answers_the_ask_and_frees_the_slots(ray_local)
         return box, dead, slots
 
     box, dead, slots = asyncio.run(main())
-    assert "hand_over failed" in box.error and "actor died" in box.error
+    assert "hand_over_bundle failed" in box.error and "actor died" in box.error
     assert slots.answers and all(got == 0 for _, got in slots.answers)
     assert slots.idle >= 1 and box.granted == 0 and sum(dead.abandoned) == 2
 
@@ -391,13 +392,13 @@ class _OkQueue:
         outer = self
 
         class _HandOver:
-            def remote(self, items, asked, name):
+            def remote(self, items, *asked_name):  # hand_over_bundle: metas too
                 outer.calls.append((time.monotonic(), len(items)))
                 fut = asyncio.get_running_loop().create_future()
                 fut.set_result(([], 0))
                 return fut
 
-        self.hand_over = _HandOver()
+        self.hand_over = self.hand_over_bundle = _HandOver()  # (bundle, metas, asked, name)
 
 
 def test_outbox_lingers_only_while_the_actor_finds_it_worth_it(ray_local):

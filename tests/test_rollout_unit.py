@@ -24,7 +24,7 @@ class _Queue:
         outer = self
 
         class _Abandon:
-            def remote(self, n=1):
+            def remote(self, n=1, actor=None):  # actor: whose slots (asyncrl/fault)
                 outer.abandoned += n
 
         self.abandon = _Abandon()
@@ -105,10 +105,10 @@ class _SlowToHearQueue(ReplayQueueCore):
 
     abandoned = 0
 
-    async def abandon(self, num_groups: int = 1) -> None:
+    async def abandon(self, num_groups: int = 1, actor: str | None = None) -> None:
         await asyncio.sleep(0.3)
         self.abandoned += num_groups
-        await super().abandon(num_groups)
+        await super().abandon(num_groups, actor)
 
     def abandoned_slots(self) -> int:
         return self.abandoned

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,7 +170,7 @@ class RolloutActor:
 
     def _give_back(self, queue: Any, n: int = 1) -> None:
         """Tell ``queue`` that ``n`` granted slots will never be put (not awaited)."""
-        self._giving_back.append(queue.abandon.remote(n))
+        self._giving_back.append(queue.abandon.remote(n, self.name))
         if len(self._giving_back) > MAX_GIVING_BACK:  # keep only the unanswered
             import ray
 
@@ -204,8 +205,20 @@ class RolloutActor:
             handoff_granted=self._outbox.granted,
             acquire_calls=self._acquire_calls,
             placement=self.placement,
+            pid=os.getpid(),
+            # the engine's own processes died (vLLM's monitor noticed): asyncrl/fault
+            engine_dead=bool(getattr(self.engine, "errored", False)),
         )
         return s
+
+    def pids(self) -> dict[str, Any]:
+        """This process and its descendants (the vLLM engine core, its workers): pid ->
+        command name; the supervisor kills what outlives the actor, tests kill them."""
+        import psutil
+
+        me = psutil.Process()
+        procs = {p.pid: p.name() for p in me.children(recursive=True) if p.is_running()}
+        return {"pid": me.pid, "host": os.uname().nodename, "children": procs}
 
     def ping(self) -> str:
         return self.name

@@ -70,6 +70,17 @@ class BrokerClient:
     def learner_digests(self) -> dict[str, str]:
         return self._get(self.handle.learner_digests.remote())
 
+    # ---- actors leaving and joining (asyncrl/fault/actors.py; broker/membership.py) ----
+    def supervise(self) -> None:
+        self._get(self.handle.supervise.remote())
+
+    def remove_actor(self, name: str, why: str) -> None:
+        self._get(self.handle.remove_actor.remote(name, why))
+
+    def add_actor(self, name: str, handle: Any) -> None:
+        """Registered and primed in the background (behind the sync in flight)."""
+        self._get(self.handle.add_actor.remote(name, handle))
+
     def close(self) -> None:
         import ray
 

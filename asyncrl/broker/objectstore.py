@@ -36,6 +36,11 @@ class ObjectStoreBroker:
         self._t_publish = 0.0
         self._bytes = 0
         self.totals = {"broker/syncs": 0, "broker/bytes_sent": 0.0, "broker/sync_seconds": 0.0}
+        # The last published weights (kept referenced: a restarted actor is primed with
+        # them while the learner may already train the next step) and whether a
+        # supervisor restarts dead actors (then no actor left is not the end of the run).
+        self._last_refs: list | None = None
+        self.supervised = False
 
     def publish(self, version: int) -> dict[str, float]:
         import ray
@@ -47,6 +52,7 @@ class ObjectStoreBroker:
         self._pending_version = version
         self._t_publish = time.time()
         self._bytes = int(weights["bytes"])
+        self._last_refs = weights["refs"]
         self._pending = {
             n: a.update_weights.remote(weights["refs"], version) for n, a in self.actors.items()
         }
@@ -82,7 +88,7 @@ class ObjectStoreBroker:
         self.totals["broker/syncs"] += 1
         self.totals["broker/bytes_sent"] += sent
         self.totals["broker/sync_seconds"] += dt
-        if not self.actors:
+        if not self.actors and not self.supervised:
             raise BrokerError(f"every actor is dead: {self.dead}")
         return {
             "broker/sync_seconds": dt,
@@ -105,6 +111,27 @@ class ObjectStoreBroker:
 
     def close(self) -> None:
         self.wait()
+
+    # ---- actors leaving and joining (asyncrl/fault/actors.py) -------------------------
+    def supervise(self) -> None:
+        self.supervised = True
+
+    def remove_actor(self, name: str, why: str) -> None:
+        if name in self.actors:
+            self._drop(name, why)
+        self._pending.pop(name, None)
+
+    def add_actor(self, name: str, handle: Any) -> None:
+        """Register ``handle`` as ``name``; it gets the current version with the sync
+        in flight (collected by the next ``wait``), or now if none is."""
+        self.actors[name] = handle
+        self.dead.pop(name, None)
+        self.actor_versions[name] = 0  # a fresh engine holds the initial weights
+        if self._last_refs is None or self.version == 0:
+            return
+        if not self._pending:
+            self._pending_version, self._t_publish = self.version, time.time()
+        self._pending[name] = handle.update_weights.remote(self._last_refs, self.version)
 
     def _drop(self, name: str, why: str) -> None:
         msg = f"actor {name} dropped from the sync set: {why}"

@@ -31,6 +31,7 @@ from typing import Any
 
 from asyncrl.broker.base import BrokerError
 from asyncrl.broker.learner_side import CommandQueue
+from asyncrl.broker.membership import Membership
 from asyncrl.broker.plan import ActorView, SyncSet, plan_waves, ranks_of
 from asyncrl.broker.settings import BrokerSettings
 from asyncrl.broker.sync import Group, SyncTally, culprits, digest_mismatch, no_report, where
@@ -45,7 +46,7 @@ SLACK_S = 30.0
 SNAPSHOT_TIMEOUTS = 5
 
 
-class WeightBroker:
+class WeightBroker(Membership):  # remove_actor / add_actor: membership.py
     def __init__(
         self,
         actors: dict[str, Any],
@@ -126,8 +127,7 @@ class WeightBroker:
         return metrics, self._new_errors()
 
     async def wait(self) -> tuple[dict[str, float], list[str]]:
-        """The sync in flight's metrics once it is done ({} if none), and the errors
-        not returned before."""
+        """The sync in flight's metrics once done ({} if none), and new errors."""
         metrics = await self._wait()
         return metrics, self._new_errors()
 
@@ -147,7 +147,7 @@ class WeightBroker:
                 f"weight sync of version {self.version} still running after "
                 f"{self._backstop_s():.0f}s (a deadline inside it failed to fire)"
             ) from None
-        if not self.views:
+        if not self.views and not self.supervised:  # supervised: a replacement may come
             raise BrokerError(f"every actor is dead: {self.dead}")
         return metrics
 
@@ -194,7 +194,7 @@ class WeightBroker:
             SNAPSHOT_TIMEOUTS * self.s.timeout_s,
             f"snapshot of version {version} on the learner",
         )
-        self._n_buckets = snaps[0]["buckets"]
+        self._n_buckets, self._last_snap = snaps[0]["buckets"], snaps[0]  # (membership.py)
         return snaps[0]
 
     async def _run_sync(self, version: int, snap: dict[str, Any], force: bool = False) -> dict:
@@ -268,7 +268,9 @@ class WeightBroker:
         for name in sset.members:
             res = await self._actor_result(name, refs.get(name), deadline + SLACK_S)
             res.setdefault("t_back", time.time())
-            view = self.views[name]
+            view = self.views.get(name)
+            if view is None:  # removed meanwhile (a dead actor: asyncrl/fault/actors.py)
+                continue
             if res.get("ok"):
                 view.loaded, view.held, view.failures = version, res["held"], 0
                 acc.add_actor(res)

@@ -20,6 +20,7 @@ become rare; with ``policy="drop"`` actors run free and stale samples are droppe
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,11 @@ from asyncrl.replay.settings import ReplayPolicy
 # Accounting counters summed when a saved run and the resumed one meet (resume_from).
 _ADDITIVE = (
     "produced", "trained", "dropped_stale", "samples_trained", "groups_started", "groups_dropped",
+    "groups_lost",
 )  # fmt: skip
+# The weights version the queue records for a restarted actor until its first weight
+# sync (asyncrl/fault/actors.py): it gets no slot before then.
+UNPRIMED = -1
 
 
 @dataclass
@@ -74,6 +79,9 @@ class Accounting:
     groups_started: int = 0
     groups_running: int = 0
     groups_dropped: int = 0  # evicted whole before any use: they free their throttle slot
+    # granted to an actor that died before putting them (fault/actors.py): freed, never
+    # produced, so outside the trajectory invariant
+    groups_lost: int = 0
     max_staleness_trained: int = 0
     staleness_hist: dict[int, int] = field(default_factory=dict)
 
@@ -117,6 +125,11 @@ class ReplayBuffer:
         # instead of walking the queue on every wake-up of a waiting get_batch.
         self._oldest: int | None = None
         self.acc = Accounting()
+        # Per actor (by name): slots granted and not yet put or given back, groups lost
+        # with a dead actor, and when its current incarnation put its first group.
+        self.running_by_actor: dict[str, int] = {}
+        self.lost_by_actor: dict[str, int] = {}
+        self.first_put_at: dict[str, float] = {}
 
     # ---- actor side -------------------------------------------------------------
     def can_start(self, weights_version: int | None = None) -> bool:
@@ -126,6 +139,8 @@ class ReplayBuffer:
         with weights ``v`` stays within the bound if ``n < (v + max_staleness + 1) *
         batch_groups``; an actor whose weights lag (a sync still on its way) is held
         back rather than making samples that would be dropped."""
+        if weights_version is not None and weights_version <= UNPRIMED:
+            return False  # a restarted actor before its first weight sync
         if len(self._queue) + self.acc.groups_running >= self.capacity_groups:
             return False
         if self.policy is ReplayPolicy.THROTTLE:
@@ -136,19 +151,41 @@ class ReplayBuffer:
             return self.acc.groups_started - self.acc.groups_dropped < window
         return True
 
-    def start(self) -> None:
+    def start(self, actor: str | None = None) -> None:
         self.acc.groups_started += 1
         self.acc.groups_running += 1
+        if actor:
+            self.running_by_actor[actor] = self.running_by_actor.get(actor, 0) + 1
 
-    def abandon(self) -> None:
+    def abandon(self, actor: str | None = None) -> None:
         """A started group will never be put (its generation failed)."""
         self.acc.groups_running = max(0, self.acc.groups_running - 1)
         self.acc.groups_started = max(0, self.acc.groups_started - 1)
+        self._done_running(actor)
+
+    def _done_running(self, actor: str | None) -> None:
+        if actor and self.running_by_actor.get(actor, 0) > 0:
+            self.running_by_actor[actor] -= 1
+
+    def actor_lost(self, actor: str) -> int:
+        """``actor`` died: the slots it was granted and never put or gave back are freed
+        (as :meth:`abandon`: they leave the throttle window) and counted in
+        ``groups_lost``. Its groups already put stay queued. Returns how many."""
+        n = min(self.running_by_actor.pop(actor, 0), self.acc.groups_running)
+        for _ in range(n):
+            self.abandon()
+        self.acc.groups_lost += n
+        self.lost_by_actor[actor] = self.lost_by_actor.get(actor, 0) + n
+        self.first_put_at.pop(actor, None)
+        return n
 
     def put(self, ref: Any, meta: GroupMeta) -> None:
         if meta.group_id in self._queue:
             raise ValueError(f"group {meta.group_id} was put twice")
         self.acc.groups_running = max(0, self.acc.groups_running - 1)
+        self._done_running(meta.actor)
+        if meta.actor:
+            self.first_put_at.setdefault(meta.actor, time.time())
         self.acc.produced += len(meta.traj_ids)
         self._queue[meta.group_id] = _Entry(ref, meta, [True] * len(meta.traj_ids))
         if meta.min_versions:
@@ -246,6 +283,9 @@ class ReplayBuffer:
             "in_flight": self.in_queue,
             "samples_trained": a.samples_trained,
             "groups_running": a.groups_running,
+            "groups_lost": a.groups_lost,
+            "groups_lost_by_actor": dict(self.lost_by_actor),
+            "first_put_at": dict(self.first_put_at),
             "depth_groups": len(self._queue),
             "max_staleness_trained": a.max_staleness_trained,
             "staleness_hist": dict(a.staleness_hist),

@@ -3,7 +3,8 @@
     actors ──acquire_many(k)──▶ waits while the buffer says no (backpressure / staleness
                                 window), then grants up to k slots at once
     actors ──put_many([([ref], meta), ...])──▶ buffer ──▶ wakes get_batch waiters
-             (Outbox: one ray.put of a bundle per hand-off; meta.bundle_index says where)
+             (Outbox: one bundle per hand-off, put by the queue, which so owns it and
+             keeps it past its actor's death; meta.bundle_index says where)
     learner ──get_batch(n, V, timeout)──▶ evicts stale, waits for n ready groups or timeout
 
 Only ObjectRefs and small metadata live here; the trajectories stay in the object
@@ -25,7 +26,7 @@ import asyncio
 import dataclasses
 from typing import Any, Protocol
 
-from asyncrl.replay.buffer import BatchItem, GroupMeta, ReplayBuffer
+from asyncrl.replay.buffer import UNPRIMED, BatchItem, GroupMeta, ReplayBuffer
 from asyncrl.trajectory import TrajectoryGroup, from_bytes, to_bytes
 
 
@@ -60,7 +61,7 @@ class ReplayQueueCore:
                 return False
             if self._closed:
                 return False
-            self.buf.start()
+            self.buf.start(actor)
             return True
 
     async def acquire_many(
@@ -80,7 +81,7 @@ class ReplayQueueCore:
         granted = 0
         version = self._weights.get(actor) if actor else None
         while granted < max_groups and not self._closed and self.buf.can_start(version):
-            self.buf.start()
+            self.buf.start(actor)
             granted += 1
         return granted
 
@@ -90,11 +91,21 @@ class ReplayQueueCore:
         self._weights[actor] = version
         await self._notify()
 
-    async def abandon(self, num_groups: int = 1) -> None:
-        """``num_groups`` started groups will never be put (their generation failed)."""
+    async def abandon(self, num_groups: int = 1, actor: str | None = None) -> None:
+        """``num_groups`` started groups will never be put (their generation failed);
+        ``actor``: whose slots they were."""
         for _ in range(num_groups):
-            self.buf.abandon()
+            self.buf.abandon(actor)
         await self._notify()
+
+    async def actor_lost(self, actor: str) -> int:
+        """``actor`` died (asyncrl/fault/actors.py): its granted slots are freed and
+        counted lost, and until its replacement reports its first weight sync
+        (``set_weights_version``) it gets no slot. Returns the groups lost."""
+        n = self.buf.actor_lost(actor)
+        self._weights[actor] = UNPRIMED
+        await self._notify()
+        return n
 
     async def put(self, ref_list: list, meta: GroupMeta) -> None:
         self.buf.put(ref_list[0], meta)
@@ -119,13 +130,27 @@ class ReplayQueueCore:
         await self._notify()
         return errors, granted
 
+    async def hand_over_bundle(
+        self, bundle: list, metas: list[GroupMeta], max_groups: int = 0, actor: str | None = None
+    ) -> tuple[list[str], int]:
+        """:meth:`hand_over` of the groups of one bundle (``[(group_id, bytes)]``, in
+        the order of ``metas``), put into the object store HERE: the queue owns the
+        object, so queued groups outlive the actor that made them (an object dies with
+        its owner, and Ray 2.56 removed ``ray.put(_owner=)``). The cost: the bundle is
+        decoded and encoded once more here (bytes, not arrays)."""
+        import ray
+
+        ref = ray.put(bundle)
+        items = [([ref], dataclasses.replace(m, bundle_index=i)) for i, m in enumerate(metas)]
+        return await self.hand_over(items, max_groups, actor)
+
     def _put_items(self, items: list[tuple[list, GroupMeta]]) -> list[str]:
         errors = []
         for ref_list, meta in items:
             try:
                 self.buf.put(ref_list[0], meta)
             except Exception as e:  # noqa: BLE001 - reported to the caller
-                self.buf.abandon()
+                self.buf.abandon(meta.actor)
                 errors.append(f"group {meta.group_id}: {type(e).__name__}: {e}")
         return errors
 
@@ -202,7 +227,8 @@ class Outbox:
     """An actor's side of ``put_many``: :meth:`put` returns at once; one call at a time
     carries everything that completed since the last one left (after waiting
     ``linger_s`` for more), so groups that finish one by one still travel together.
-    The groups of one hand-off go into the object store together, in one ``ray.put``.
+    The groups of one hand-off go into the object store together, in one ``ray.put``
+    the queue makes (:meth:`ReplayQueueCore.hand_over_bundle`: the queue owns them).
 
     With ``slots`` (an actor's :class:`SlotAsker`), each hand-off is a
     :meth:`ReplayQueueCore.hand_over` that also asks for the slots the actor has free,
@@ -250,32 +276,25 @@ class Outbox:
                 self.slots.outbox_idle()
 
     async def _flush_all(self) -> None:
-        import ray
-
         while self._items:
             if self.linger_s > 0:  # let the groups finishing right now come along
                 await self._linger()
             batch, self._items = self._items, []
             self.calls += 1
             asked = got = 0
-            call = "put_many" if self.slots is None else "hand_over"
+            call = "hand_over_bundle"
             try:
-                ref = ray.put([(g.group_id, to_bytes(g.trajectories)) for g, _ in batch])
-                items = [
-                    ([ref], dataclasses.replace(meta, bundle_index=i))
-                    for i, (_, meta) in enumerate(batch)
-                ]
-                if self.slots is None:
-                    refused = await self.queue.put_many.remote(items)
-                else:
-                    asked = self.slots.ask()
-                    refused, got = await self.queue.hand_over.remote(items, asked, self.slots.name)
+                bundle = [(g.group_id, to_bytes(g.trajectories)) for g, _ in batch]
+                metas = [meta for _, meta in batch]
+                asked = self.slots.ask() if self.slots is not None else 0
+                name = self.slots.name if self.slots is not None else None
+                refused, got = await self.queue.hand_over_bundle.remote(bundle, metas, asked, name)
             except Exception as e:  # noqa: BLE001 - recorded; the owner reports it
                 # Nothing went in (the call never ran, or the queue is gone): free the
                 # slots if the queue can still hear it.
                 self.error = self.error or f"queue.{call} failed: {type(e).__name__}: {e}"
                 try:
-                    self.queue.abandon.remote(len(batch))
+                    self.queue.abandon.remote(len(batch), self.slots and self.slots.name)
                 except Exception:  # noqa: BLE001 - the queue itself is gone
                     pass
                 continue
