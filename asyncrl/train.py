@@ -24,7 +24,8 @@ from asyncrl.broker.base import BrokerError
 from asyncrl.confdir import conf_dir
 from asyncrl.config import ConfigError, hydra_error_line
 from asyncrl.eval.launch import launch as launch_eval
-from asyncrl.learner.resume import resume, save_checkpoint
+from asyncrl.fault.learner import RestartLedger, learner_death
+from asyncrl.learner.resume import save_checkpoint
 from asyncrl.loop import LoopHooks, LoopResult, RunError, run_loop
 from asyncrl.monitor import HealthMonitor, MonitorSettings
 from asyncrl.runtime import GracefulStop, Interrupted, check_local_cpus, check_resources, init_ray
@@ -127,25 +128,40 @@ def _run(cfg: DictConfig, out_dir: Path, stop: GracefulStop) -> dict[str, Any]:
     try:
         check_resources(setup.resources)
         eval_run = launch_eval(setup.evaluation, setup)  # its engine starts beside the actors'
-        parts = start_parts(setup, out_dir, started)
-        version = resume(parts, cfg.resume) if cfg.resume else 0
-        hooks = LoopHooks(
-            checkpoint_dir=out_dir / "checkpoint",
-            progress=bool(cfg.progress),
-            monitor=monitor,
-            keep_checkpoints=setup.log.keep_checkpoints,
-            evaluator=eval_run.evaluator(parts.learner) if eval_run else None,
-            should_stop=stop.requested,
-        )
-        stop.deferring = True  # from here a signal ends the loop; the rest is still written
-        loop = run_loop(cfg, parts, clock := StartupClock(scalars), version, hooks)
-        if hooks.evaluator is not None:  # the evaluation in flight (eval.timeout_s)
-            clock.log(loop.policy_version, hooks.evaluator.finish())
-        keep = 0 if setup.log.keep_checkpoints else setup.learner.checkpoint_keep
-        save_checkpoint(parts, out_dir, loop.policy_version, keep)  # queue + sampler state
+        from ray.exceptions import RayError  # a dead rank's ActorDiedError, among others
+
+        clock = StartupClock(scalars)
+        ledger = RestartLedger(clock, setup.fault.max_restarts, out_dir, cfg.resume)
+        while True:  # one segment; again after a learner rank died (asyncrl/fault/learner.py)
+            parts = start_parts(setup, out_dir, started)
+            hooks = LoopHooks(
+                checkpoint_dir=out_dir / "checkpoint",
+                progress=bool(cfg.progress),
+                monitor=monitor,
+                keep_checkpoints=setup.log.keep_checkpoints,
+                evaluator=eval_run.evaluator(parts.learner) if eval_run else None,
+                should_stop=stop.requested,
+            )
+            try:
+                loop = _segment(cfg, setup, parts, ledger, hooks, out_dir, stop)
+                break
+            except (RayError, BrokerError, RunError, TimeoutError) as e:
+                why = learner_death(e, parts.learner)
+                if why is None:
+                    raise  # not the learner's: exit 3 (or the actors' own restarts)
+                if stop.requested():  # the run was stopping anyway: no restart
+                    raise Interrupted(stop.signame, "after a learner rank died") from e
+                stop.deferring = False  # a signal during the restart stops at once
+                detected = time.time()
+                queue_stats, actor_stats = stop_parts(parts, quiet=True)
+                parts = None
+                ledger.record_death(why, detected, queue_stats, actor_stats)  # or RunError
         queue_stats, actor_stats = stop_parts(parts)
         parts = None
+        loop, queue_stats = ledger.whole_run(loop, queue_stats)  # every segment counted
         summary = summarise(cfg, loop, queue_stats, actor_stats, time.time() - t0)
+        summary["tokens_generated"] += ledger.tokens_before  # the dead segments' actors
+        summary.update(ledger.summary())  # learner_restarts, steps_redone, restart_seconds
         summary["startup_seconds"] = clock.startup_seconds()  # process start -> first step
         summary["fingerprint"] = fp
         summary["alerts"] = monitor.summary()  # name -> steps it fired, first step
@@ -165,6 +181,22 @@ def _run(cfg: DictConfig, out_dir: Path, stop: GracefulStop) -> dict[str, Any]:
             import ray
 
             ray.shutdown()
+
+
+def _segment(
+    cfg: DictConfig, setup: Setup, parts: Any, ledger: RestartLedger, hooks: LoopHooks,
+    out_dir: Path, stop: GracefulStop,
+) -> LoopResult:  # fmt: skip
+    """Resume (``resume=``, or after a restart the newest checkpoint), train to
+    ``max_steps``, save the final checkpoint. A dead learner rank raises from here."""
+    version = ledger.resume(parts)
+    stop.deferring = True  # from here a signal ends the loop; the rest is still written
+    loop = run_loop(cfg, parts, ledger, version, hooks)
+    if hooks.evaluator is not None:  # the evaluation in flight (eval.timeout_s)
+        ledger.log(loop.policy_version, hooks.evaluator.finish())
+    keep = 0 if setup.log.keep_checkpoints else setup.learner.checkpoint_keep
+    save_checkpoint(parts, out_dir, loop.policy_version, keep)  # queue + sampler state
+    return loop
 
 
 # An absolute path: relative, Hydra looks for a module named ``conf``, which only

