@@ -24,7 +24,7 @@ from asyncrl.broker.base import BrokerError
 from asyncrl.confdir import conf_dir
 from asyncrl.config import ConfigError, hydra_error_line
 from asyncrl.eval.launch import launch as launch_eval
-from asyncrl.fault.learner import RestartLedger, learner_death
+from asyncrl.fault.learner import RestartLedger, close_dead_learner, learner_death
 from asyncrl.learner.resume import save_checkpoint
 from asyncrl.loop import LoopHooks, LoopResult, RunError, run_loop
 from asyncrl.monitor import HealthMonitor, MonitorSettings
@@ -153,6 +153,7 @@ def _run(cfg: DictConfig, out_dir: Path, stop: GracefulStop) -> dict[str, Any]:
                     raise Interrupted(stop.signame, "after a learner rank died") from e
                 stop.deferring = False  # a signal during the restart stops at once
                 detected = time.time()
+                close_dead_learner(parts.learner)
                 queue_stats, actor_stats = stop_parts(parts, quiet=True)
                 parts = None
                 ledger.record_death(why, detected, queue_stats, actor_stats)  # or RunError

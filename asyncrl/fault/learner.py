@@ -78,14 +78,38 @@ class Restart:
     error: str
     died_after_version: int  # the last step logged before the death
     detected_at: float  # unix time the driver saw the death
+    stopped_at: float | None = None  # the dead segment's parts stopped
     from_version: int | None = None  # the version the next segment resumed from
     checkpoint: str | None = None  # what it resumed from (None: the model's weights)
+    resumed_at: float | None = None  # the new parts started and the checkpoint loaded
     first_step_at: float | None = None  # unix time of the first step after the restart
 
     def seconds(self) -> float | None:
-        if self.first_step_at is None:
-            return None
-        return round(self.first_step_at - self.detected_at, 2)
+        """The driver seeing the death -> the first step after it."""
+        return _span(self.detected_at, self.first_step_at)
+
+    def phases(self) -> dict[str, float | None]:
+        """Where the seconds went: stopping the dead segment's parts, starting new ones
+        and loading the checkpoint (the engines' start is most of it), the first batch
+        and step."""
+        return {
+            "stop_seconds": _span(self.detected_at, self.stopped_at),
+            "start_seconds": _span(self.stopped_at, self.resumed_at),
+            "first_step_seconds": _span(self.resumed_at, self.first_step_at),
+        }
+
+
+def _span(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(b - a, 2)
+
+
+def close_dead_learner(learner: Any) -> None:
+    """Close the ranks before ``stop_parts`` does: the dead rank's error is already
+    reported, and its multi-line Ray message would follow as a warning there."""
+    try:
+        learner.close(timeout_s=RANK_PING_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - a dead rank's close fails; its group is freed
+        log.debug("closing the learner after a rank died: %s", type(e).__name__)
 
 
 class RestartLedger:
@@ -135,7 +159,7 @@ class RestartLedger:
         if not self.restarts:
             return version
         r = self.restarts[-1]
-        r.from_version, r.checkpoint = version, path
+        r.from_version, r.checkpoint, r.resumed_at = version, path, time.time()
         saved = int(((ds.get("queue") or {}).get("acc") or {}).get("produced", 0))
         if self._produced_at_death is not None:  # None: the queue was unreachable
             self.dropped_restart += self._produced_at_death - saved
@@ -157,7 +181,7 @@ class RestartLedger:
         """After the dead segment's parts stopped (``queue_stats``: its final accounting).
         Raises :class:`RunError` (one line, exit 3) when no restart is left."""
         last = max(self.steps, default=0)
-        self.restarts.append(Restart(why, last, detected_at))
+        self.restarts.append(Restart(why, last, detected_at, stopped_at=time.time()))
         self.tokens_before += sum(
             s.get("tokens", 0) for s in actor_stats.values() if isinstance(s, dict)
         )
@@ -228,6 +252,8 @@ class RestartLedger:
             "learner_restarts": len(self.restarts),
             "steps_redone": self.redone,
             "restart_seconds": [r.seconds() for r in self.restarts],
-            "restarts": [{**asdict(r), "seconds": r.seconds()} for r in self.restarts],
+            "restarts": [
+                {**asdict(r), "seconds": r.seconds(), **r.phases()} for r in self.restarts
+            ],
             "trajectories_dropped_restart": self.dropped_restart,
         }
