@@ -179,3 +179,39 @@ def test_no_restart_left_is_one_line_and_exit_3(
     for name, sha in killer.parts_before.items():  # what was written before stays readable
         p = out / "trajectories" / name
         assert _sha(p) == sha and pq.read_table(p).num_rows > 0
+
+
+def test_a_dead_peer_rank_is_found_and_its_group_closed(ray_local, tmp_path):
+    """Any rank, not only rank 0: with rank 1 SIGKILLed, rank 0's step fails in its
+    collective (gloo sees the peer's socket close) and the driver's check names rank 1;
+    the group closes without raising and frees its placement group. No vLLM here."""
+    import ray
+    from helpers import build_tiny_qwen, trajs
+
+    from asyncrl.fault.learner import close_dead_learner, learner_death
+    from asyncrl.learner.batch import collate
+    from asyncrl.learner.config import LearnerSettings, OptimSettings
+    from asyncrl.learner.group import LearnerGroup
+    from asyncrl.losses.advantages import GroupNormalized
+    from asyncrl.losses.clipped import ClippedISLoss
+
+    settings = LearnerSettings(world_size=2, micro_batch_tokens=40, collective_timeout_s=120,
+                               optim=OptimSettings(lr=1e-2))  # fmt: skip
+    g = LearnerGroup(str(build_tiny_qwen(tmp_path / "m")), ClippedISLoss(), GroupNormalized(),
+                     settings, seed=1)  # fmt: skip
+    batch = collate(trajs(8, seed=1))
+    try:
+        g.step_on_batch(batch, 0)  # the group works
+        assert learner_death(RuntimeError("not a death"), g) is None  # both alive
+        os.kill(ray.get(g.ranks[1].pid.remote()), signal.SIGKILL)
+        t0 = time.time()
+        with pytest.raises(ray.exceptions.RayError) as e:
+            ray.get(g.ranks[0].step_on_batch.remote(batch, 1))
+        why = learner_death(e.value, g)
+        took = time.time() - t0
+    finally:
+        close_dead_learner(g)
+    print(f"rank 1 killed: rank 0 failed and the check named it in {took:.1f} s: {why}")
+    assert why is not None and why.startswith("rank 1: ActorDiedError"), why
+    assert took < 30  # not the collective timeout (120 s here, 300 s by default)
+    assert g.ranks == [] and g.pg is None
