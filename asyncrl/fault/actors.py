@@ -44,6 +44,7 @@ CALL_TIMEOUT_S = 10.0
 # Errors that mean the actor's process is gone for good (ActorUnavailableError is not
 # one: Ray raises it while it is still finding out).
 DEAD_ERRORS = ("ActorDiedError", "RayActorError")
+MAX_WHY = 160  # characters of an error kept in a log line and in summary.json
 
 
 @dataclass
@@ -97,6 +98,9 @@ class ActorSupervisor:
         for inc in self.actors.values():
             if inc.state == "starting":
                 self._check_start(inc)
+            elif inc.state == "priming" and self._late(inc):  # its first sync failed
+                self._lost(inc, f"not synced within fault.actor_start_timeout_s="
+                                f"{self.s.actor_start_timeout_s:g}")  # fmt: skip
         if any(i.event and "first_group_at" not in i.event for i in self.actors.values()):
             self._first_groups()
 
@@ -155,7 +159,7 @@ class ActorSupervisor:
 
         now = time.time()
         log.warning("actor %s is dead (%s): restarting it", inc.name, why)
-        if inc.event is None or "up_at" in inc.event:  # a new failure, not a failed attempt
+        if inc.event is None or "primed_at" in inc.event:  # a new death, not a failed attempt
             inc.event = {"actor": inc.name, "cause": why, "detected_at": now}
             inc.events.append(inc.event)
         self.parts.actors.pop(inc.name, None)
@@ -191,7 +195,7 @@ class ActorSupervisor:
 
         ready, _ = ray.wait([inc.start_ref], timeout=0)
         if not ready:
-            if time.time() - inc.t_started > self.s.actor_start_timeout_s:
+            if self._late(inc):
                 self._lost(inc, f"not started within fault.actor_start_timeout_s="
                                 f"{self.s.actor_start_timeout_s:g}")  # fmt: skip
             return
@@ -207,6 +211,10 @@ class ActorSupervisor:
         inc.event["up_at"] = time.time()
         if self.parts.broker.state()["version"] == 0:  # the fresh engine's weights are it
             self.parts.queue.set_weights_version.remote(inc.name, 0)
+
+    def _late(self, inc: Incarnation) -> bool:
+        """Not generating within fault.actor_start_timeout_s of its restart."""
+        return time.time() - inc.t_started > self.s.actor_start_timeout_s
 
     def _primed(self, inc: Incarnation, st: dict[str, Any]) -> None:
         """Up once it reports a weight load (its own set_weights_version has then
@@ -275,14 +283,15 @@ def kill_leftovers(pids: dict[str, Any]) -> list[int]:
 def death(state: Any) -> str:
     """Why an actor's get_stats answer (or the error it gave, as a string) means it is
     dead; "" if it does not."""
-    if isinstance(state, str):
-        return f"process died: {state}" if any(e in state for e in DEAD_ERRORS) else ""
+    if isinstance(state, str):  # Ray's message runs over many lines: its first says it
+        first = state.splitlines()[0][:MAX_WHY] if state else ""
+        return f"process died: {first}" if any(e in state for e in DEAD_ERRORS) else ""
     if not isinstance(state, dict):
         return ""
     if state.get("engine_dead"):
         return "vLLM engine died"
     if state.get("fatal"):
-        return f"fatal: {state['fatal']}"
+        return f"fatal: {state['fatal'][:MAX_WHY]}"
     return ""
 
 
