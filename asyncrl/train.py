@@ -24,6 +24,7 @@ from asyncrl.broker.base import BrokerError
 from asyncrl.confdir import conf_dir
 from asyncrl.config import ConfigError, hydra_error_line
 from asyncrl.eval.launch import launch as launch_eval
+from asyncrl.fault.actors import fault_summary
 from asyncrl.fault.learner import RestartLedger, close_dead_learner, learner_death
 from asyncrl.learner.resume import save_checkpoint
 from asyncrl.loop import LoopHooks, LoopResult, RunError, run_loop
@@ -154,15 +155,20 @@ def _run(cfg: DictConfig, out_dir: Path, stop: GracefulStop) -> dict[str, Any]:
                 stop.deferring = False  # a signal during the restart stops at once
                 detected = time.time()
                 close_dead_learner(parts.learner)
+                sup = getattr(parts, "supervisor", None)
                 queue_stats, actor_stats = stop_parts(parts, quiet=True)
                 parts = None
-                ledger.record_death(why, detected, queue_stats, actor_stats)  # or RunError
+                faults = fault_summary(sup, queue_stats)
+                ledger.record_death(why, detected, queue_stats, actor_stats, faults)  # or RunError
+        sup = getattr(parts, "supervisor", None)
         queue_stats, actor_stats = stop_parts(parts)
         parts = None
+        actor_faults = ledger.actor_faults(fault_summary(sup, queue_stats))
         loop, queue_stats = ledger.whole_run(loop, queue_stats)  # every segment counted
         summary = summarise(cfg, loop, queue_stats, actor_stats, time.time() - t0)
         summary["tokens_generated"] += ledger.tokens_before  # the dead segments' actors
         summary.update(ledger.summary())  # learner_restarts, steps_redone, restart_seconds
+        summary["fault"] = actor_faults  # the actors' restarts (asyncrl/fault/actors.py)
         summary["startup_seconds"] = clock.startup_seconds()  # process start -> first step
         summary["fingerprint"] = fp
         summary["alerts"] = monitor.summary()  # name -> steps it fired, first step

@@ -114,6 +114,7 @@ def test_a_killed_learner_rank_restarts_from_the_checkpoint(
           f"{r['first_step_seconds']} s")  # fmt: skip
     assert s["policy_version"] == 5 and s["steps"] == 5 and s["stopped_by"] is None
     assert s["learner_restarts"] == 1 and len(s["restart_seconds"]) == 1
+    assert s["fault"]["actor_restarts"] == 0, s["fault"]  # the actors were not at fault
     assert s["restart_seconds"][0] > 0 and 0 <= r["detected_at"] - killer.killed_at < 60
     phases = [r["stop_seconds"], r["start_seconds"], r["first_step_seconds"]]
     assert all(p >= 0 for p in phases) and abs(sum(phases) - r["seconds"]) < 0.05, r
