@@ -82,7 +82,7 @@ class LearnerSettings:
     checkpoint_keep: int = 2  # newest RUN/checkpoints/step-V kept (0: all); read by the driver
     # Custom Ray resources each rank needs besides its CPUs/GPUs: places the ranks on the
     # nodes that offer them (`ray start --resources='{"node_b": 1}'`; docs/cluster.md).
-    resources: dict[str, float] = field(default_factory=dict)
+    resources: dict[str, float] | None = None
     optim: OptimSettings = field(default_factory=OptimSettings)
     advantage: dict[str, Any] = field(
         default_factory=lambda: {"_target_": "asyncrl.losses.advantages.GroupNormalized"}
@@ -115,6 +115,7 @@ class LearnerSettings:
             raise ConfigError(
                 f"learner.collective_timeout_s must be > 0, got {self.collective_timeout_s}"
             )
+        self.resources = dict(self.resources or {})  # null: none
         check_custom_resources("learner.resources", self.resources)
 
     @classmethod
