@@ -1,0 +1,108 @@
+"""The cluster pieces on one node: which runtime_env the driver asks for
+(``ray.ship_code``), and a learner rank that believes it is on another node than the
+driver's (the one fake: ``remote_sink`` answers with the driver's sink, the node
+boundary) saving, loading and logging through the real FileSink actor."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import build_tiny_qwen, trajs
+
+from asyncrl.cluster.ship import EXCLUDES, code_runtime_env, package_dir
+from asyncrl.runtime import ShipCode
+
+ENV = {"TOKENIZERS_PARALLELISM": "false"}
+
+
+def test_local_ray_keeps_the_driver_paths(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    for ship in (ShipCode.AUTO, ShipCode.NEVER):
+        env = code_runtime_env(ship, joined=False, env_vars=ENV)
+        assert set(env) == {"env_vars"}  # nothing uploaded: start-up as before
+        assert env["env_vars"]["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path)
+    never = code_runtime_env(ShipCode.NEVER, joined=True, env_vars=ENV)
+    assert set(never) == {"env_vars"} and "PYTHONPATH" in never["env_vars"]
+
+
+def test_a_cluster_gets_the_code_shipped(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    for ship, joined in ((ShipCode.AUTO, True), (ShipCode.ALWAYS, False)):
+        env = code_runtime_env(ship, joined=joined, env_vars=ENV)
+        assert "PYTHONPATH" not in env["env_vars"]  # no path of the driver's machine
+        assert env["py_modules"] == [str(package_dir())]
+        assert env["working_dir"] == str(tmp_path.resolve())
+        assert set(EXCLUDES) <= set(env["excludes"]) and ".venv" in env["excludes"]
+    # from a checkout, asyncrl/ ships once: as the py_module, not again in the working dir
+    monkeypatch.chdir(package_dir().parent)
+    env = code_runtime_env(ShipCode.AUTO, joined=True, env_vars=ENV)
+    assert f"/{package_dir().name}" in env["excludes"]
+
+
+@pytest.fixture
+def sink(ray_local, tmp_path):
+    from asyncrl.cluster import sink as sink_mod
+
+    handle = sink_mod.start_sink()
+    sink_mod.allow_run_dir(tmp_path / "run")
+    yield handle
+    ray_local.kill(handle)
+    sink_mod.forget_sink()
+
+
+def test_remote_rank_saves_loads_and_logs_through_the_sink(sink, tmp_path, monkeypatch):
+    import ray
+
+    from asyncrl.learner import checkpoint as ck
+    from asyncrl.learner.batch import collate
+    from asyncrl.learner.config import LearnerSettings, OptimSettings
+    from asyncrl.learner.learner import Learner
+    from asyncrl.losses.advantages import GroupNormalized
+    from asyncrl.losses.clipped import ClippedISLoss
+    from asyncrl.utils.runlog import TrajectoryLog, read_trajectories
+
+    monkeypatch.setattr(ck, "remote_sink", lambda: sink)
+    monkeypatch.setattr("asyncrl.cluster.remote.remote_sink", lambda: sink)
+    model = build_tiny_qwen(tmp_path / "m")
+    torch.set_num_threads(1)
+
+    def make() -> Learner:
+        s = LearnerSettings(optim=OptimSettings(lr=1e-2), micro_batch_tokens=40)
+        return Learner(str(model), ClippedISLoss(), GroupNormalized(), s, seed=1)
+
+    run = tmp_path / "run"
+    L = make()
+    L.step_on_batch(collate(trajs(8, seed=3)), 0)
+    L.version = 1
+    L.save(str(ck.step_dir(run, 1)), driver_state={"v": 1})
+    ck.publish(run, 1, keep=2)
+    meta = ck.verify(ck.find_latest(run), full=True)  # sealed at the sink's side
+    assert meta["version"] == 1 and not (run / "checkpoints" / "step-1.tmp").exists()
+    recs = [json.loads(x) for x in (run / "cluster_sink.jsonl").read_text().splitlines()]
+    sent = {r["path"] for r in recs}
+    assert "checkpoints/step-1.tmp/learner.json" in sent
+    assert "checkpoints/step-1.tmp/rng/rank0.pt" in sent
+    assert not any(p.endswith("manifest.json") for p in sent)  # written at the driver's side
+
+    L2 = make()  # loads from bytes fetched through the sink: the same weights
+    got = L2.load(str(ck.find_latest(run)))
+    assert got["version"] == 1 and got["driver_state"] == {"v": 1}
+    for (n, a), (_, b) in zip(L.policy.state_dict().items(), L2.policy.state_dict().items()):
+        assert torch.equal(a, b), n
+
+    log = TrajectoryLog({"dir": str(run / "trajectories"), "part_every": 1})
+    batch = trajs(4, seed=5)
+    log.write(0, batch, learner_version=1)
+    log.write(1, batch, learner_version=2)
+    log.close()
+    table = read_trajectories(run)
+    assert table.num_rows == 8 and sorted(set(table.column("step").to_pylist())) == [0, 1]
+    assert len((run / "trajectories" / "batches.jsonl").read_text().splitlines()) == 2
+
+    with pytest.raises(ray.exceptions.RayTaskError, match="outside the run directories"):
+        ray.get(sink.put.remote(str(tmp_path / "elsewhere.bin"), 0, b"x", True, "n"))
+    assert not Path(tmp_path / "elsewhere.bin").exists()
