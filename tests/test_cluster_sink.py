@@ -11,12 +11,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build_tiny_qwen, trajs
+from helpers import build_tiny_qwen, refused_before_ray, trajs
 
 from asyncrl.cluster.ship import EXCLUDES, code_runtime_env, package_dir
 from asyncrl.runtime import ShipCode
 
 ENV = {"TOKENIZERS_PARALLELISM": "false"}
+CONF = Path(__file__).parents[1] / "conf"
+
+BAD = [
+    ("ray.ship_code=sometimes", "ray.ship_code='sometimes': expected one of"),
+    ("learner.resources=3", "learner.resources=3: expected a dict"),
+    ("learner.resources={node_b: 0}", "learner.resources.node_b=0: expected a number > 0"),
+    ("learner.resources={CPU: 1}", "learner.resources: 'CPU' is not a custom resource"),
+]
+
+
+@pytest.mark.parametrize("override,names", BAD, ids=[o for o, _ in BAD])
+def test_bad_cluster_keys_stop_the_run_before_ray(override, names, tmp_path, capsys, monkeypatch):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose("config", overrides=[override, "progress=false"])
+    line = refused_before_ray(cfg, tmp_path, capsys, monkeypatch)
+    assert names in line, line
 
 
 def test_local_ray_keeps_the_driver_paths(monkeypatch, tmp_path):
