@@ -513,6 +513,47 @@ def test_objectstore_broker_takes_the_weights_from_the_learner(ray_local, fake_w
 
 
 @pytest.mark.slow
+def test_replaced_actor_is_primed_with_the_published_version_not_live_weights(
+    ray_local, fake_world, task
+):
+    """A dead actor's replacement (asyncrl/fault/actors.py): remove_actor, then
+    add_actor of a fresh actor under the same name while the learner has already
+    stepped on. It gets the version last published, bit-exact from that snapshot (the
+    learner's live weights are no longer that version), and later syncs include it."""
+    ray = ray_local
+    from asyncrl.actor.controlled import ControlledRolloutActor
+    from asyncrl.actor.settings import ActorSettings
+
+    actors, learner = fake_world
+    broker = _start(actors, learner, mode="sparse_delta")
+    cls = ray.remote(ControlledRolloutActor).options(num_cpus=0, max_concurrency=100)
+    new = cls.remote("actor2", "unused", task, None, ActorSettings(), 0)
+    ray.get(new.__ray_call__.remote(_install_fake_engine))
+    try:
+        broker.supervise()
+        ray.get(learner.adamw_step.remote(400))
+        broker.publish(1)
+        broker.wait()
+        published = broker.learner_digests()
+        broker.remove_actor("actor2", "killed (test)")
+        assert broker.actor_versions == {"actor0": 1, "actor1": 1}
+        ray.get(learner.adamw_step.remote(401))  # the learner trains on
+        broker.add_actor("actor2", new)
+        m = broker.wait()
+        assert broker.actor_versions == {"actor0": 1, "actor1": 1, "actor2": 1}, broker.errors
+        assert m["broker/errors"] == 0 and broker.dead == {}
+        assert ray.get(new.__ray_call__.remote(_loaded_digests)) == published
+        assert published != broker.learner_digests()
+        broker.publish(2)
+        assert broker.wait()["broker/errors"] == 0
+        assert broker.actor_versions == {"actor0": 2, "actor1": 2, "actor2": 2}
+        _assert_bit_exact(ray, broker, {**actors, "actor2": new})
+    finally:
+        broker.close()
+        ray.kill(new)
+
+
+@pytest.mark.slow
 def test_killed_actor_is_dropped_within_the_timeout_and_the_rest_go_on(ray_local, fake_world):
     """Last in this module: it kills actor1's process."""
     ray = ray_local
