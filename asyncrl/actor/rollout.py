@@ -217,7 +217,12 @@ class RolloutActor:
         import psutil
 
         me = psutil.Process()
-        procs = {p.pid: p.name() for p in me.children(recursive=True) if p.is_running()}
+        procs = {}
+        for p in me.children(recursive=True):
+            try:
+                procs[p.pid] = p.name()
+            except psutil.Error:  # exited meanwhile
+                continue
         return {"pid": me.pid, "host": os.uname().nodename, "children": procs}
 
     def ping(self) -> str:

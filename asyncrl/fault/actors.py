@@ -101,7 +101,8 @@ class ActorSupervisor:
             elif inc.state == "priming" and self._late(inc):  # its first sync failed
                 self._lost(inc, f"not synced within fault.actor_start_timeout_s="
                                 f"{self.s.actor_start_timeout_s:g}")  # fmt: skip
-        if any(i.event and "first_group_at" not in i.event for i in self.actors.values()):
+        if any(i.state != "dead" and i.event and "first_group_at" not in i.event
+               for i in self.actors.values()):  # fmt: skip
             self._first_groups()
 
     @property
@@ -158,7 +159,7 @@ class ActorSupervisor:
         import ray
 
         now = time.time()
-        log.warning("actor %s is dead (%s): restarting it", inc.name, why)
+        log.warning("actor %s is dead (%s)", inc.name, why)
         if inc.event is None or "primed_at" in inc.event:  # a new death, not a failed attempt
             inc.event = {"actor": inc.name, "cause": why, "detected_at": now}
             inc.events.append(inc.event)
@@ -183,6 +184,8 @@ class ActorSupervisor:
             return
         inc.restarts += 1
         seed = inc.seed + RESTART_SEED_STRIDE * inc.restarts
+        log.warning("actor %s: restart %d of fault.actor_restarts=%d (seed %d)",
+                    inc.name, inc.restarts, self.s.actor_restarts, seed)  # fmt: skip
         inc.handle = self.spawn(inc.name, seed)
         inc.start_ref = inc.handle.start.remote()
         inc.state, inc.t_started, inc.pids = "starting", time.time(), {}
