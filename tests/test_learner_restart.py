@@ -38,7 +38,7 @@ def cfg(*overrides: str):
 
 class RankKiller:
     """SIGKILLs learner rank 0's process once ``after`` steps are in the trajectory log
-    (``batches.jsonl``), once. The pid comes from each segment's started parts: the real
+    (``batches.jsonl``) and a part file is written, once. The pid comes from each segment's started parts: the real
     ``start_parts`` runs, this only reads ``Learner.pid`` of what it returns."""
 
     def __init__(self, monkeypatch, out: Path, after: int):
@@ -65,7 +65,8 @@ class RankKiller:
         log = self.out / "trajectories" / "batches.jsonl"
         deadline = time.time() + KILL_DEADLINE_S
         while time.time() < deadline:
-            if self.pids and log.is_file() and len(log.read_text().splitlines()) >= self.after:
+            steps = len(log.read_text().splitlines()) if log.is_file() else 0
+            if self.pids and steps >= self.after and _parts(self.out):  # a part to keep
                 self.parts_before = {p.name: _sha(p) for p in _parts(self.out)}
                 os.kill(self.pids[0], signal.SIGKILL)
                 self.killed_at = time.time()
