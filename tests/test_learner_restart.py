@@ -6,7 +6,7 @@ from ``Learner.pid``) once the rank has logged some steps. With ``fault.max_rest
 the run restarts every part, resumes from the newest complete checkpoint and finishes at
 ``max_steps`` with the accounting exact over both segments and the trajectory log's
 parts of both segments readable; with ``fault.max_restarts=0`` it ends with one line,
-exit 3.
+exit 3. One fast test of the ledger's own arithmetic (no Ray).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-
-pytestmark = pytest.mark.slow
 
 CONF = Path(__file__).parents[1] / "conf"
 KILL_DEADLINE_S = 400  # engine start + the steps before the kill, on a loaded machine
@@ -86,6 +84,7 @@ def _asyncrl_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("asyncrl:")]
 
 
+@pytest.mark.slow
 def test_a_killed_learner_rank_restarts_from_the_checkpoint(
     ray_local, tiny_model, tmp_path, monkeypatch, capsys
 ):
@@ -155,6 +154,7 @@ def test_a_killed_learner_rank_restarts_from_the_checkpoint(
     assert sorted(set(steps)) == list(range(5))
 
 
+@pytest.mark.slow
 def test_no_restart_left_is_one_line_and_exit_3(
     ray_local, tiny_model, tmp_path, monkeypatch, capsys
 ):
@@ -183,6 +183,7 @@ def test_no_restart_left_is_one_line_and_exit_3(
         assert _sha(p) == sha and pq.read_table(p).num_rows > 0
 
 
+@pytest.mark.slow
 def test_a_dead_peer_rank_is_found_and_its_group_closed(ray_local, tmp_path):
     """Any rank, not only rank 0: with rank 1 SIGKILLed, rank 0's step fails in its
     collective (gloo sees the peer's socket close) and the driver's check names rank 1;
@@ -217,3 +218,46 @@ def test_a_dead_peer_rank_is_found_and_its_group_closed(ray_local, tmp_path):
     assert why is not None and why.startswith("rank 1: ActorDiedError"), why
     assert took < 30  # not the collective timeout (120 s here, 300 s by default)
     assert g.ranks == [] and g.pg is None
+
+
+def test_the_ledger_keeps_steps_and_refuses_a_restart_past_the_limit(tmp_path):
+    """No Ray: steps are kept by version (an evaluation's values are not a step); with
+    fault.max_restarts=0 a death is one RunError line with the queue's accounting; the
+    actors' fault entries of dead segments add up with the last one's."""
+    from asyncrl.fault.learner import RestartLedger
+    from asyncrl.loop import RunError
+
+    class Sink:
+        def __init__(self):
+            self.steps = []
+
+        def log(self, step, metrics):
+            self.steps.append(step)
+
+    sink = Sink()
+    led = RestartLedger(sink, 0, tmp_path, None)
+    for v in (1, 2, 3):
+        led.log(v, {"reward/sum": 2.0 * v, "reward/count": 4.0, "tokens/trained": 10.0})
+    led.log(3, {"eval/heldout/pass@1": 0.5})
+    assert sink.steps == [1, 2, 3, 3] and led.steps == {
+        1: (2.0, 4.0, 10), 2: (4.0, 4.0, 10), 3: (6.0, 4.0, 10)}  # fmt: skip
+    q = {"produced": 10, "trained": 8, "dropped_stale": 0, "in_flight": 2}
+    faults = {"actor_restarts": 1, "actor_restarts_by_actor": {"actor0": 1},
+              "recovery_seconds": [30.0], "actor_events": [{"actor": "actor0"}]}  # fmt: skip
+    with pytest.raises(RunError) as e:
+        led.record_death("rank 0: ActorDiedError (surfaced as BrokerError)", time.time(), q,
+                         {"actor0": {"tokens": 100}, "actor1": "stop failed"}, faults)  # fmt: skip
+    assert str(e.value) == (
+        "a learner rank died after version 3: rank 0: ActorDiedError (surfaced as "
+        "BrokerError); fault.max_restarts=0: no restart left (newest complete checkpoint: "
+        f"none); queue: produced 10, trained 8, dropped_stale 0, in_flight 2; outputs so "
+        f"far: {tmp_path}"
+    )
+    assert led.tokens_before == 100 and led.restarts[0].died_after_version == 3
+    last = {"actor_restarts": 2, "actor_restarts_by_actor": {"actor0": 1, "actor1": 1},
+            "actors_dead": [], "groups_lost": 3, "recovery_seconds": [40.0, 50.0],
+            "actor_events": [{"actor": "actor0"}, {"actor": "actor1"}]}  # fmt: skip
+    merged = led.actor_faults(last)
+    assert merged["actor_restarts"] == 3 and merged["groups_lost"] == 3
+    assert merged["actor_restarts_by_actor"] == {"actor0": 2, "actor1": 1}
+    assert merged["recovery_seconds"] == [30.0, 40.0, 50.0] and len(merged["actor_events"]) == 3
