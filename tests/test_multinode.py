@@ -218,13 +218,13 @@ def test_two_nodes_learner_on_the_worker(cluster, tmp_path, tiny_model):
 
     (project / "my_loss.py").write_text(USER_MODULE)
     out = tmp_path / "run"
-    steps = 6
+    steps = 4
     t0 = time.time()
     r = subprocess.run(
         [sys.executable, "-m", "asyncrl.train", f"hydra.run.dir={out}", "progress=false",
          f"ray.address={cluster.address}", "learner.resources={node_b: 0.01}",
          "loss._target_=my_loss.MyLoss", f"max_steps={steps}",
-         "learner.batch_groups=4", "learner.checkpoint_every=3"],
+         "learner.batch_groups=4", "learner.checkpoint_every=2"],
         cwd=project, env=cluster.env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-5000:]

@@ -219,6 +219,10 @@ class TrajectoryLog:
 
     def close(self) -> None:
         self.flush()
+        if self._sink is not None:  # every part is at the driver's now
+            import shutil
+
+            shutil.rmtree(self._stage, ignore_errors=True)
 
 
 def _list(a: Any) -> list[float] | None:
