@@ -1,7 +1,9 @@
 """The training loop: the one loop every entry point runs (``asyncrl-train``, the
 staleness and throughput benchmarks), with small hooks for what they vary.
 
-    step V:  batch = queue.get_batch(V)        waits for a batch; a dead or silent run
+    step V:  supervise                         dead actors replaced (asyncrl/fault/actors.py),
+             │                                 here, before the publish, each wait poll
+             batch = queue.get_batch(V)        waits for a batch; a dead or silent run
              │                                 raises with every actor's state
              learner.submit_train_step(batch)  ║ meanwhile: queue and actor stats (one
              │                                 ║ round of concurrent calls), then
@@ -12,8 +14,8 @@ staleness and throughput benchmarks), with small hooks for what they vary.
              queue.set_learner_version(V+1)    the staleness window moves on
              alerts (hooks.monitor); log metrics; checkpoint every ``learner.checkpoint_every``
 
-Only ObjectRefs and small metadata pass through the driver: trajectories go from an
-actor's ``ray.put`` to the learner ranks' ``ray.get``, weights from the learner to the
+Only ObjectRefs and small metadata pass through the driver: trajectories go from the
+queue's ``ray.put`` of an actor's hand-off to the learner ranks' ``ray.get``, weights from the learner to the
 actors through the broker.
 """
 
@@ -106,6 +108,9 @@ def run_loop(
             hooks.during_step(version)
         m = ray.get(step)
         t_trained = time.time()
+        # and before the publish: a sync must not start to an engine that died during
+        # the step (the learner's sender would wait broker.timeout_s for it)
+        supervise(parts)
         version += 1
         m.update(parts.broker.publish(version))
         if hooks.wait_for_sync:
