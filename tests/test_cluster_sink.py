@@ -117,6 +117,7 @@ def test_remote_rank_saves_loads_and_logs_through_the_sink(sink, tmp_path, monke
     log.write(0, batch, learner_version=1)
     log.write(1, batch, learner_version=2)
     log.close()
+    assert not log._stage.exists()  # nothing left on the rank's node
     table = read_trajectories(run)
     assert table.num_rows == 8 and sorted(set(table.column("step").to_pylist())) == [0, 1]
     assert len((run / "trajectories" / "batches.jsonl").read_text().splitlines()) == 2
