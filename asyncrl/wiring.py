@@ -114,6 +114,12 @@ def prepare(cfg: DictConfig) -> Setup:
             f"learner.minibatches={learner.minibatches} is more than the "
             f"{batch_size} trajectories of a batch (learner.batch_groups x actor.sampling.n)"
         )
+    if learner.resources and not ray_settings.address:
+        raise ConfigError(
+            f"learner.resources={learner.resources}: a local Ray (ray.address=null) has no "
+            "custom resources to place the ranks by; set ray.address to a cluster whose "
+            "nodes declare them (docs/cluster.md)"
+        )
     if run.resume:
         from asyncrl.learner.config import check_resume
 

@@ -24,6 +24,7 @@ BAD = [
     ("learner.resources=3", "learner.resources=3: expected a dict"),
     ("learner.resources={node_b: 0}", "learner.resources.node_b=0: expected a number > 0"),
     ("learner.resources={CPU: 1}", "learner.resources: 'CPU' is not a custom resource"),
+    ("learner.resources={node_b: 1}", "a local Ray (ray.address=null) has no custom resources"),
 ]
 
 
