@@ -17,8 +17,10 @@ Figures, last stdout line (JSON):
     recovered            the chaos run exited 0 at max_steps and every fault recovered
     faults               faults injected
     recovery_seconds     per fault, kill to the first step after the replacement came up
-    unaccounted          produced - trained - dropped (every ``trajectories_dropped_*``)
-                         - in flight, from the chaos run's summary.json: must be 0
+    unaccounted          produced - trained - dropped - in flight, from the chaos run's
+                         summary.json: must be 0 (``trajectories_dropped_stale`` counts
+                         every dropped trajectory, those a learner restart threw away,
+                         ``trajectories_dropped_restart``, included)
     reward_mean_last     the chaos run's summary.json ``reward_mean_last``
     clean_reward_mean_last   the undisturbed run's
     parts_readable       every Parquet part of the chaos run's trajectory log reads
@@ -190,11 +192,10 @@ def parts_readable(run_dir: Path) -> bool:
 def unaccounted(s: dict[str, Any]) -> int | None:
     if "trajectories_produced" not in s:
         return None
-    dropped = sum(v for k, v in s.items() if k.startswith("trajectories_dropped"))
     return (
         s["trajectories_produced"]
         - s["trajectories_trained"]
-        - dropped
+        - s["trajectories_dropped_stale"]
         - s["trajectories_in_flight"]
     )
 
