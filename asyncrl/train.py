@@ -154,7 +154,7 @@ def _run(cfg: DictConfig, out_dir: Path, stop: GracefulStop) -> dict[str, Any]:
                     raise Interrupted(stop.signame, "after a learner rank died") from e
                 stop.deferring = False  # a signal during the restart stops at once
                 detected = time.time()
-                close_dead_learner(parts.learner)
+                close_dead_learner(parts)  # the broker killed, the ranks closed
                 sup = getattr(parts, "supervisor", None)
                 queue_stats, actor_stats = stop_parts(parts, quiet=True)
                 parts = None

@@ -103,11 +103,20 @@ def _span(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(b - a, 2)
 
 
-def close_dead_learner(learner: Any) -> None:
-    """Close the ranks before ``stop_parts`` does: the dead rank's error is already
-    reported, and its multi-line Ray message would follow as a warning there."""
+def close_dead_learner(parts: Any) -> None:
+    """Before ``stop_parts``: kill the weight broker's actor instead of closing it (a
+    close waits for the sync in flight, whose sender, rank 0, may be the dead one: the
+    broker's deadlines then held the stop ~600 s), then close the ranks (the dead
+    rank's error is already reported; its multi-line Ray message would follow as a
+    warning in ``stop_parts``)."""
+    import ray
+
+    handle = getattr(parts.broker, "handle", None)  # the process-group broker's actor
+    if handle is not None:
+        ray.kill(handle, no_restart=True)
+        parts.broker = None
     try:
-        learner.close(timeout_s=RANK_PING_TIMEOUT_S)
+        parts.learner.close(timeout_s=RANK_PING_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - a dead rank's close fails; its group is freed
         log.debug("closing the learner after a rank died: %s", type(e).__name__)
 
