@@ -24,6 +24,10 @@ Figures, last stdout line (JSON):
     reward_mean_last     the chaos run's summary.json ``reward_mean_last``
     clean_reward_mean_last   the undisturbed run's
     parts_readable       every Parquet part of the chaos run's trajectory log reads
+
+and, from the chaos run's summary.json, its own clocks: ``run_actor_recovery_seconds``
+(death seen -> the new actor's first group) and ``run_learner_restart_seconds`` (death
+seen -> the first step after the restart).
 """
 
 from __future__ import annotations
@@ -222,6 +226,10 @@ def main() -> None:
         "reward_mean_last": chaos.summary.get("reward_mean_last"),
         "clean_reward_mean_last": clean.summary.get("reward_mean_last"),
         "parts_readable": parts_readable(out / "chaos"),
+        # the run's own clocks: detection -> first group of the new actor; detection ->
+        # first step after a learner restart (summary.json, asyncrl/fault)
+        "run_actor_recovery_seconds": chaos.summary.get("fault", {}).get("recovery_seconds"),
+        "run_learner_restart_seconds": chaos.summary.get("restart_seconds"),
         "chaos_exit_code": chaos.code,
         "clean_exit_code": clean.code,
         "chaos_wall_seconds": round(chaos.wall_seconds, 1),
