@@ -107,6 +107,13 @@ def test_two_ranks_match_one(ray_local, model_dir, norm, minibatches, target):
             assert float((u1 - u2).norm() / u1.norm()) < UPDATE_REL_L2
             before = p1
         if (norm, minibatches, target) == ("token", 1, None):  # weights out, log-probs in
+            # the FSDP group's store listens on loopback only, not on every interface
+            # as torch's tcp:// init would (docs/security.md)
+            from test_sockets import listening
+
+            port = int(group.rendezvous.rpartition(":")[2])
+            store = [r for r in listening([ray.get(group.ranks[0].pid.remote())]) if r[3] == port]
+            assert [r[2] for r in store] == ["127.0.0.1"], store
             streamed = dict(group.named_parameters_stream())
             assert streamed.keys() == p2.keys()
             assert all(torch.equal(streamed[k], p2[k]) for k in p2)

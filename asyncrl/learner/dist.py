@@ -31,17 +31,22 @@ def pick_device() -> torch.device:
 
 
 def init_group(rank: int, world_size: int, rendezvous: str, timeout_s: float, device) -> None:
-    """Join the learners' default process group at ``host:port`` (rank 0 hosts the store)."""
-    host, _, _ = rendezvous.rpartition(":")
+    """Join the learners' default process group at ``host:port`` (rank 0 hosts the store).
+    The store listens on ``host`` only (torch's ``tcp://`` init would listen on every
+    interface, unauthenticated): loopback when rank 0 shares the driver's node."""
+    from asyncrl.transport.group import bound_store
+
+    host, _, port = rendezvous.rpartition(":")
     if host == LOOPBACK and device.type == "cpu":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on loopback
     backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{rendezvous}",
+        store=bound_store(host, int(port), world_size, rank == 0, timeout),
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
 

@@ -103,6 +103,7 @@ class LearnerGroup:
                 f"learner.world_size / learner.num_cpus / learner.num_gpus"
             ) from None
         rendezvous = self._rendezvous() if world_size > 1 or num_gpus else None
+        self.rendezvous = rendezvous  # rank 0's store: host:port (None: a single CPU rank)
         cls = ray.remote(Learner)
         self.ranks = [
             cls.options(

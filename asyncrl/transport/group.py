@@ -113,11 +113,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _store(
+def bound_store(
     host: str, port: int, world_size: int, master: bool, join: datetime.timedelta
 ) -> dist.TCPStore:
-    """The group's store. torch's TCPStore server listens on every interface; the
-    sender's listens on ``host`` only (its own socket, handed over as
+    """The group's store (also the learner ranks' FSDP group's, learner/dist.py). torch's
+    TCPStore server listens on every interface; this one listens on ``host`` only (its own socket, handed over as
     ``master_listen_fd``): loopback for a local run, so no other host can reach the
     rendezvous (docs/security.md)."""
     if not master:
@@ -190,7 +190,7 @@ def make_group(
     if port == 0 and rank != 0:
         raise ValueError("only rank 0 (which hosts the store) may ask for port 0")
     try:
-        store = _store(host, port, world_size, rank == 0, join)
+        store = bound_store(host, port, world_size, rank == 0, join)
         port = store.port
         if on_listening is not None:
             on_listening(port)
