@@ -86,6 +86,7 @@ def test_the_production_actor_has_only_the_production_remote_methods():
     assert remote_methods(RolloutActor) == {
         "start", "stop", "get_stats", "ping", "sampler_state", "load_sampler_state",
         "update_weights", "receive_weights", "weight_state", "close_weight_groups", "set_rewards",
+        "pids",  # the engine processes it started: the supervisor kills their orphans
     }  # fmt: skip
     assert remote_methods(ControlledRolloutActor) - remote_methods(RolloutActor) == {
         "halt", "rebind", "resume", "set_update_mode", "inject_weight_fault",
