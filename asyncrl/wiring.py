@@ -84,6 +84,18 @@ def build_task(cfg: DictConfig) -> Any:
     return task
 
 
+def _checkpoint_keep(cfg: DictConfig) -> None:
+    """``checkpoint.keep`` (the name issue 25 gives it), when set, is
+    ``learner.checkpoint_keep`` (beside ``learner.checkpoint_every``): written through, so
+    the loop, the restarts and the saved config.yaml see one value."""
+    keep = (cfg.get("checkpoint") or {}).get("keep")
+    if keep is None:
+        return
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise ConfigError(f"checkpoint.keep={keep!r}: must be an integer >= 0 (0: keep all)")
+    cfg.learner.checkpoint_keep = keep
+
+
 def prepare(cfg: DictConfig) -> Setup:
     """Check every component's settings and build the cheap parts, in the driver before
     Ray starts: every config error surfaces here as one ConfigError naming its key.
@@ -106,6 +118,7 @@ def prepare(cfg: DictConfig) -> Setup:
         raise ConfigError(
             f"loss._target_={cfg.loss._target_} is not callable as loss(batch, outputs)"
         )
+    _checkpoint_keep(cfg)
     learner = LearnerSettings.from_config(cfg.learner, loss, run.max_steps)
     advantage = build("learner.advantage", cfg.learner.advantage)
     batch_size = learner.batch_groups * actor.sampling.n

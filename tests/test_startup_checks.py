@@ -36,7 +36,18 @@ BAD = [
     ("task", "task.max_operand=0", "task.max_operand must be >= 1"),
     ("model", "model.tiny.num_heads=8", "model.tiny"),
     ("sandbox", "sandbox.workers=0", "sandbox.workers=0: must be >= 1"),
+    ("checkpoint", "checkpoint.keep=-1", "checkpoint.keep=-1: must be an integer >= 0"),
+    ("fault", "fault.max_restarts=-1", "fault.max_restarts=-1: must be >= 0"),
 ]
+
+
+def test_checkpoint_keep_is_the_learners_keep():
+    """``checkpoint.keep`` (issue 25's name) sets ``learner.checkpoint_keep``; unset, the
+    learner's own value stands."""
+    from asyncrl.wiring import prepare
+
+    assert prepare(cfg("checkpoint.keep=5")).learner.checkpoint_keep == 5
+    assert prepare(cfg()).learner.checkpoint_keep == 2
 
 
 def cfg(*overrides: str):
