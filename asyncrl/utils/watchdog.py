@@ -5,7 +5,13 @@
        │ of the run inherits it: GCS, raylet, Ray's agents, workers, vLLM engines
        ▼
     driver exits (any way) ──pidfd readable──▶ watchdog sweeps /proc: SIGKILL every
-                                               process whose environment holds the mark
+                                               process whose environment holds the mark,
+                                               and every descendant it last saw
+
+The tree is also watched (``TREE_POLL_S``): a process may clobber its own environment
+block, as Ray's agents' process titles can (setproctitle reuses argv and environ
+memory), and then /proc/<pid>/environ no longer shows the mark. Its pid and start time
+were recorded while the driver lived.
 
 A process tree cannot be used: when the driver dies its descendants are re-parented to
 PID 1. An environment mark survives re-parenting, and a child's exec keeps it unless
@@ -27,6 +33,7 @@ MARK = "ASYNCRL_RUN"
 SWEEP_ROUNDS = 20  # a dying raylet may still spawn; sweep until two rounds find nothing
 SWEEP_PAUSE_S = 0.25
 POLL_S = 0.5  # liveness poll where pidfd_open is missing (Linux < 5.3)
+TREE_POLL_S = 2.0  # how often the driver's descendants are recorded
 
 
 def start(driver_pid: int | None = None) -> str:
@@ -59,11 +66,35 @@ def marked(run_id: str) -> list[int]:
     return out
 
 
-def sweep(run_id: str) -> int:
-    """SIGKILL every marked process until none is left; returns how many were killed."""
+def _started(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot): tells a reused pid apart."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """pid -> start time of every live descendant of ``pid`` (this watchdog, the
+    driver's child too, left out)."""
+    from asyncrl.utils.affinity import process_tree
+
+    out = {}
+    for p in process_tree(pid)[1:]:
+        if p == os.getpid():
+            continue
+        t = _started(p)
+        if t is not None:
+            out[p] = t
+    return out
+
+
+def sweep(run_id: str, seen: dict[int, str] | None = None) -> int:
+    """SIGKILL every marked process, and every process of ``seen`` (pid -> start time,
+    still the same process), until none is left; returns how many were killed."""
     killed, quiet = 0, 0
     for _ in range(SWEEP_ROUNDS):
-        pids = marked(run_id)
+        pids = marked(run_id) + [p for p, t in (seen or {}).items() if _started(p) == t]
         quiet = quiet + 1 if not pids else 0
         if quiet >= 2:
             break
@@ -77,15 +108,21 @@ def sweep(run_id: str) -> int:
     return killed
 
 
-def wait_for_exit(pid: int) -> None:
+def wait_for_exit(pid: int, seen: dict[int, str]) -> None:
+    """Until ``pid`` exits; meanwhile ``seen`` collects its descendants."""
     try:
         fd = os.pidfd_open(pid)
     except (AttributeError, OSError):  # no pidfd: poll
-        while _alive(pid):
+        fd = None
+    while True:
+        if fd is None:
+            if not _alive(pid):
+                return
             time.sleep(POLL_S)
-        return
-    select.select([fd], [], [])  # readable once the process has exited
-    os.close(fd)
+        elif select.select([fd], [], [], TREE_POLL_S)[0]:  # readable once it has exited
+            os.close(fd)
+            return
+        seen.update(descendants(pid))
 
 
 def _alive(pid: int) -> bool:
@@ -101,8 +138,9 @@ def _alive(pid: int) -> bool:
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the driver's exit ends it
     driver, run_id = int(sys.argv[1]), sys.argv[2]
-    wait_for_exit(driver)
-    sweep(run_id)
+    seen: dict[int, str] = {}
+    wait_for_exit(driver, seen)
+    sweep(run_id, seen)
 
 
 if __name__ == "__main__":
