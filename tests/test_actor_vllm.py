@@ -166,3 +166,11 @@ async def test_versions_exact_across_inflight_update(actor, learner, tiny_model)
             # prefix KV is the old one, so they match neither copy exactly)
             assert np.abs(lps - lp_old)[vers == 2].mean() > 10 * FP32_LOGP_TOL
     assert spanned >= 1, "no generation spanned the update; the test did not exercise it"
+
+
+async def test_engine_worker_naps_instead_of_spinning(actor):
+    """The engine's worker process got asyncrl's vLLM plugin (entry point, or the worker
+    extension's import) with the CPU default nap (actor.engine.spin_nap_s: null)."""
+    from asyncrl.actor.engine import CPU_SPIN_NAP_S
+
+    assert await actor.engine.collective_rpc("asyncrl_spin_nap") == [CPU_SPIN_NAP_S]

@@ -71,6 +71,10 @@ class EngineSettings:
     # on this task's short answers, and nothing here reads them
     disable_log_stats: bool = True
     gpu_memory_utilization: float = 0.5
+    # vLLM's message-queue readers spin on sched_yield between model steps; on a CPU that
+    # takes the learner's core (asyncrl/actor/vllm_plugin.py). Seconds each turn of that
+    # wait sleeps instead; null: 0.0002 on a CPU, vLLM's spin on a GPU; 0: vLLM's spin.
+    spin_nap_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # any other EngineArgs field
 
     def __post_init__(self) -> None:
@@ -87,6 +91,13 @@ class EngineSettings:
                 f"{key}gpu_memory_utilization={self.gpu_memory_utilization!r}: expected a "
                 "number in (0, 1]"
             )
+        if self.spin_nap_s is not None:
+            _check_number(key + "spin_nap_s", self.spin_nap_s)
+            if not 0 <= self.spin_nap_s <= 0.01:
+                raise ConfigError(
+                    f"{key}spin_nap_s={self.spin_nap_s!r}: expected null or seconds in "
+                    "[0, 0.01] (0: vLLM's own spin)"
+                )
         if self.extra is None:
             self.extra = {}
         if not isinstance(self.extra, Mapping) or not all(isinstance(k, str) for k in self.extra):

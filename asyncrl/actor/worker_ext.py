@@ -25,7 +25,12 @@ from typing import Any
 
 import torch
 
+from asyncrl.actor import vllm_plugin
 from asyncrl.transport.endpoint import ReceiverEndpoint
+
+# vLLM loads the plugin through its entry point; asyncrl run from a checkout that pip
+# never installed has none, so the worker applies it here too (once per process)
+vllm_plugin.register()
 
 # vLLM warns "Failed to load weights" on every reload for layers that have none in
 # the checkpoint: the rotary embedding (no weights at all) and a tied LM head, which
@@ -69,6 +74,10 @@ class AsyncRLWorkerExtension:
             key, host, port, rank, world_size, timeout_s, join_timeout_s, backend, hold_copy
         )
         return rank
+
+    def asyncrl_spin_nap(self) -> float:
+        """The nap this worker's vLLM queues use instead of spinning (0: vLLM's spin)."""
+        return vllm_plugin.nap_in_effect()
 
     def asyncrl_receive_poll(self) -> dict[str, Any]:
         return self._asyncrl_rx().poll()

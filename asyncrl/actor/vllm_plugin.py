@@ -1,0 +1,72 @@
+"""asyncrl's vLLM general plugin: vLLM loads it in every process of an engine (the
+front end, the engine core, each worker) through the ``vllm.general_plugins`` entry
+point in pyproject.toml.
+
+What it does: make the waits of vLLM's shared-memory message queues sleep instead of
+spin. A reader (the engine core waiting for its worker's answer, the worker waiting
+for the next step) spins on ``sched_yield`` for 1 s after its last message before it
+sleeps on the queue's ZeroMQ notification. On a GPU box that buys latency with cores
+nobody else needs. On a CPU those loops run through every gap between model steps and
+take the core the learner trains on: measured on the default job (2 cores,
+docs/speed.md), 49% of the engine core's CPU and a third of the worker's, about 0.37 of
+a core in all. Here each turn of that loop naps instead (``ASYNCRL_VLLM_NAP_S``, e.g.
+0.0002 s): the control flow is vLLM's, a message waits at most one nap longer.
+
+(Dropping the spin altogether, so that every wait sleeps on the notification, stalled
+the engine: the first weight sync waited out vLLM's 5 s re-check over and over.)
+
+The environment carries the setting, so the engine's spawned processes inherit it;
+the actor sets it from ``actor.engine.spin_nap_s``. Unset or 0: vLLM's own spin. A
+vLLM without the class this wraps: nothing happens.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+ENV = "ASYNCRL_VLLM_NAP_S"
+
+
+def nap_seconds() -> float:
+    """This process's nap per turn of a queue's wait loop (0: vLLM's own spin)."""
+    raw = os.environ.get(ENV, "").strip()
+    try:
+        value = float(raw) if raw else 0.0
+    except ValueError:
+        return 0.0
+    return value if 0.0 < value <= 0.01 else 0.0
+
+
+def register() -> None:
+    """vLLM's plugin hook (called once per process, before any engine part is built)."""
+    nap = nap_seconds()
+    if not nap:
+        return
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    except ImportError:  # another vLLM: leave it alone
+        return
+    if getattr(SpinCondition.wait, "_asyncrl", 0.0):
+        return
+    original = SpinCondition.wait
+
+    def wait(self, timeout_ms: int | None = None) -> None:
+        # vLLM's busy branch (a read less than busy_loop_s ago) is one sched_yield
+        if self.is_reader and time.monotonic() <= self.last_read + self.busy_loop_s:
+            time.sleep(nap)
+            return
+        original(self, timeout_ms)
+
+    wait._asyncrl = nap  # type: ignore[attr-defined]
+    SpinCondition.wait = wait
+
+
+def nap_in_effect() -> float:
+    """The nap this process's vLLM queues use (0: vLLM's own spin): what the plugin
+    did here, for tests and the worker's ``asyncrl_spin_nap``."""
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    except ImportError:
+        return 0.0
+    return float(getattr(SpinCondition.wait, "_asyncrl", 0.0))
