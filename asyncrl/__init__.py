@@ -6,3 +6,12 @@ import time as _time
 # own work; `startup_seconds` counts from here. Not the process's create time: a shell
 # script that `exec`s Python (scripts/run.sh, after its set-up) keeps the shell's.
 STARTED_AT = _time.time()
+
+# Where the start-up went: seconds from STARTED_AT at each named point the driver passed
+# (asyncrl.train writes them to summary.json as `startup_phases`).
+STARTUP_MARKS: dict[str, float] = {}
+
+
+def startup_mark(name: str) -> None:
+    """Record that the driver's start-up reached ``name`` (the first time only)."""
+    STARTUP_MARKS.setdefault(name, round(_time.time() - STARTED_AT, 2))

@@ -20,6 +20,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from asyncrl import STARTUP_MARKS, startup_mark
 from asyncrl.broker.base import BrokerError
 from asyncrl.confdir import conf_dir
 from asyncrl.config import ConfigError, hydra_error_line
@@ -103,7 +104,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
 
 def _run(cfg: DictConfig, out_dir: Path, stop: GracefulStop) -> dict[str, Any]:
     t0 = time.time()
+    startup_mark("imports")
     setup: Setup = prepare(cfg)  # every config error surfaces here, before Ray starts
+    startup_mark("prepared")  # the config checked, the model resolved (built if need be)
     if setup.replay.delay_versions:
         raise ConfigError(
             f"replay.delay_versions={setup.replay.delay_versions} is the staleness benchmark's "
@@ -122,6 +125,7 @@ def _run(cfg: DictConfig, out_dir: Path, stop: GracefulStop) -> dict[str, Any]:
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     fp = fingerprint(cfg, setup.model_path, setup.run.seed)  # what this run ran
     started = init_ray(cfg.ray)
+    startup_mark("ray_up")
     stop.install()  # over any handler ray.init set
     parts = eval_run = None
     scalars = Scalars(out_dir / "tb")
@@ -170,6 +174,7 @@ def _run(cfg: DictConfig, out_dir: Path, stop: GracefulStop) -> dict[str, Any]:
         summary.update(ledger.summary())  # learner_restarts, steps_redone, restart_seconds
         summary["fault"] = actor_faults  # the actors' restarts (asyncrl/fault/actors.py)
         summary["startup_seconds"] = clock.startup_seconds()  # process start -> first step
+        summary["startup_phases"] = dict(STARTUP_MARKS)  # seconds from start at each point
         summary["fingerprint"] = fp
         summary["alerts"] = monitor.summary()  # name -> steps it fired, first step
         summary["stopped_by"] = stop.signame  # null: ran to max_steps

@@ -160,6 +160,7 @@ def start_parts(
     ``num_actors``: instead of ``actor.num_actors`` (0: the caller brings its own)."""
     import ray
 
+    from asyncrl import startup_mark
     from asyncrl.actor.launch import new_actor
     from asyncrl.broker import make_broker
     from asyncrl.learner.config import start_learner
@@ -192,12 +193,16 @@ def start_parts(
         setup.learner, setup.model_path, setup.loss, setup.advantage, setup.actor.sampling,
         seed, setup.run.max_steps, trajectory_log=setup.log.spec(out_dir),
     )  # fmt: skip
+    startup_mark("learner_started")
     ray.get(started)  # engines up
+    startup_mark("engines_up")
     moved = keep_off_engines(
         [s["placement"] for s in ray.get([a.get_stats.remote() for a in actors.values()])]
     )
     learner.ping()
+    startup_mark("learner_up")
     broker = make_broker(setup.broker, actors, learner)
+    startup_mark("broker_up")  # the actors primed with version 0
     parts = Parts(queue, actors, learner, broker, started_ray, moved)
     parts.reward_workers = reward_workers  # stopped with the actors (stop_parts)
     parts.supervisor = supervise(setup, parts, client, {n: seed + 1000 * i
@@ -235,7 +240,10 @@ class StartupClock:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.first_step_at is None:
+            from asyncrl import startup_mark
+
             self.first_step_at = time.time()
+            startup_mark("first_step")
         self.sink.log(step, metrics)
 
     def __getattr__(self, name: str) -> Any:

@@ -58,6 +58,12 @@ def test_summary_properties(short_run):
     # batch_groups x n per step, less the few stale members dropped from a group
     assert s["trajectories_trained"] >= 0.95 * 120 * 16 * 8
     assert s["tokens_generated"] >= s["tokens_trained"] > 0
+    # where the start-up went, in the order the driver passed each point
+    phases = s["startup_phases"]
+    order = ["imports", "prepared", "ray_up", "learner_started", "engines_up", "learner_up",
+             "broker_up", "first_step"]  # fmt: skip
+    assert list(phases) == order and sorted(phases.values()) == list(phases.values()), phases
+    assert phases["first_step"] == s["startup_seconds"]
 
 
 def test_outputs_written(short_run):
@@ -73,6 +79,8 @@ def test_outputs_written(short_run):
     ea = EventAccumulator(str(short_run / "tb"))
     ea.Reload()
     tags = set(ea.Tags()["scalars"])
+    # the loop logs each step while the learner trains the next: every step once, in order
+    assert [e.step for e in ea.Scalars("reward/mean")] == list(range(1, 121))
     for tag in (
         "reward/mean",
         "staleness/mean",

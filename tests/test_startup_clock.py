@@ -17,7 +17,10 @@ clock = StartupClock(Sink())
 assert clock.startup_seconds() is None  # no step yet
 time.sleep(0.3)
 clock.log(1, {"x": 1.0})
-print(clock.startup_seconds(), clock.logged)
+clock.log(2, {"x": 2.0})
+import asyncrl
+assert asyncrl.STARTUP_MARKS == {"first_step": clock.startup_seconds()}  # the first step's
+print(clock.startup_seconds(), clock.logged[:1])
 """
 
 
