@@ -17,8 +17,7 @@ staleness and throughput benchmarks), with small hooks for what they vary.
 
 The learner is the runtime's bottleneck on a small machine, so the driver's own work
 for a step (its metrics, alerts, log line) is done while the learner trains the next
-one: a step's log line appears one step later (the first and a checkpoint's at once),
-the last one after the loop.
+one: a step's log line appears one step later, and the last one after the loop.
 
 Only ObjectRefs and small metadata pass through the driver: trajectories go from the
 queue's ``ray.put`` of an actor's hand-off to the learner ranks' ``ray.get``, weights from the learner to the
@@ -139,15 +138,12 @@ def run_loop(
             out.tokens_trained += int(m["tokens/trained"])
             done = _Done(version, m, stats, out.tokens_trained)
             every = cfg.learner.checkpoint_every
-            checkpoint = hooks.checkpoint_dir is not None and every and version % every == 0
-            # at once: the first step (the sinks time the start-up, or a restart, by it)
-            # and a checkpoint's step (its metrics are on disk before it is)
-            if len(out.per_step) == 1 or checkpoint:
-                _log_step(done, parts, sink, hooks, bar, t0, phases)
-                done = None
-            if checkpoint:
+            if hooks.checkpoint_dir is not None and every and version % every == 0:
                 from asyncrl.learner.resume import save_checkpoint
 
+                # the step's metrics are on disk before its checkpoint is
+                _log_step(done, parts, sink, hooks, bar, t0, phases)
+                done = None
                 # asyncrl-replay starts from kept steps (log.keep_checkpoints: keep them all)
                 keep = 0 if hooks.keep_checkpoints else cfg.learner.get("checkpoint_keep", 2)
                 save_checkpoint(parts, hooks.checkpoint_dir.parent, version, keep)
