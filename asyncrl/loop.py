@@ -1,23 +1,18 @@
 """The training loop: the one loop every entry point runs (``asyncrl-train``, the
 staleness and throughput benchmarks), with small hooks for what they vary.
 
-    step V:  batch = queue.get_batch(V)        waits for a batch; a dead or silent run
+    step V:  supervise                         dead actors replaced (asyncrl/fault/actors.py),
+             │                                 here, before the publish, each wait poll
+             batch = queue.get_batch(V)        waits for a batch; a dead or silent run
              │                                 raises with every actor's state
              learner.submit_train_step(batch)  ║ meanwhile: queue and actor stats (one
-             │                                 ║ round of concurrent calls), step V-1's
-             │                                 ║ metrics, alerts (hooks.monitor) and log
-             │                                 ║ line, then hooks.during_step(V)
+             │                                 ║ round of concurrent calls), then
+             │                                 ║ hooks.during_step(V)
              metrics = the step's result
-             supervise                         dead actors replaced (asyncrl/fault/actors.py),
-             │                                 here, before the publish, each wait poll
              broker.publish(V+1)               the sync runs in the background ...
              hooks.wait_for_sync: broker.wait()  ... unless every step waits for it
              queue.set_learner_version(V+1)    the staleness window moves on
-             checkpoint every ``learner.checkpoint_every`` (step V logged first)
-
-The learner is the runtime's bottleneck on a small machine, so the driver's own work
-for a step (its metrics, alerts, log line) is done while the learner trains the next
-one: a step's log line appears one step later, and the last one after the loop.
+             alerts (hooks.monitor); log metrics; checkpoint every ``learner.checkpoint_every``
 
 Only ObjectRefs and small metadata pass through the driver: trajectories go from the
 queue's ``ray.put`` of an actor's hand-off to the learner ranks' ``ray.get``, weights from the learner to the
@@ -26,7 +21,6 @@ actors through the broker.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -101,93 +95,57 @@ def run_loop(
     out = LoopResult(steps=0, policy_version=version)
     phases = {"wait": 0.0, "train": 0.0, "publish": 0.0}
     t0 = time.time()
-    done: _Done | None = None  # the last step, logged while the learner trains the next
-    try:
-        for _ in range(cfg.max_steps - version):  # a resumed run continues up to max_steps
-            if hooks.should_stop is not None and hooks.should_stop():
-                break
-            t = time.time()
-            items = wait_batch(parts, cfg.learner.batch_groups, version, cfg.replay.wait_timeout_s)
-            t_batch = time.time()
-            step = parts.learner.submit_train_step(items, version)
-            stats = _stats_refs(parts)  # answered while the learner trains
-            if done is not None:  # the previous step's bookkeeping, off the learner's path
-                _log_step(done, parts, sink, hooks, bar, t0, phases)
-                done = None
-            if hooks.during_step is not None:
-                hooks.during_step(version)
-            m = ray.get(step)
-            t_trained = time.time()
-            # dead actors noticed each step, while batches still come, and before the
-            # publish: a sync must not start to an engine that died during the step (the
-            # learner's sender would wait broker.timeout_s for it)
-            supervise(parts)
-            version += 1
-            m.update(parts.broker.publish(version))
-            if hooks.wait_for_sync:
-                m.update(parts.broker.wait())
-            parts.queue.set_learner_version.remote(version)
-            t_done = time.time()
-            phases["wait"] += t_batch - t
-            phases["train"] += t_trained - t_batch
-            phases["publish"] += t_done - t_trained
-            m.update({f"perf/{k}_seconds": v for k, v in
-                      (("wait", t_batch - t), ("train", t_trained - t_batch),
-                       ("publish", t_done - t_trained))})  # fmt: skip
-            out.per_step.append((m["reward/sum"], m["reward/count"]))
-            out.tokens_trained += int(m["tokens/trained"])
-            done = _Done(version, m, stats, out.tokens_trained)
-            every = cfg.learner.checkpoint_every
-            if hooks.checkpoint_dir is not None and every and version % every == 0:
-                from asyncrl.learner.resume import save_checkpoint
+    for _ in range(cfg.max_steps - version):  # a resumed run continues up to max_steps
+        if hooks.should_stop is not None and hooks.should_stop():
+            break
+        supervise(parts)  # dead actors noticed each step too, while batches still come
+        t = time.time()
+        items = wait_batch(parts, cfg.learner.batch_groups, version, cfg.replay.wait_timeout_s)
+        t_batch = time.time()
+        step = parts.learner.submit_train_step(items, version)
+        stats = _stats_refs(parts)  # answered while the learner trains
+        if hooks.during_step is not None:
+            hooks.during_step(version)
+        m = ray.get(step)
+        t_trained = time.time()
+        # and before the publish: a sync must not start to an engine that died during
+        # the step (the learner's sender would wait broker.timeout_s for it)
+        supervise(parts)
+        version += 1
+        m.update(parts.broker.publish(version))
+        if hooks.wait_for_sync:
+            m.update(parts.broker.wait())
+        parts.queue.set_learner_version.remote(version)
+        t_done = time.time()
+        phases["wait"] += t_batch - t
+        phases["train"] += t_trained - t_batch
+        phases["publish"] += t_done - t_trained
+        m.update({f"perf/{k}_seconds": v for k, v in
+                  (("wait", t_batch - t), ("train", t_trained - t_batch),
+                   ("publish", t_done - t_trained))})  # fmt: skip
+        out.per_step.append((m["reward/sum"], m["reward/count"]))
+        out.tokens_trained += int(m["tokens/trained"])
+        m.update(progress_metrics(stats, t0, out.tokens_trained, phases))
+        if getattr(parts, "supervisor", None) is not None:
+            m.update(parts.supervisor.metrics())  # fault/*
+        if hooks.evaluator is not None:  # never waits for the evaluation
+            m.update(hooks.evaluator.step(version))
+        if hooks.monitor is not None:
+            m.update(hooks.monitor.check(version, m))
+        sink.log(version, m)
+        every = cfg.learner.checkpoint_every
+        if hooks.checkpoint_dir is not None and every and version % every == 0:
+            from asyncrl.learner.resume import save_checkpoint
 
-                # the step's metrics are on disk before its checkpoint is
-                _log_step(done, parts, sink, hooks, bar, t0, phases)
-                done = None
-                # asyncrl-replay starts from kept steps (log.keep_checkpoints: keep them all)
-                keep = 0 if hooks.keep_checkpoints else cfg.learner.get("checkpoint_keep", 2)
-                save_checkpoint(parts, hooks.checkpoint_dir.parent, version, keep)
-    except BaseException:
-        if done is not None:  # a failed step loses none of the steps before it
-            with contextlib.suppress(Exception):
-                _log_step(done, parts, sink, hooks, bar, t0, phases)
-        raise
-    if done is not None:
-        _log_step(done, parts, sink, hooks, bar, t0, phases)
+            # asyncrl-replay starts from kept steps (log.keep_checkpoints: keep them all)
+            keep = 0 if hooks.keep_checkpoints else cfg.learner.get("checkpoint_keep", 2)
+            save_checkpoint(parts, hooks.checkpoint_dir.parent, version, keep)
+        _show(bar, m)
     bar.close()
     out.phases = phases
     out.steps, out.policy_version = len(out.per_step), version
     parts.broker.wait()
     return out
-
-
-@dataclass
-class _Done:
-    """A trained and published step whose metrics are not logged yet."""
-
-    version: int
-    metrics: dict[str, float]
-    stats: dict[str, Any]  # stats refs asked while it trained
-    tokens_trained: int
-
-
-def _log_step(
-    d: _Done, parts: Parts, sink: MetricsSink, hooks: LoopHooks, bar: Any,
-    t0: float, phases: dict[str, float],
-) -> None:  # fmt: skip
-    """A step's throughput, fault, evaluation and health metrics, then its log line:
-    run while the learner trains the next step (its figures are the step's own: the
-    stats it asked for while it trained, the run's totals when it ended)."""
-    m = d.metrics
-    m.update(progress_metrics(d.stats, t0, d.tokens_trained, phases))
-    if getattr(parts, "supervisor", None) is not None:
-        m.update(parts.supervisor.metrics())  # fault/*
-    if hooks.evaluator is not None:  # never waits for the evaluation
-        m.update(hooks.evaluator.step(d.version))
-    if hooks.monitor is not None:
-        m.update(hooks.monitor.check(d.version, m))
-    sink.log(d.version, m)
-    _show(bar, m)
 
 
 def wait_batch(parts: Parts, batch_groups: int, version: int, timeout_s: float) -> list:
