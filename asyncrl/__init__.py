@@ -12,6 +12,7 @@ STARTED_AT = _time.time()
 STARTUP_MARKS: dict[str, float] = {}
 
 
-def startup_mark(name: str) -> None:
-    """Record that the driver's start-up reached ``name`` (the first time only)."""
-    STARTUP_MARKS.setdefault(name, round(_time.time() - STARTED_AT, 2))
+def startup_mark(name: str, at: float | None = None) -> None:
+    """Record that the driver's start-up reached ``name`` (the first time only), now
+    or at unix time ``at``."""
+    STARTUP_MARKS.setdefault(name, round((_time.time() if at is None else at) - STARTED_AT, 2))

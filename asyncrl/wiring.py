@@ -243,7 +243,7 @@ class StartupClock:
             from asyncrl import startup_mark
 
             self.first_step_at = time.time()
-            startup_mark("first_step")
+            startup_mark("first_step", self.first_step_at)  # == startup_seconds()
         self.sink.log(step, metrics)
 
     def __getattr__(self, name: str) -> Any:
