@@ -276,6 +276,32 @@ async def test_rpc_to_a_dead_engine_fails_fast():
         await weights.rpc(eng, "asyncrl_receive_poll", timeout_s=0.3)
 
 
+class _DyingEngine(_EventEngine):
+    """An engine whose core dies while the pause is on its way: the call never returns
+    (a dead core answers nothing) and vLLM's monitor flags ``errored`` 0.2 s later."""
+
+    async def pause_generation(self, mode="abort", clear_cache=True):
+        self.events.append(f"pause:{mode}")
+        asyncio.get_running_loop().call_later(0.2, setattr, self, "errored", True)
+        await asyncio.sleep(3600)
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+async def test_a_pause_to_a_dead_engine_fails_fast_not_after_the_pause_timeout(mode):
+    """The weight sync that met an engine's death returns within moments (CI once waited
+    the whole pause_timeout_s, 300 s, before the driver learned the engine was gone), and
+    sends no resume to the dead engine."""
+    from asyncrl.actor import weights
+
+    eng = _DyingEngine()
+    t0 = time.monotonic()
+    with pytest.raises(weights.EngineGone, match="the pause"):
+        await weights.paused_update(eng, mode, 3, lambda: asyncio.sleep(0), False, 300.0)
+    assert time.monotonic() - t0 < 2.0
+    assert eng.events == [f"pause:{mode}"]  # never labelled, no resume sent
+    assert weights.engine_dead(eng)
+
+
 # ----------------------------------------------------------------- fakes
 class FakeRunner:
     """vLLM's model runner as the worker extension sees it."""

@@ -54,9 +54,19 @@ async def rpc(
 ) -> list:
     """``collective_rpc`` with a client-side deadline (one result per worker); raises
     :class:`EngineGone` as soon as the engine is known dead."""
-    task = asyncio.ensure_future(
-        engine.collective_rpc(method, timeout=timeout_s, kwargs=kwargs or {})
+    return await until_answered(
+        engine,
+        engine.collective_rpc(method, timeout=timeout_s, kwargs=kwargs or {}),
+        timeout_s,
+        method,
     )
+
+
+async def until_answered(engine: Any, call: Awaitable[Any], timeout_s: float, what: str) -> Any:
+    """Await ``call`` (an engine call) for at most ``timeout_s``; raise :class:`EngineGone`
+    within ``DEAD_CHECK_S`` of the engine being known dead: a call its dead core never
+    answers must not hold a weight sync for the whole pause timeout (300 s by default)."""
+    task = asyncio.ensure_future(call)
     deadline = time.monotonic() + timeout_s
     try:
         while True:
@@ -64,9 +74,9 @@ async def rpc(
             if done:
                 return task.result()
             if engine_dead(engine):
-                raise EngineGone(f"the vLLM engine died during {method}")
+                raise EngineGone(f"the vLLM engine died during {what}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{method} got no answer within {timeout_s:.0f}s")
+                raise TimeoutError(f"{what} got no answer within {timeout_s:.0f}s")
     finally:
         if not task.done():
             task.cancel()
@@ -131,10 +141,10 @@ async def paused_update(
         if mode == "keep":  # the pause takes effect at once: the load may follow it
             sent = await _send_in_order(([clock()] if clock else []) + [_pause(engine, mode)])
             result = await load()
-            got = await asyncio.wait_for(_all(sent), pause_timeout_s)
+            got = await until_answered(engine, _all(sent), pause_timeout_s, "the pause")
             before = got[0] if clock else None
         else:  # abort and wait: the engine drains first (wait: still stepping)
-            await asyncio.wait_for(_pause(engine, mode), pause_timeout_s)
+            await until_answered(engine, _pause(engine, mode), pause_timeout_s, "the pause")
             marks["pause"] = time.monotonic()
             result = await load()
         marks["load"] = time.monotonic()
@@ -146,13 +156,13 @@ async def paused_update(
             calls.append(clock())  # read just before the resume, in the same gap
         resumed = True  # the resume is among these calls: `finally` must not send another
         sent = await _send_in_order([*calls, engine.resume_generation()])
-        got = await asyncio.wait_for(_all(sent), RPC_TIMEOUT_S)
+        got = await until_answered(engine, _all(sent), RPC_TIMEOUT_S, "the resume")
         after = got[-2] if clock else None
         if labelled is not None:
             labelled(version)
     finally:
-        if not resumed:
-            await asyncio.wait_for(engine.resume_generation(), RPC_TIMEOUT_S)
+        if not resumed and not engine_dead(engine):
+            await until_answered(engine, engine.resume_generation(), RPC_TIMEOUT_S, "the resume")
         marks["resume"] = time.monotonic()
     if hops is not None:
         hops.update(_spans(marks))
@@ -261,7 +271,7 @@ class WeightUpdates:
                     engine,
                     mode,
                     version,
-                    lambda: engine.collective_rpc("asyncrl_load_file", args=(path,)),
+                    lambda: rpc(engine, "asyncrl_load_file", {"path": path}, 600.0),
                 )
             finally:
                 os.unlink(path)
