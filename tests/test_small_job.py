@@ -158,3 +158,16 @@ def test_small_model_builds_to_spec(tmp_path):
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits
     assert logits.shape == (1, len(ids), len(tok)) and torch.isfinite(logits).all()
+
+
+def test_the_default_task_scores_digits_in_place_the_same_way():
+    """AdditionTask and ColumnAdditionTask share asyncrl.tasks.base.digit_credit."""
+    from asyncrl.tasks.arithmetic import AdditionTask
+    from asyncrl.tasks.base import Prompt, digit_credit
+
+    p = Prompt(text="12+14=", answer="26")
+    task = AdditionTask(max_operand=19, partial_credit=0.5)
+    assert task.reward(p, "26") == {"reward": 1.5, "exact": 1.0, "digits": 1.0, "format": 1.0}
+    assert task.reward(p, "25") == {"reward": 0.25, "exact": 0.0, "digits": 0.5, "format": 1.0}
+    assert task.reward(p, "x") == {"reward": 0.0, "exact": 0.0, "digits": 0.0, "format": 0.0}
+    assert digit_credit("2", "26", 1.0) == {"reward": 0.5, "exact": 0.0, "digits": 0.5}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from asyncrl.tasks.base import Prompt
+from asyncrl.tasks.base import Prompt, digit_credit
 from asyncrl.tasks.chat import ChatForm, final_answer
 
 ALPHABET = "0123456789+="
@@ -69,11 +69,4 @@ class AdditionTask:
         else:
             got = completion.strip()
             strict = float(got.isdigit())
-        exact = float(got == want)
-        digits = sum(a == b for a, b in zip(got, want)) / max(len(want), len(got), 1)
-        return {
-            "reward": exact + self.partial_credit * digits,
-            "exact": exact,
-            "digits": digits,
-            "format": strict,
-        }
+        return {**digit_credit(got, want, self.partial_credit), "format": strict}

@@ -62,3 +62,11 @@ def score(task: Task, prompt: Prompt, completion: str) -> tuple[float, dict[str,
         return float(out), {}, ""
     except Exception as e:  # noqa: BLE001 - a user's reward must not kill the actor
         return 0.0, {}, f"{type(e).__name__}: {e}"
+
+
+def digit_credit(got: str, want: str, partial_credit: float) -> dict[str, float]:
+    """``exact`` (1 if ``got == want``), ``digits`` (the share of characters in the right
+    place, over the longer of the two) and ``reward`` = exact + partial_credit x digits."""
+    exact = float(got == want)
+    digits = sum(a == b for a, b in zip(got, want)) / max(len(want), len(got), 1)
+    return {"reward": exact + partial_credit * digits, "exact": exact, "digits": digits}

@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 import re
 
-from asyncrl.tasks.base import Prompt
+from asyncrl.tasks.base import Prompt, digit_credit
 
 ALPHABET = "0123456789+=;"
 COLUMN_CHARS = 9  # "a+b+c=ss;"
@@ -77,13 +77,8 @@ class ColumnAdditionTask:
         )
 
     def reward(self, prompt: Prompt, completion: str) -> dict[str, float]:
-        want = final_field(prompt.answer)
-        got = final_field(completion)
-        exact = float(got == want)
-        digits = sum(x == y for x, y in zip(got, want)) / max(len(want), len(got), 1)
-        return {
-            "reward": exact + self.partial_credit * digits,
-            "exact": exact,
-            "digits": digits,
-            "format": float(self._shape.fullmatch(completion.strip()) is not None),
-        }
+        shaped = self._shape.fullmatch(completion.strip()) is not None
+        credit = digit_credit(
+            final_field(completion), final_field(prompt.answer), self.partial_credit
+        )
+        return {**credit, "format": float(shaped)}
