@@ -83,6 +83,8 @@ async def test_the_delayed_reward_is_slow_only_in_odd_turns(monkeypatch):
         False, False, True, True, False,
     ]  # fmt: skip
     assert delayed.delayed_at(5.0, 100.0, 0.0)  # no period: always
+    with pytest.raises(ValueError, match="period_s=-1"):
+        delayed.DelayedTaskReward(delay_s=0.2, period_s=-1)
     r = delayed.DelayedTaskReward(delay_s=0.3, period_s=10.0, epoch=100.0)
     x = RewardInput(prompt="1+1=", response="2", response_ids=[5], answer="2", info={},
                     env_reward=1.0)  # fmt: skip

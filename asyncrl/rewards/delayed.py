@@ -37,13 +37,8 @@ class DelayedTaskReward(Reward):
             raise ValueError(f"delay_s={delay_s}: must be >= 0")
         if period_s < 0:
             raise ValueError(f"period_s={period_s}: must be >= 0")
-        self.delay_s, self.name, self.max_batch, self.timeout_s = (
-            delay_s,
-            name,
-            max_batch,
-            timeout_s,
-        )
-        self.period_s, self.epoch = period_s, epoch
+        self.delay_s, self.period_s, self.epoch = delay_s, period_s, epoch
+        self.name, self.max_batch, self.timeout_s = name, max_batch, timeout_s
 
     async def score(self, batch: list[RewardInput]) -> list[RewardOutput]:
         delay = self.delay_s if delayed_at(time.time(), self.epoch, self.period_s) else 0.0
