@@ -253,6 +253,17 @@ def _events(tb: Path):
 
 
 # ---- the benchmark -------------------------------------------------------------------------
+def prebuild_model(overrides: list[str]) -> str:
+    """The job's model, built (a tiny or small model's warm start: minutes to an hour on
+    a CPU) or copied into the cache now, so that no timed run pays for it."""
+    from hydra.utils import instantiate
+
+    from asyncrl.models.resolve import resolve_model
+
+    cfg = compose(*overrides)
+    return resolve_model(cfg, instantiate(cfg.task))
+
+
 def median_of(rows: list[dict], side: str, key: str) -> float:
     vals = [r[key] for r in rows if r["side"] == side and r.get(key) is not None]
     return statistics.median(vals) if vals else float("nan")
@@ -277,6 +288,7 @@ def main() -> None:
     extra = [*SIZES[args.size]["overrides"], *extra]  # the user's own overrides win
     steps = args.steps or SIZES[args.size]["steps"]
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
+    print(f"vs_sync: model {prebuild_model(extra)}", flush=True)
     rows = []
     for i, seed in enumerate(seeds):
         overrides = [*extra, f"max_steps={steps}", f"seed={seed}"]

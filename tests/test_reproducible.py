@@ -18,7 +18,7 @@ from helpers import build_tiny_qwen, trajs
 from omegaconf import OmegaConf
 
 from asyncrl.models import shipped
-from asyncrl.models.tiny import cache_key, default_spec, ensure_tiny_model
+from asyncrl.models.tiny import LATER_FIELDS, cache_key, default_spec, ensure_tiny_model
 from asyncrl.tasks.arithmetic import AdditionTask
 from asyncrl.tasks.base import TaskSampler
 from asyncrl.utils.fingerprint import (
@@ -59,9 +59,10 @@ def test_the_default_config_asks_for_the_shipped_model():
     either must ship a new model (or it would silently be built per machine again)."""
     assert cache_key(default_task(), default_spec()) == shipped.CACHE_KEY
     build = json.loads((shipped.SHIPPED_DIR / "asyncrl_build.json").read_text())
-    assert build["spec"] == OmegaConf.to_container(
-        OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml").tiny
-    )
+    conf = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml").tiny)
+    # settings added after the model shipped, at their defaults (which build as before)
+    assert all(conf.pop(k) == v for k, v in LATER_FIELDS.items())
+    assert build["spec"] == conf
 
 
 def test_default_model_is_copied_not_built(tmp_path):

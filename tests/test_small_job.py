@@ -119,6 +119,50 @@ def test_vs_sync_size_small_overrides():
     assert cfg.task._target_ == "asyncrl.tasks.steps.ColumnAdditionTask"
 
 
+# ---- the warm start's recipe -----------------------------------------------------------------
+def test_the_later_warm_start_settings_keep_old_keys_and_change_new_ones():
+    from asyncrl.models import shipped
+    from asyncrl.models.tiny import cache_key, default_spec
+    from asyncrl.tasks.arithmetic import AdditionTask
+
+    task = AdditionTask(max_operand=19)
+    assert cache_key(task, default_spec()) == shipped.CACHE_KEY  # the defaults add nothing
+    keys = {cache_key(task, default_spec(**kw)) for kw in (
+        {}, {"warm_start_schedule": "cosine"}, {"warm_start_bf16": True})}  # fmt: skip
+    assert len(keys) == 3
+    with pytest.raises(ValueError, match="warm_start_schedule='linear'"):
+        default_spec(warm_start_schedule="linear")
+    with pytest.raises(Exception, match="model.tiny.warm_start_schedule"):
+        from asyncrl.models.resolve import resolve_model
+
+        cfg = compose("model.tiny.warm_start_schedule=linear")
+        resolve_model(cfg, ColumnAdditionTask())
+
+
+def test_cosine_warms_up_then_decays_to_a_tenth():
+    from asyncrl.models.tiny import default_spec, lr_factor
+
+    f = lr_factor(default_spec(warm_start_steps=200, warm_start_schedule="cosine"))
+    assert f(0) == pytest.approx(0.1 * 1.0, abs=0.01)  # step 1 of a 10-step warm-up
+    assert f(9) == pytest.approx(1.0, abs=0.01)
+    assert f(100) == pytest.approx(0.55, abs=0.01)  # half way down the cosine
+    assert f(200) == pytest.approx(0.1)
+    assert all(f(s) >= f(s + 1) for s in range(10, 200))
+
+
+def test_a_long_warm_start_says_how_far_it_is(tmp_path, monkeypatch, capsys):
+    from asyncrl.models import tiny
+    from asyncrl.tasks.arithmetic import AdditionTask
+
+    monkeypatch.setattr(tiny, "PROGRESS_EVERY_S", 0.0)
+    spec = tiny.default_spec(hidden_size=64, num_heads=2, num_kv_heads=1, warm_start_steps=3,
+                             warm_start_schedule="cosine", warm_start_bf16=True)  # fmt: skip
+    path = tiny.ensure_tiny_model(AdditionTask(max_operand=19), spec, tmp_path)
+    err = capsys.readouterr().err
+    assert f"building {path.name}: warm start step 3/3, loss " in err
+    assert "step 1/3" in err and "s left" in err
+
+
 # ---- the model it builds ---------------------------------------------------------------------
 @pytest.mark.slow
 def test_small_model_builds_to_spec(tmp_path):
