@@ -99,12 +99,14 @@ def sync_loop(overrides: list[str], out: Path, threads: int = 0) -> dict[str, An
     tok = _tokenizer(setup.model_path)
     sampler = TaskSampler(setup.task, setup.run.seed)  # actor0 draws from the same seed
     torch.manual_seed(setup.run.seed)
+    # the actors' engine dtype: bfloat16 there generates here under bf16 autocast (fp32 weights)
+    bf16 = str(setup.actor.engine.dtype) == "bfloat16"
     times, rewards, gen_s, train_s = [], [], 0.0, 0.0
     for version in range(setup.run.max_steps):
         t0 = time.perf_counter()
         prompts = [sampler.next() for _ in range(s.batch_groups)]
         trajs = generate_batch(learner.model, tok, setup.task, prompts, setup.actor.sampling,
-                               version)  # fmt: skip
+                               version, bf16)  # fmt: skip
         t1 = time.perf_counter()
         from asyncrl.learner.batch import collate
 
@@ -134,11 +136,11 @@ def _tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def generate_batch(model, tok, task, prompts, sampling, version: int) -> list:
+def generate_batch(model, tok, task, prompts, sampling, version: int, bf16: bool = False) -> list:
     """``sampling.n`` completions of every prompt, as trajectories: one left-padded HF
-    ``generate`` call for the whole batch. Log-probs are of the processed distribution
-    (after temperature / top-k / top-p), as vLLM's ``processed_logprobs``; a response
-    ends with its EOS token, as vLLM's token ids do."""
+    ``generate`` call for the whole batch (under bf16 autocast if ``bf16``). Log-probs are
+    of the processed distribution (after temperature / top-k / top-p), as vLLM's
+    ``processed_logprobs``; a response ends with its EOS token, as vLLM's token ids do."""
     import numpy as np
     import torch
 
@@ -153,12 +155,13 @@ def generate_batch(model, tok, task, prompts, sampling, version: int) -> list:
     attn = (torch.arange(width)[None, :] >= torch.tensor(
         [width - len(e) for e in enc for _ in range(n)])[:, None]).long()  # fmt: skip
     model.eval()
-    out = model.generate(
-        input_ids=ids, attention_mask=attn, do_sample=True, max_new_tokens=sampling.max_tokens,
-        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
-        output_scores=True, return_dict_in_generate=True, pad_token_id=pad,
-        eos_token_id=tok.eos_token_id,
-    )  # fmt: skip
+    with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        out = model.generate(
+            input_ids=ids, attention_mask=attn, do_sample=True, max_new_tokens=sampling.max_tokens,
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
+            output_scores=True, return_dict_in_generate=True, pad_token_id=pad,
+            eos_token_id=tok.eos_token_id,
+        )  # fmt: skip
     model.train()
     gen = out.sequences[:, width:]
     # scores: the processed logits of each step (warpers applied), [B, V] per step

@@ -31,6 +31,7 @@ def cfg(*overrides: str):
         (["learner.normalisation=batch"], r"learner.normalisation='batch': expected one of"),
         (["learner.optim.schedule=linear"], r"learner.optim.schedule=.linear.: expected one of"),
         (["learner.pack_row_tokens=0"], r"learner.pack_row_tokens must be >= 1"),
+        (["learner.autocast=float16"], r"learner.autocast='float16': expected one of"),
     ],
 )
 def test_learner_config_errors_name_the_key(overrides, message):

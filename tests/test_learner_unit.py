@@ -70,6 +70,29 @@ def test_micro_batching_does_not_change_the_step(model_dir, norm):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
 
 
+def test_bf16_autocast_step_keeps_fp32_weights_and_near_fp32_logprobs(model_dir):
+    """learner.autocast=bfloat16: the forward passes run in bf16 (AMX on a CPU) while the
+    weights, the optimizer and the log-probs stay fp32; the step's log-probs and loss are
+    the fp32 step's to bf16 precision, and the step moves the weights."""
+    torch.set_num_threads(1)
+    ts = trajs(12, seed=4)
+    out = {}
+    for mode in (None, "bfloat16"):
+        L = Learner(str(model_dir), ClippedISLoss(), GroupNormalized(),
+                    LearnerSettings(optim=OptimSettings(lr=1e-2), autocast=mode))  # fmt: skip
+        before = [p.detach().clone() for p in L.model.parameters()]
+        lp = L.logprobs_of(ts)
+        m = L.step_on_batch(collate(ts), 0)
+        assert all(p.dtype == torch.float32 for p in L.model.parameters())
+        assert any(not torch.equal(a, b) for a, b in zip(before, L.model.parameters()))
+        out[mode] = (np.concatenate(lp), m)
+    (lp32, m32), (lp16, m16) = out[None], out["bfloat16"]
+    assert lp16.dtype == np.float32 and np.isfinite(lp16).all()
+    assert not np.array_equal(lp16, lp32)  # bf16 really ran
+    np.testing.assert_allclose(lp16, lp32, atol=0.05)  # bf16 logits: ~3 significant digits
+    assert abs(m16["loss/total"] - m32["loss/total"]) < 0.05
+
+
 def _reference_processed(
     logits: np.ndarray, temperature: float, top_k: int, top_p: float
 ) -> np.ndarray:

@@ -64,6 +64,9 @@ class OptimSettings:
         self.betas = tuple(self.betas)
 
 
+AUTOCAST = (None, "bfloat16")  # learner.autocast's values
+
+
 @dataclass
 class LearnerSettings:
     world_size: int = 1  # ranks: Ray actors, one FSDP group
@@ -77,6 +80,7 @@ class LearnerSettings:
     normalisation: Normalisation = Normalisation.TOKEN
     value_head: bool = False
     attn_implementation: str = "sdpa"
+    autocast: str | None = None  # "bfloat16": forward passes under torch.autocast (fp32 weights)
     collective_timeout_s: float = 300.0  # a rank stuck this long in a collective raises
     checkpoint_every: int = 0  # read by the driver's loop
     checkpoint_keep: int = 2  # newest RUN/checkpoints/step-V kept (0: all); read by the driver
@@ -114,6 +118,10 @@ class LearnerSettings:
         if self.collective_timeout_s <= 0:
             raise ConfigError(
                 f"learner.collective_timeout_s must be > 0, got {self.collective_timeout_s}"
+            )
+        if self.autocast not in AUTOCAST:
+            raise ConfigError(
+                f"learner.autocast={self.autocast!r}: expected one of {list(AUTOCAST)} (null: off)"
             )
         self.resources = dict(self.resources or {})  # null: none
         check_custom_resources("learner.resources", self.resources)

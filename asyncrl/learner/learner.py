@@ -308,9 +308,11 @@ class Learner(WeightsOut, CheckpointMethods):
     def _forward(self, pk: PackedRows) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[N, V]`` logits and ``[N]`` values (or None) at the response positions."""
         ids, pos, flat = (t.to(self.device) for t in (pk.input_ids, pk.position_ids, pk.flat_pos))
-        if self.sharded:  # through the FSDP root, whose hooks unshard the root params
-            return self.policy(ids, pos, flat)
-        return policy_forward(self.model, self.value_head, ids, pos, flat)
+        # learner.autocast: bf16 matmuls (AMX on a CPU), fp32 weights, fp32 log-probs after
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=bool(self.settings.autocast)):
+            if self.sharded:  # through the FSDP root, whose hooks unshard the root params
+                return self.policy(ids, pos, flat)
+            return policy_forward(self.model, self.value_head, ids, pos, flat)
 
     def _rows(self, pk: PackedRows, logits, values, shape: tuple[int, int]):
         dev = self.device
