@@ -44,8 +44,7 @@ class AsyncRLWorkerExtension:
         from safetensors.torch import load_file
 
         state = load_file(path)
-        self.model_runner.reload_weights(weights_iterator=iter(state.items()))
-        self._asyncrl_retie()
+        self._asyncrl_load(list(state.items()))
         return len(state)
 
     # ---- process-group receive (the weight broker) -------------------------------------
@@ -87,6 +86,10 @@ class AsyncRLWorkerExtension:
         return self._asyncrl_rx().apply(self._asyncrl_load, with_digests)
 
     def _asyncrl_load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        # The learner's weights are fp32; an engine at another dtype (actor.engine.dtype)
+        # would cast each one itself and warn per tensor, per update: cast them first.
+        dtype = self.model_runner.model_config.dtype
+        tensors = [(n, t.to(dtype) if t.is_floating_point() else t) for n, t in tensors]
         self.model_runner.reload_weights(weights_iterator=iter(tensors))
         self._asyncrl_retie()
 
