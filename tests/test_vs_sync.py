@@ -23,10 +23,13 @@ KEYS = {"asyncrl_seconds_per_step", "sync_seconds_per_step", "ratio", "asyncrl_t
         "startup_seconds"}  # fmt: skip
 
 
-def test_sync_loop_batch_follows_the_trajectory_contract():
+@pytest.mark.parametrize("bf16", [False, True])
+def test_sync_loop_batch_follows_the_trajectory_contract(bf16):
     """HF generate's batch: n completions per prompt, each ending at EOS or max_tokens,
     behaviour log-probs equal to the model's own processed log-probs of those tokens
-    (recomputed independently here), rewards the task's."""
+    (recomputed independently here, in fp32), rewards the task's. Under bf16 autocast (an
+    engine at actor.engine.dtype=bfloat16) the log-probs are the fp32 ones to bf16's
+    precision, and really differ from them."""
     import torch
 
     from asyncrl.actor.settings import SamplingSettings
@@ -48,7 +51,7 @@ def test_sync_loop_batch_follows_the_trajectory_contract():
     prompts = [sampler.next() for _ in range(3)]
     sampling = SamplingSettings(n=4, temperature=0.7, max_tokens=6)
     torch.manual_seed(0)
-    trajs = generate_batch(model, tok, task, prompts, sampling, version=5)
+    trajs = generate_batch(model, tok, task, prompts, sampling, version=5, bf16=bf16)
     assert len(trajs) == 12
     for i, t in enumerate(trajs):
         p = prompts[i // 4]
@@ -65,7 +68,9 @@ def test_sync_loop_batch_follows_the_trajectory_contract():
     batch = collate(trajs, tok.pad_token_id)
     with torch.no_grad():
         ref = response_logprobs(model, batch, temperature=0.7)
-    assert torch.allclose(ref[batch.mask], batch.behaviour_logprobs[batch.mask], atol=1e-4)
+    got, want = batch.behaviour_logprobs[batch.mask], ref[batch.mask]
+    assert torch.allclose(want, got, atol=0.05 if bf16 else 1e-4)
+    assert bf16 == (not torch.allclose(want, got, atol=1e-4))
 
 
 @pytest.mark.slow
