@@ -308,7 +308,9 @@ class FakeRunner:
 
     def __init__(self) -> None:
         self.loaded: dict[str, torch.Tensor] = {}
-        self.model_config = SimpleNamespace(hf_config=SimpleNamespace(tie_word_embeddings=False))
+        self.model_config = SimpleNamespace(
+            dtype=torch.float32, hf_config=SimpleNamespace(tie_word_embeddings=False)
+        )
 
     def reload_weights(self, weights_iterator) -> None:
         self.loaded = {n: t.clone() for n, t in weights_iterator}

@@ -3,6 +3,7 @@ one here; tests/test_weight_sync_vllm.py reloads a real engine)."""
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import torch
@@ -22,28 +23,35 @@ class FakeRunner:
         return SimpleNamespace()
 
 
-def test_fp32_weights_reach_a_bf16_engine_as_bf16_and_an_fp32_one_unchanged(tmp_path):
-    """The learner sends fp32; an engine at actor.engine.dtype=bfloat16 gets them cast
-    once, before vLLM's loader (which would cast each itself and warn per tensor, per
-    update), with the values rounded as a cast rounds them; integer tensors pass as they
-    are; an fp32 engine gets the very tensors it was sent. The object-store path's file
-    load takes the same road."""
+def test_received_tensors_reach_vllm_as_sent_whatever_the_engine_dtype(tmp_path):
+    """A bf16 engine gets the learner's fp32 tensors as they are: vLLM casts each to its
+    parameter's own dtype (a parameter it keeps in fp32 keeps the full value). The
+    object-store path's file load takes the same road."""
     from safetensors.torch import save_file
 
-    w = torch.randn(4, 8)
-    sent = [("a.weight", w), ("steps", torch.arange(3))]
-    for dtype in (torch.bfloat16, torch.float32):
-        ext = AsyncRLWorkerExtension()
-        ext.model_runner = FakeRunner(dtype)
-        ext._asyncrl_load(sent)
-        (_, a), (_, steps) = ext.model_runner.loaded
-        assert a.dtype == dtype and torch.equal(a, w.to(dtype))
-        assert steps.dtype == torch.int64 and torch.equal(steps, torch.arange(3))
-        if dtype == torch.float32:
-            assert a is w  # no copy at the engine's own dtype
-    save_file(dict(sent), tmp_path / "w.safetensors")
+    sent = [("a.weight", torch.randn(4, 8)), ("steps", torch.arange(3))]
     ext = AsyncRLWorkerExtension()
     ext.model_runner = FakeRunner(torch.bfloat16)
+    ext._asyncrl_load(sent)
+    assert all(a is b for (_, a), (_, b) in zip(ext.model_runner.loaded, sent))
+    save_file(dict(sent), tmp_path / "w.safetensors")
     assert ext.asyncrl_load_file(str(tmp_path / "w.safetensors")) == 2
-    assert {n: t.dtype for n, t in ext.model_runner.loaded} == {
-        "a.weight": torch.bfloat16, "steps": torch.int64}  # fmt: skip
+    got = dict(ext.model_runner.loaded)
+    assert got["a.weight"].dtype == torch.float32 and torch.equal(got["a.weight"], sent[0][1])
+
+
+def test_vllms_per_tensor_narrowing_notice_is_dropped_and_nothing_else(caplog):
+    """vLLM's "Attempted to load weight ... into parameter with dtype bfloat16" (once per
+    tensor per update on a bf16 engine) is filtered on its logger; its other warnings,
+    and the same words from another logger, still show."""
+    log = logging.getLogger("vllm.model_executor.models.utils")
+    other = logging.getLogger("asyncrl.test_worker_ext")
+    notice = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+    with caplog.at_level(logging.WARNING):
+        log.warning(notice, "norm.weight", torch.float32, torch.bfloat16)
+        log.warning("Failed to load %s", "lm_head.weight")
+        other.warning(notice, "norm.weight", torch.float32, torch.bfloat16)
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [
+        ("vllm.model_executor.models.utils", "Failed to load lm_head.weight"),
+        ("asyncrl.test_worker_ext", notice % ("norm.weight", torch.float32, torch.bfloat16)),
+    ]

@@ -38,6 +38,21 @@ vllm_plugin.register()
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
 
+class NarrowingNotice(logging.Filter):
+    """Drops vLLM's "Attempted to load weight X with dtype float32 into parameter with
+    dtype bfloat16": an engine at a narrower ``actor.engine.dtype`` than the learner's
+    weights gets it for every such tensor at every update (4,352 lines in a 150-step
+    run). vLLM casts each tensor to its parameter's own dtype, which is the intent; the
+    tensors are left for vLLM to cast, because a parameter it keeps wider than the
+    engine's dtype must get the full value."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Attempted to load weight %s with dtype")
+
+
+logging.getLogger("vllm.model_executor.models.utils").addFilter(NarrowingNotice())
+
+
 class AsyncRLWorkerExtension:
     def asyncrl_load_file(self, path: str) -> int:
         """Reload every weight in place from a safetensors file; returns tensors loaded."""
@@ -86,10 +101,6 @@ class AsyncRLWorkerExtension:
         return self._asyncrl_rx().apply(self._asyncrl_load, with_digests)
 
     def _asyncrl_load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        # The learner's weights are fp32; an engine at another dtype (actor.engine.dtype)
-        # would cast each one itself and warn per tensor, per update: cast them first.
-        dtype = self.model_runner.model_config.dtype
-        tensors = [(n, t.to(dtype) if t.is_floating_point() else t) for n, t in tensors]
         self.model_runner.reload_weights(weights_iterator=iter(tensors))
         self._asyncrl_retie()
 
