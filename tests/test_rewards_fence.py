@@ -77,7 +77,10 @@ CASES = {
         _answer(components={"n": math.nan}),
         "components['n']=nan is not a finite number",
     ),
-    "a non-string sub-score key": (_answer(components={3: 1.0}), "components key 3 is not a string"),
+    "a non-string sub-score key": (
+        _answer(components={3: 1.0}),
+        "components key 3 is not a string",
+    ),
     "non-dict components": (
         _answer(components=[("n", 1.0)]),
         "components is a list, not a dict of sub-scores",
