@@ -23,6 +23,7 @@ import asyncio
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.config import ConfigError, check_model_dir
@@ -35,6 +36,16 @@ from asyncrl.rewards.serving import actor_name, kill_actor, shared_actor
 ENGINE_DEFAULTS = {"max_model_len": 1024, "max_num_seqs": 64, "kv_cache_memory_mb": 128}
 
 
+@dataclass
+class Refused:
+    """A judge prompt the engine would not take (longer than its ``max_model_len``, or a
+    failure of that one request): its episode's error, not retried (the same prompt
+    would be refused again); the other prompts of the call are unharmed."""
+
+    why: str
+    kind: str = "judge_refused"
+
+
 class JudgeServer:
     """The Ray actor holding the judge's vLLM engine (async: calls overlap in it)."""
 
@@ -45,7 +56,11 @@ class JudgeServer:
         self.engine: Any = None
         self.requests = 0
 
-    async def generate(self, prompts: list[str], temperature: float, max_tokens: int) -> list[str]:
+    async def generate(
+        self, prompts: list[str], temperature: float, max_tokens: int
+    ) -> list[str | Refused]:
+        """One answer per prompt, in order: the judge's text, or why the engine refused
+        that prompt (each prompt is rendered and generated on its own)."""
         from vllm import SamplingParams
 
         if self.engine is None:
@@ -55,15 +70,21 @@ class JudgeServer:
             self.render = prompt_renderer(self.engine)
         self.requests += len(prompts)
 
-        async def one(text: str) -> str:
+        async def one(text: str) -> str | Refused:
             # no per-request seed: vLLM rewinds a seeded CPU generator when a long
             # prompt's prefill is chunked, which the CPU generator cannot do (the engine
             # dies); unseeded, each retry still samples anew from the engine's generator
             params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
-            final = None
-            async for out in self.engine.generate(self.render(text), params, uuid.uuid4().hex):
-                final = out
-            return final.outputs[0].text
+            try:  # each prompt on its own: one the engine refuses fails only its episode
+                final = None
+                prompt = self.render(text)  # tokenised and length-checked here
+                async for out in self.engine.generate(prompt, params, uuid.uuid4().hex):
+                    final = out
+                return final.outputs[0].text
+            except Exception as e:  # noqa: BLE001 - too long for max_model_len, or engine-side
+                limit = self.settings.max_model_len
+                return Refused(f"judge prompt refused (engine.max_model_len={limit}): "
+                               f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")  # fmt: skip
 
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
@@ -133,7 +154,7 @@ class Judge(Reward):
         self.stats = {"calls": 0, "hits": 0, "errors": 0}
         self._server: Any = None
         # the judge call, a process boundary: tests put a recorder here
-        self.generate: Callable[[list[str]], Awaitable[list[str]]] = self._remote_generate
+        self.generate: Callable[[list[str]], Awaitable[list[str | Refused]]] = self._remote_generate
 
     @staticmethod
     def check_config(kwargs: dict[str, Any]) -> None:
@@ -166,7 +187,7 @@ class Judge(Reward):
             )
         return self._server
 
-    async def _remote_generate(self, prompts: list[str]) -> list[str]:
+    async def _remote_generate(self, prompts: list[str]) -> list[str | Refused]:
         return await self.server().generate.remote(prompts, self.temperature, self.max_tokens)
 
     async def score(self, batch: list[RewardInput]) -> list[RewardOutput]:
@@ -189,6 +210,11 @@ class Judge(Reward):
             answers = await self.generate(prompts)
             still = []
             for i, text in zip(todo, answers, strict=True):
+                if isinstance(text, Refused):  # its own episode's error, not retried
+                    self.stats["errors"] += 1
+                    out[i] = RewardOutput(0.0, {"attempts": float(attempt), "cached": 0.0},
+                                          text.why)  # fmt: skip
+                    continue
                 value, why = fence.parse_score(text)
                 if value is None:
                     errors[i] = f"{why} (attempt {attempt})"
