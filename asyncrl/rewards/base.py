@@ -10,13 +10,15 @@ model) use exactly the same path::
         async def score(self, batch):       # list[RewardInput] -> list[RewardOutput]
             return [RewardOutput(value=float(len(x.response) < 100)) for x in batch]
 
-* ``score`` is a coroutine, awaited on a reward worker's event loop (a Ray actor off
-  the generation path, asyncrl/rewards/pool.py) or, for the env's own reward only, on
-  the rollout actor's. Anything slow is awaited, never run inline.
+* ``score`` is a coroutine, awaited in a reward worker (a Ray actor off the generation
+  path, asyncrl/rewards/pool.py) on the component's own thread and event loop
+  (asyncrl/rewards/lane.py) or, for the env's own reward only, on the rollout actor's
+  loop. Anything slow is awaited, never run inline.
 * One output per input, in order. A call that raises, times out (``timeout_s``) or
-  answers the wrong number of outputs is an error on each episode of the call: the
-  episode then scores ``reward.on_error`` for this component and the error is recorded
-  on its trajectory, never raised (asyncrl/rewards/combine.py).
+  answers the wrong number of outputs or a wrong type is an error on each episode of
+  the call (BaseExceptions and a ``score`` that blocks included): the episode then
+  scores ``reward.on_error`` for this component and the error is recorded on its
+  trajectory, never raised (asyncrl/rewards/combine.py).
 * ``max_batch``: the pool hands over at most this many episodes per call.
 """
 
