@@ -29,6 +29,7 @@ from asyncrl.fault.actors import fault_summary
 from asyncrl.fault.learner import RestartLedger, close_dead_learner, learner_death
 from asyncrl.learner.resume import save_checkpoint
 from asyncrl.loop import LoopHooks, LoopResult, RunError, run_loop
+from asyncrl.models.shipped import WEIGHTS_SHA256
 from asyncrl.monitor import HealthMonitor, MonitorSettings
 from asyncrl.runtime import GracefulStop, Interrupted, check_local_cpus, check_resources, init_ray
 from asyncrl.utils.fingerprint import fingerprint, markdown
@@ -123,7 +124,7 @@ def _run(cfg: DictConfig, out_dir: Path, stop: GracefulStop) -> dict[str, Any]:
     check_local_cpus(setup.resources, setup.ray)  # what a local Ray will have, before it starts
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    fp = fingerprint(cfg, setup.model_path, setup.run.seed)  # what this run ran
+    fp = fingerprint(cfg, setup.model_path, setup.run.seed, WEIGHTS_SHA256)  # what this run ran
     started = init_ray(cfg.ray)
     startup_mark("ray_up")
     stop.install()  # over any handler ray.init set
