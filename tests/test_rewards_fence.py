@@ -253,3 +253,28 @@ def test_a_reward_worker_survives_systemexit_and_scores_the_next_call(ray_local)
         stop_workers(workers)
     assert (bad[0].reward, bad[0].error) == (-1.0, "exits: SystemExit: 3")
     assert (good[0].reward, good[0].error) == (2.0, "")
+
+
+def test_closing_with_a_call_in_flight_fails_that_call_not_the_caller():
+    class Waits(Reward):
+        name = "waits"
+        timeout_s = 30.0
+
+        async def score(self, batch):
+            await asyncio.sleep(30)
+            return [RewardOutput(1.0) for _ in batch]
+
+    c = Combiner([(Waits(), 1.0)], on_error=-2.0)
+
+    async def main():
+        call = asyncio.get_running_loop().create_task(c.score([inp()]))
+        await asyncio.sleep(0.2)  # the call is on the lane
+        await c.close()
+        return await call
+
+    t0 = time.monotonic()
+    (s,) = asyncio.run(main())
+    assert time.monotonic() - t0 < 10
+    assert (s.total, s.error) == (-2.0, "waits: cancelled on its lane (the lane closed)")
+    (after,) = asyncio.run(c.score([inp()]))  # a closed combiner answers, never raises
+    assert after.error == "waits: its lane is closed"

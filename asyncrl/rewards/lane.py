@@ -34,6 +34,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 REASON_CHARS = 300  # a reason is one line of an error string on each episode it failed
+CLOSE_WAIT_S = 5.0  # for the calls still on a closing lane to take their cancellation
 
 
 class ComponentFailed(Exception):
@@ -74,7 +75,6 @@ class Lane:
 
     def __init__(self, name: str):
         self.name = name
-        self.restarts = 0  # times the lane's loop was ended by a task the component made
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
 
@@ -91,6 +91,11 @@ class Lane:
             return await asyncio.wait_for(asyncio.wrap_future(done), timeout_s)
         except TimeoutError:
             raise ComponentFailed(f"timed out after {timeout_s:g} s") from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the caller's own cancellation
+            raise ComponentFailed("cancelled on its lane (the lane closed)") from None
 
     def _start(self) -> None:
         self._loop = asyncio.new_event_loop()
@@ -102,8 +107,16 @@ class Lane:
         while not self._closing:
             try:
                 loop.run_forever()
-            except BaseException:  # noqa: BLE001 - a component's own task raised SystemExit
-                self.restarts += 1
+            except BaseException:  # noqa: BLE001, S112 - a task the component made raised SystemExit
+                continue
+        pending = asyncio.all_tasks(loop)  # cancelled, not left for the collector to close
+        for t in pending:
+            t.cancel()
+        if pending:
+            try:
+                loop.run_until_complete(asyncio.wait(pending, timeout=CLOSE_WAIT_S))
+            except BaseException:  # noqa: BLE001, S110 - closing is best effort
+                pass
         loop.close()
 
     def close(self) -> None:
