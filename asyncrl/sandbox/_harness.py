@@ -99,8 +99,8 @@ def limit_child(job: dict, result_fd: int) -> None:
         (resource.RLIMIT_NOFILE, (lim["open_files"],) * 2),
         (resource.RLIMIT_CORE, (0, 0)),
     ]
-    if job["uid"] is not None:  # RLIMIT_NPROC counts per uid: only meaningful for our own
-        pairs.append((resource.RLIMIT_NPROC, (lim["processes"],) * 2))
+    if job["nproc"] is not None:  # None: it would count every process of this user
+        pairs.append((resource.RLIMIT_NPROC, (job["nproc"],) * 2))
     for which, pair in pairs:
         resource.setrlimit(which, pair)
     if job["uid"] is not None:

@@ -65,6 +65,7 @@ def run_harness(
             "uid": uid,
             "workdir": workdir,
             "namespaces": iso.namespaces,
+            "nproc": _nproc(limits, iso, uid),
             "limits": {
                 k: getattr(limits, k)
                 for k in ("timeout_s", "memory_mb", "file_mb", "open_files", "processes")
@@ -78,6 +79,16 @@ def run_harness(
     if not error:
         frame, error = _parse_frame(frame_bytes, nonce, len(calls))
     return RawRun(frame, output, error, time.monotonic() - t0, run_id, iso.kind)
+
+
+def _nproc(limits: SandboxSettings, iso: Isolation, uid: int | None) -> int | None:
+    """RLIMIT_NPROC of a case child: it counts per uid and user namespace, so it bounds
+    the case on a uid of its own, or in the sandbox's own user namespace (where the
+    harness shares the uid: one more); None where it would count all of this user's
+    processes (isolation none, not root)."""
+    if uid is not None:
+        return limits.processes
+    return limits.processes + 1 if iso.namespaces else None
 
 
 def _spawn(
