@@ -103,6 +103,7 @@ def test_values_round_trip_and_reject_forgeries():
 def test_colliding_hashes_decode_in_linear_time():
     """Every k * (2**61 - 1) hashes alike: building a set of them is quadratic. The
     grader never builds one; 4x the items takes about 4x the time, not 16x."""
+
     def tree(n: int) -> list:
         return ["set", [["int", str(k * (2**61 - 1))] for k in range(n)]]
 

@@ -47,7 +47,8 @@ HOSTILE = ["nested_userns", "vsock", "sysv_shm", "memfd_hog", "forge_channel", "
            "memory_hog", "signal_games", "hash_collision"]  # fmt: skip
 
 pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not all(map(shutil.which, ("useradd", "userdel", "runuser")))
+    os.geteuid() != 0
+    or not all(map(shutil.which, ("useradd", "userdel", "runuser")))
     or not os.path.exists(PYTHON),
     reason="needs root (to create a user), useradd/runuser and /usr/bin/python3",
 )

@@ -52,7 +52,9 @@ class CodeTask:
     thread it raises instead of grading inline (which would stall every episode)."""
 
     def __init__(self, sandbox: Any = None):
-        self.settings = SandboxSettings() if sandbox is None else SandboxSettings.from_config(sandbox)
+        self.settings = (
+            SandboxSettings() if sandbox is None else SandboxSettings.from_config(sandbox)
+        )
         require(self.settings)
         self._pool: SandboxPool | None = None
         self._lock = threading.Lock()
