@@ -223,3 +223,18 @@ def test_no_descriptor_or_temp_dir_leaks():
         grade_python(src, CASES)
     assert fds() == before
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "asyncrl-sandbox-*"))) <= dirs
+
+
+def test_seccomp_program_is_well_formed_for_each_machine():
+    import struct
+
+    from asyncrl.sandbox import seccomp
+
+    for machine in seccomp.ARCHES:
+        prog = seccomp.program(machine)
+        assert len(prog) % 8 == 0 and len(prog) // 8 < 4096  # BPF_MAXINSNS
+        insns = [struct.unpack("<HBBI", prog[i : i + 8]) for i in range(0, len(prog), 8)]
+        assert insns[-1] == (seccomp.RET, 0, 0, seccomp.RET_ALLOW)
+        for i, (code, jt, jf, _) in enumerate(insns):  # every jump lands inside
+            if code & 0x07 == 0x05:
+                assert i + 1 + max(jt, jf) < len(insns)
