@@ -42,8 +42,10 @@ def shmem_mb() -> float:
     raise AssertionError("no Shmem line in /proc/meminfo")
 
 
-def grade_watching_the_gil(src: str) -> tuple[object, float]:
-    """Grade ``src`` while another thread ticks every 5 ms; its longest gap."""
+def grade_watching_the_gil(src: str) -> tuple[object, float, float]:
+    """Grade ``src`` while another thread ticks every 5 ms: the grade, the ticker's
+    longest gap and the grading thread's own CPU seconds (the sandbox runs in other
+    processes, so that is the grader's reading and comparing; immune to other load)."""
     gaps, stop = [0.0], threading.Event()
 
     def tick() -> None:
@@ -56,25 +58,28 @@ def grade_watching_the_gil(src: str) -> tuple[object, float]:
 
     t = threading.Thread(target=tick)
     t.start()
+    cpu = time.thread_time()
     try:
         g = grade_with(src, CASES, LIMITS)
     finally:
+        cpu = time.thread_time() - cpu
         stop.set()
         t.join()
-    return g, max(gaps)
+    return g, max(gaps), cpu
 
 
 @pytest.mark.parametrize("name", [*ERRORS, "hash_collision"])
 def test_new_hostile_class_is_contained(name):
     segments, shmem = shm_segments(), shmem_mb()
     tag = new_tag()
-    g, longest_gap = grade_watching_the_gil(program(name, tag))
+    g, longest_gap, cpu_s = grade_watching_the_gil(program(name, tag))
     c = check(name, g, tag, LIMITS.timeout_s)
     assert c.contained, (c.reasons, g)
     assert g.reward == 0
-    if name == "hash_collision":  # a wrong value, read in linear time off the event loop
+    if name == "hash_collision":  # a wrong value, read in linear time: quadratic reading
+        # held the GIL for ~13 s per case; here about 0.1 s of CPU and a 0.01-0.2 s gap
         assert g.cases[0].got.startswith("set(") and g.cases[1].got.startswith("dict(")
-        assert longest_gap < 0.5 and g.wall_s < 3.0, (longest_gap, g.wall_s)
+        assert cpu_s < 1.0 and longest_gap < 2.0 and g.wall_s < 3.0, (cpu_s, longest_gap)
     else:
         assert ERRORS[name] in g.error, g
     assert shm_segments() == segments  # `ipcs -m` unchanged

@@ -22,6 +22,7 @@ import asyncio
 import random
 import string
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from asyncrl.envs.base import StepResult
@@ -51,7 +52,7 @@ class CodeTask:
     ``reward`` from a thread without one waits for the pool, and on an event loop's own
     thread it raises instead of grading inline (which would stall every episode)."""
 
-    def __init__(self, sandbox: Any = None):
+    def __init__(self, sandbox: Mapping[str, object] | None = None):
         self.settings = (
             SandboxSettings() if sandbox is None else SandboxSettings.from_config(sandbox)
         )

@@ -80,12 +80,13 @@ class Isolation:
                 cmd += ["--symlink", os.readlink(path), path]
             elif os.path.isdir(path):
                 cmd += ["--ro-bind", path, path]
-        for parent in reversed(Path(self.stdlib).parents[:-1]):  # a sandbox uid may pass them
-            if not str(parent).startswith(tuple(f"/{d}" for d in SYSTEM_DIRS)):
-                cmd += ["--perms", "0755", "--dir", str(parent)]
-        cmd += ["--ro-bind", self.stdlib, self.stdlib, "--proc", "/proc", "--dev", "/dev"]
+        cmd += ["--proc", "/proc", "--dev", "/dev"]
         for path, mb in (("/tmp", COVER_MB), ("/dev/shm", COVER_MB), (workdir, disk_mb)):
             cmd += ["--size", str(mb << 20), "--tmpfs", path]
+        for parent in reversed(Path(self.stdlib).parents[:-1]):  # a sandbox uid may pass them
+            if parent.parts[1] not in (*SYSTEM_DIRS, "tmp"):  # those are mounts already
+                cmd += ["--perms", "0755", "--dir", str(parent)]
+        cmd += ["--ro-bind", self.stdlib, self.stdlib]  # after /tmp: a prefix there stays
         return [*cmd, "--chdir", workdir, "--seccomp", str(seccomp_fd), "--"]
 
 
