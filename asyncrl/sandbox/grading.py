@@ -40,7 +40,7 @@ class Grade:
     cases: list[CaseResult] = field(default_factory=list)
     wall_s: float = 0.0
     output: str = ""  # the tail of stdout+stderr (capped at the source, too)
-    isolation: str = ""  # "namespaces", "user-namespaces" or "none"
+    isolation: str = ""  # "bwrap" (root), "bwrap-userns" (no root) or "none"
     run_id: str = ""  # in every sandbox process's command line while it runs
 
 
