@@ -19,7 +19,6 @@ isolation asked for cannot be had here (never a silent fallback)."""
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import shutil
 import stat
@@ -33,7 +32,6 @@ from asyncrl.config import ConfigError
 from asyncrl.sandbox import seccomp
 from asyncrl.sandbox.settings import MAX_WORKERS, SandboxSettings
 
-log = logging.getLogger(__name__)
 NAMESPACES = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
               "--unshare-cgroup", "--die-with-parent", "--new-session", "--as-pid-1",
               "--hostname", "sandbox"]  # fmt: skip
@@ -136,8 +134,8 @@ def _probe(iso: Isolation) -> str:
 
 def require(settings: SandboxSettings) -> str:
     """Start-up check for a run that grades programs: ConfigError (one line, naming
-    ``sandbox.isolation``) when that isolation is unavailable; logs and returns the
-    warning for ``isolation=none`` (see ``unconfined_warning``), else ""."""
+    ``sandbox.isolation``) when that isolation is unavailable; prints (stderr, one line)
+    and returns the warning for ``isolation=none`` (see ``unconfined_warning``), else ""."""
     try:
         iso = detect(settings.isolation, settings.python)
     except SandboxUnavailable as e:
@@ -146,7 +144,6 @@ def require(settings: SandboxSettings) -> str:
         raise ConfigError(f"sandbox.isolation={settings.isolation}: {iso.refusal}")
     warning = unconfined_warning(settings)
     if warning:
-        log.warning(warning)
         print(f"WARNING: {warning}", file=sys.stderr)
     return warning
 
