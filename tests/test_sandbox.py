@@ -16,9 +16,8 @@ import pytest
 
 from asyncrl.config import ConfigError
 from asyncrl.sandbox import Grade, SandboxPool, SandboxSettings, grade_python
-from asyncrl.sandbox._harness import encode
 from asyncrl.sandbox.hostile import CASES, CORRECT
-from asyncrl.sandbox.values import BadValue, decode, same
+from asyncrl.sandbox.values import BadValue, canon, encode, same
 
 ROOT = Path(__file__).parents[1]
 
@@ -60,6 +59,12 @@ def test_each_case_runs_in_fresh_state():
         ("float('nan')", float("nan"), True),
         ("10**50", 10**50, True),
         ("'3'", 3, False),
+        ("{(True, 2)}", {(1, 2)}, False),  # exact inside containers too
+        ("{(1.0,): 1}", {(1,): 1}, False),
+        ("[-0.0]", [0.0], False),  # signed zero
+        ("{0.0: 'a'}", {-0.0: "a"}, False),
+        ("{frozenset({1}): [True]}", {frozenset({1}): [True]}, True),
+        ("{'b': 2, 'a': 1}", {"a": 1, "b": 2}, True),  # dicts and sets: order does not count
     ],
 )
 def test_exact_type_and_value(returned, expected, ok):
@@ -83,11 +88,36 @@ def test_malformed_cases_raise():
 
 def test_values_round_trip_and_reject_forgeries():
     for v in [None, True, 0, -(10**30), 1.5, float("inf"), "é", b"\x00", [1, (2,)], {1: {2}}]:
-        assert same(decode(json.loads(json.dumps(encode(v)))), v)
-    for forged in [True, 3, ["int", 3], ["int", "3x"], ["bool", 1], ["object", None],
-                   ["set", [["list", []]]], ["list", "abc"], ["dict", [[1]]]]:  # fmt: skip
+        assert canon(json.loads(json.dumps(encode(v)))) == canon(encode(v))
+        assert same(v, v)
+    dup_key = ["dict", [[["int", "1"], ["int", "1"]], [["int", "1"], ["int", "2"]]]]
+    for forged in [True, 3, ["int", 3], ["int", "3x"], ["int", "007"], ["int", "-0"],
+                   ["bool", 1], ["object", None], ["list", "abc"], ["dict", [[1]]],
+                   ["bytes", "xyz"], ["float", "1e"], dup_key]:  # fmt: skip
         with pytest.raises(BadValue):
-            decode(forged)
+            canon(forged)
+    # a repeated set member (only a forged tree has one) counts once
+    assert canon(["set", [["int", "1"], ["int", "1"]]]) == canon(encode({1}))
+
+
+def test_colliding_hashes_decode_in_linear_time():
+    """Every k * (2**61 - 1) hashes alike: building a set of them is quadratic. The
+    grader never builds one; 4x the items takes about 4x the time, not 16x."""
+
+    def tree(n: int) -> list:
+        return ["set", [["int", str(k * (2**61 - 1))] for k in range(n)]]
+
+    def seconds(n: int) -> float:
+        t, best = tree(n), float("inf")
+        for _ in range(3):  # CPU seconds of this thread: other load on the machine does not count
+            t0 = time.thread_time()
+            canon(t)
+            best = min(best, time.thread_time() - t0)
+        return best
+
+    small, big = seconds(5000), seconds(20000)
+    assert big < 8 * small + 0.01, (small, big)
+    assert big < 0.5
 
 
 def test_output_is_captured_and_the_environment_scrubbed(monkeypatch):
@@ -118,7 +148,11 @@ def test_settings_from_config_name_the_key():
         ({"timeout_s": -1}, "sandbox.timeout_s"),
         ({"memory_mb": "lots"}, "sandbox.memory_mb"),
         ({"memory_mb": 8}, "sandbox.memory_mb"),
-        ({"namespaces": "yes"}, "sandbox.namespaces"),
+        ({"isolation": "chroot"}, "sandbox.isolation"),
+        ({"timeout_s": float("nan")}, "sandbox.timeout_s"),
+        ({"timeout_s": 1e10}, "sandbox.timeout_s"),
+        ({"memory_mb": 10**12}, "sandbox.memory_mb"),
+        ({"open_files": 10**9}, "sandbox.open_files"),
         ({"wokers": 2}, "sandbox"),
     ]:
         with pytest.raises(ConfigError, match=key):
@@ -189,3 +223,18 @@ def test_no_descriptor_or_temp_dir_leaks():
         grade_python(src, CASES)
     assert fds() == before
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "asyncrl-sandbox-*"))) <= dirs
+
+
+def test_seccomp_program_is_well_formed_for_each_machine():
+    import struct
+
+    from asyncrl.sandbox import seccomp
+
+    for machine in seccomp.ARCHES:
+        prog = seccomp.program(machine)
+        assert len(prog) % 8 == 0 and len(prog) // 8 < 4096  # BPF_MAXINSNS
+        insns = [struct.unpack("<HBBI", prog[i : i + 8]) for i in range(0, len(prog), 8)]
+        assert insns[-1] == (seccomp.RET, 0, 0, seccomp.RET_ALLOW)
+        for i, (code, jt, jf, _) in enumerate(insns):  # every jump lands inside
+            if code & 0x07 == 0x05:
+                assert i + 1 + max(jt, jf) < len(insns)

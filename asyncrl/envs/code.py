@@ -18,12 +18,16 @@ for real models, and tests/test_envs.py drives it with a scripted policy.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import string
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from asyncrl.envs.base import StepResult
+from asyncrl.sandbox import Grade, SandboxPool, SandboxSettings
+from asyncrl.sandbox.isolation import require
 from asyncrl.tasks.base import Prompt, Task
 
 # (name, signature, what it returns, reference body, hidden cases as (args, expected))
@@ -39,13 +43,22 @@ PROBLEMS = [
 
 class CodeTask:
     """One of :data:`PROBLEMS` per prompt; ``meta["cases"]`` are the hidden cases.
-    ``timeout_s`` and ``memory_mb`` bound :meth:`reward`, the blocking path (a
-    single-turn run); env=code grades with ``sandbox.*`` (conf/task/code.yaml reads them
-    from there, so both paths have the same limits)."""
+    ``sandbox``: the ``sandbox.*`` settings (conf/task/code.yaml passes them; None: their
+    defaults). Building the task checks that their isolation is available (ConfigError
+    naming ``sandbox.isolation``: the driver exits 2 before Ray starts).
 
-    def __init__(self, timeout_s: float = 5.0, memory_mb: int = 256):
-        self.timeout_s = timeout_s
-        self.memory_mb = memory_mb
+    Grading always goes through this process's :class:`asyncrl.sandbox.SandboxPool`:
+    ``await task.areward(prompt, completion)`` from an event loop (the loop only awaits);
+    ``reward`` from a thread without one waits for the pool, and on an event loop's own
+    thread it raises instead of grading inline (which would stall every episode)."""
+
+    def __init__(self, sandbox: Mapping[str, object] | None = None):
+        self.settings = (
+            SandboxSettings() if sandbox is None else SandboxSettings.from_config(sandbox)
+        )
+        require(self.settings)
+        self._pool: SandboxPool | None = None
+        self._lock = threading.Lock()
 
     @property
     def alphabet(self) -> str:
@@ -59,30 +72,48 @@ class CodeTask:
             meta={"cases": [{"call": f"{name}({a})", "expected": e} for a, e in cases]},
         )
 
+    async def areward(self, prompt: Prompt, completion: str) -> dict[str, float]:
+        return scores(await self.pool().grade(completion, prompt.meta["cases"]))
+
     def reward(self, prompt: Prompt, completion: str) -> dict[str, float]:
-        from asyncrl.sandbox import grade_python
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop in this thread: waiting here stalls nobody
+            return scores(self.pool().grade_sync(completion, prompt.meta["cases"]))
+        raise RuntimeError(
+            "CodeTask.reward on an event loop's thread would stall it for a whole "
+            "sandbox run: await CodeTask.areward (env=code does)"
+        )
 
-        g = grade_python(completion, prompt.meta["cases"], timeout_s=self.timeout_s,
-                         memory_mb=self.memory_mb)  # fmt: skip
-        return scores(g)
+    def pool(self) -> SandboxPool:
+        """This task's pool of ``sandbox.workers`` sandboxes (built on first use, in the
+        process that grades; never pickled)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = SandboxPool(self.settings)
+            return self._pool
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"settings": self.settings}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _pool=None, _lock=threading.Lock())
 
 
-def scores(g: Any) -> dict[str, float]:
+def scores(g: Grade) -> dict[str, float]:
     """A :class:`asyncrl.sandbox.Grade` as the task's reward dict."""
     return {"reward": g.reward, "passed": float(g.passed), "sandbox_error": float(bool(g.error))}
 
 
-_DEFAULT_POOL: Any = None  # an env built without the runner's pool (a test, a script)
+_DEFAULT_POOL: SandboxPool | None = None  # an env built without the runner's pool (a test)
 _DEFAULT_LOCK = threading.Lock()
 
 
-def default_pool() -> Any:
+def default_pool() -> SandboxPool:
     """One SandboxPool of SandboxSettings' defaults per process, built on first use."""
     global _DEFAULT_POOL
     with _DEFAULT_LOCK:
         if _DEFAULT_POOL is None:
-            from asyncrl.sandbox import SandboxPool
-
             _DEFAULT_POOL = SandboxPool()
         return _DEFAULT_POOL
 
@@ -93,7 +124,7 @@ class CodeEnv:
     asyncrl/envs/settings.py), or None for this process's default pool. A program that
     breaks a limit or misbehaves is a grade of 0 with its error, never a failed episode."""
 
-    def __init__(self, max_attempts: int = 2, sandbox: Any = None):
+    def __init__(self, max_attempts: int = 2, sandbox: SandboxPool | None = None):
         if max_attempts < 1:
             raise ValueError(f"env.max_attempts={max_attempts}: expected >= 1")
         self.max_attempts = max_attempts

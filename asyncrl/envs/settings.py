@@ -146,10 +146,9 @@ def takes_sandbox(cls: type) -> bool:
 
 
 def _check_isolation(box: SandboxSettings) -> None:
-    """An env that grades programs needs a machine that can isolate them: say so at
-    start-up, not in the first episode (docs/sandbox.md: what each machine allows)."""
-    from asyncrl.sandbox.isolation import detect
+    """An env that grades programs needs the isolation ``sandbox.isolation`` asks for:
+    refused at start-up (ConfigError naming the key), not in the first episode; with
+    ``none`` it warns (docs/sandbox.md: what each machine allows)."""
+    from asyncrl.sandbox.isolation import require
 
-    refusal = detect(box.namespaces, box.python).refusal
-    if refusal:
-        raise ConfigError(f"sandbox.namespaces={box.namespaces}: {refusal}")
+    require(box)

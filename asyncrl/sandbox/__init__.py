@@ -4,7 +4,7 @@
 is the awaitable, bounded-concurrency form the environments use."""
 
 from asyncrl.sandbox.grading import CaseResult, Grade, grade_python, grade_with
-from asyncrl.sandbox.isolation import SandboxUnavailable, detect
+from asyncrl.sandbox.isolation import SandboxUnavailable, detect, require, unconfined_warning
 from asyncrl.sandbox.pool import SandboxPool
 from asyncrl.sandbox.settings import SandboxSettings
 
@@ -17,4 +17,6 @@ __all__ = [
     "detect",
     "grade_python",
     "grade_with",
+    "require",
+    "unconfined_warning",
 ]

@@ -31,12 +31,6 @@ import time
 # prctl(2) options (linux/prctl.h)
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 4, 38, 36
 CAP_VERSION_3 = 0x20080522  # _LINUX_CAPABILITY_VERSION_3 (linux/capability.h)
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
-# top-level entries the program may see; every other one is covered by an empty tmpfs
-KEEP_TOP = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc", "sys"}
-WORLD_WRITABLE = ("/dev/shm", "/dev/mqueue")  # inside kept trees: covered too
-READ_ONLY_TOP = ("bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc")
-COVER_MB = 4  # each covering tmpfs; only /tmp is writable, as private scratch space
 MAX_DEPTH = 100  # nesting of a returned value; deeper fails the case
 KILL_ROUNDS = 200  # sweeps over /proc; a fork bomb is capped by RLIMIT_NPROC anyway
 MEMORY_POLL_S = 0.05  # between RLIMIT_AS (per process) and this, a tree holds little more
@@ -53,46 +47,14 @@ def prctl(option: int, arg: int) -> None:
         raise OSError(ctypes.get_errno(), f"prctl({option})")
 
 
-def mount(src: str | None, target: str, fstype: str | None, flags: int, data: str = "") -> None:
-    enc = [s.encode() if s is not None else None for s in (src, target, fstype, data)]
-    if _libc.mount(enc[0], enc[1], enc[2], flags, enc[3]) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount {target}: {os.strerror(err)}")
-
-
-# ---- the view of the file system (namespaces only) ------------------------------------------
-def hide_host(job: dict) -> None:
-    """Cover the host with empty tmpfs mounts, then put back the interpreter (read-only)
-    and a fresh tmpfs work dir. Runs as (namespace) root, before any untrusted code."""
-    keep_fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in job["expose_ro"]}
-    flags = MS_NOSUID | MS_NODEV
-    for name in sorted(os.listdir("/")):
-        path = "/" + name
-        if name in KEEP_TOP or os.path.islink(path):
-            continue
-        if os.path.isdir(path):
-            mode = "1777" if name == "tmp" else "755"
-            mount("tmpfs", path, "tmpfs", flags, f"size={COVER_MB}m,mode={mode}")
-        elif os.path.isfile(path):
-            mount("/dev/null", path, None, MS_BIND)
-    for name in READ_ONLY_TOP:  # against a case child that still owns files (user namespaces)
-        path = "/" + name
-        if os.path.isdir(path) and not os.path.islink(path):
-            mount(path, path, None, MS_BIND | MS_REC)
-            mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags)
-    for path in WORLD_WRITABLE:
-        if os.path.isdir(path):
-            mount("tmpfs", path, "tmpfs", flags, f"size={COVER_MB}m,mode=755")
-    for path, fd in keep_fds.items():
-        os.makedirs(path, exist_ok=True)
-        mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
-        mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags)
-        os.close(fd)
+# ---- the work dir (under bwrap: a private tmpfs, made by bwrap, owned by root) ------------
+def own_workdir(job: dict) -> None:
+    """Hand the work dir (already the cwd) to the case uid: root harness only (CAP_CHOWN);
+    afterwards the harness itself cannot open it (no CAP_DAC_OVERRIDE), nor needs to."""
     work, uid = job["workdir"], job["uid"]
-    os.makedirs(work, exist_ok=True)
-    owner = f",uid={uid},gid={uid}" if uid is not None else ""
-    mount("tmpfs", work, "tmpfs", flags, f"size={job['disk_mb']}m,mode=700{owner}")
-    os.chdir(work)
+    if job["namespaces"] and uid is not None:
+        os.chmod(work, 0o700)  # while root owns it: the harness has no CAP_FOWNER
+        os.chown(work, uid, uid)
 
 
 # ---- one case, in a forked child --------------------------------------------------------------
@@ -137,8 +99,8 @@ def limit_child(job: dict, result_fd: int) -> None:
         (resource.RLIMIT_NOFILE, (lim["open_files"],) * 2),
         (resource.RLIMIT_CORE, (0, 0)),
     ]
-    if job["uid"] is not None:  # RLIMIT_NPROC counts per uid: only meaningful for our own
-        pairs.append((resource.RLIMIT_NPROC, (lim["processes"],) * 2))
+    if job["nproc"] is not None:  # None: it would count every process of this user
+        pairs.append((resource.RLIMIT_NPROC, (job["nproc"],) * 2))
     for which, pair in pairs:
         resource.setrlimit(which, pair)
     if job["uid"] is not None:
@@ -334,9 +296,9 @@ def main() -> None:
     os.dup2(null, 0)
     os.close(null)
     channel = job["channel_fd"]
-    if job["namespaces"]:
-        hide_host(job)
-    else:
+    os.environ.pop("PWD", None)  # bwrap's --chdir sets it; the program gets PATH, LANG, HOME
+    own_workdir(job)
+    if not job["namespaces"]:
         prctl(PR_SET_CHILD_SUBREAPER, 1)  # setsid'd orphans come back to us, not to init
     prctl(PR_SET_DUMPABLE, 0)  # same-uid children cannot ptrace us or open our fds
     try:

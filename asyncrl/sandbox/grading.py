@@ -1,5 +1,8 @@
 """The trusted grader: runs a solution's test calls in the sandbox and compares what
-comes back with the expected values, which never leave this process."""
+comes back with the expected values, which never leave this process. Everything here
+runs in the caller's thread (a SandboxPool thread, never the event loop); reading a
+result is linear in its size, which the harness and the channel cap (asyncrl/sandbox/
+values.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from typing import Any
 from asyncrl.sandbox.isolation import UIDS, SandboxUnavailable, detect
 from asyncrl.sandbox.runner import RawRun, run_harness
 from asyncrl.sandbox.settings import SandboxSettings
-from asyncrl.sandbox.values import BadValue, decode, is_plain, same
+from asyncrl.sandbox.values import BadValue, canon, encode, is_plain, show
 
 OUTPUT_TAIL = 2000  # characters of the program's output kept on the Grade
 
@@ -20,7 +23,7 @@ OUTPUT_TAIL = 2000  # characters of the program's output kept on the Grade
 class CaseResult:
     call: str
     passed: bool
-    got: str  # repr of the decoded value, or "" when there is none
+    got: str  # a short text of the returned value (values.show), or "" when there is none
     error: str  # "" when the call returned a plain value (right or wrong)
 
 
@@ -37,7 +40,7 @@ class Grade:
     cases: list[CaseResult] = field(default_factory=list)
     wall_s: float = 0.0
     output: str = ""  # the tail of stdout+stderr (capped at the source, too)
-    isolation: str = ""  # "namespaces", "user-namespaces" or "none"
+    isolation: str = ""  # "bwrap" (root), "bwrap-userns" (no root) or "none"
     run_id: str = ""  # in every sandbox process's command line while it runs
 
 
@@ -56,7 +59,7 @@ def grade_python(
 def grade_with(solution: str, cases: list[dict], limits: SandboxSettings) -> Grade:
     """``grade_python`` with every limit from ``limits`` (the pool's path)."""
     calls, expected = check_cases(cases)
-    iso = detect(limits.namespaces, limits.python)
+    iso = detect(limits.isolation, limits.python)
     if iso.refusal:
         raise SandboxUnavailable(iso.refusal)
     uid = UIDS.take() if iso.drop_uid else None
@@ -68,21 +71,21 @@ def grade_with(solution: str, cases: list[dict], limits: SandboxSettings) -> Gra
     return judge(raw, calls, expected)
 
 
-def check_cases(cases: list[dict]) -> tuple[list[str], list[Any]]:
+def check_cases(cases: list[dict]) -> tuple[list[str], list[str]]:
     if not isinstance(cases, list) or not cases:
         raise ValueError("cases must be a non-empty list of {'call': str, 'expected': value}")
-    calls, expected = [], []
+    calls, expected = [], []  # expected: canonical strings (values.canon)
     for i, c in enumerate(cases):
         if not (isinstance(c, dict) and isinstance(c.get("call"), str) and "expected" in c):
             raise ValueError(f"cases[{i}] must be {{'call': str, 'expected': value}}: {c!r}")
         if not is_plain(c["expected"]):
             raise ValueError(f"cases[{i}]['expected'] is not made of plain builtin values")
         calls.append(c["call"])
-        expected.append(c["expected"])
+        expected.append(canon(encode(c["expected"])))
     return calls, expected
 
 
-def judge(raw: RawRun, calls: list[str], expected: list[Any]) -> Grade:
+def judge(raw: RawRun, calls: list[str], expected: list[str]) -> Grade:
     records = raw.frame["cases"] if raw.frame else [None] * len(calls)
     results = [_judge_case(c, rec, e, raw.error) for c, rec, e in zip(calls, records, expected)]
     passed = sum(r.passed for r in results)
@@ -103,7 +106,7 @@ def judge(raw: RawRun, calls: list[str], expected: list[Any]) -> Grade:
     )
 
 
-def _judge_case(call: str, rec: Any, expected: Any, run_error: str) -> CaseResult:
+def _judge_case(call: str, rec: Any, expected: str, run_error: str) -> CaseResult:
     if rec is None:
         return CaseResult(call, False, "", run_error or "no result")
     if not isinstance(rec, dict) or not isinstance(rec.get("end"), str):
@@ -117,9 +120,10 @@ def _judge_case(call: str, rec: Any, expected: Any, run_error: str) -> CaseResul
             raise BadValue("not a result message")
         if not msg["ok"]:
             return CaseResult(call, False, "", str(msg.get("error", "error"))[:500])
-        got = decode(msg.get("value"))
+        got = canon(msg.get("value"))
     except (ValueError, RecursionError) as e:  # BadValue and JSONDecodeError are ValueErrors
         return CaseResult(call, False, "", f"unreadable result ({end}): {str(e)[:200]}")
+    shown = show(msg["value"])
     if end != "exit 0":
-        return CaseResult(call, False, repr(got)[:200], f"case process ended with {end}")
-    return CaseResult(call, same(got, expected), repr(got)[:200], "")
+        return CaseResult(call, False, shown, f"case process ended with {end}")
+    return CaseResult(call, got == expected, shown, "")

@@ -168,6 +168,79 @@ def add(a, b):
     return I(0)
 """,
     "syntax_error": "def add(a, b) return a + b\n",
+    # each of these earns the reward only if its attack works
+    "sysv_shm": """import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+def add(a, b):
+    for _ in range(3):  # 300 MB that no process maps, left behind if the IPC ns is the host's
+        sid = libc.shmget(0, 100 << 20, 0o1600)
+        if sid < 0:
+            raise OSError(ctypes.get_errno(), 'shmget: ' + os.strerror(ctypes.get_errno()))
+        addr = libc.shmat(sid, None, 0)
+        ctypes.memset(addr, 1, 100 << 20)
+        libc.shmdt(ctypes.c_void_p(addr))
+    return a + b
+""",
+    "memfd_hog": """import os
+def add(a, b):
+    fd = os.memfd_create('asyncrl-hostile-{tag}')
+    for _ in range(150):  # 150 MB that no address space holds
+        os.write(fd, bytes(1 << 20))
+    return a + b
+""",
+    "nested_userns": """import ctypes, os, subprocess
+def add(a, b):
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x10000000) == 0:  # CLONE_NEWUSER: a new root, own caps
+        return a + b
+    r = subprocess.run(['unshare', '--user', '--map-root-user', 'id', '-u'],
+                       capture_output=True, text=True)
+    if r.stdout.strip() == '0':
+        return a + b
+    raise PermissionError('user namespace refused: ' + os.strerror(ctypes.get_errno()))
+""",
+    "hash_collision": """import json, os
+def add(a, b):
+    # every k * (2**61 - 1) hashes alike: a grader that builds the set or dict takes
+    # quadratic time holding the GIL; the result fits under the 1 MiB result cap
+    ints = [['int', str(k * (2 ** 61 - 1))] for k in range(25000)]
+    value = ['set', ints] if a == 1 else ['dict', [[i, ['int', '1']] for i in ints[:15000]]]
+    data = json.dumps({{'ok': True, 'value': value}}).encode()
+    fds = sorted(int(f) for f in os.listdir('/proc/self/fd'))
+    fd = [f for f in fds if f > 2 and os.path.exists('/proc/self/fd/%d' % f)][0]  # the result pipe
+    while data:
+        data = data[os.write(fd, data):]
+    os._exit(0)
+""",
+    "signal_games": """import os, signal, time
+def add(a, b):
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU, signal.SIGALRM):
+        signal.signal(s, signal.SIG_IGN)
+    for pid in (1, os.getppid()):
+        for s in (signal.SIGSTOP, signal.SIGTERM, signal.SIGSEGV):
+            try:
+                os.kill(pid, s)
+            except OSError:
+                pass
+    if os.fork() == 0:
+        os.setsid()
+        os.kill(os.getpid(), signal.SIGSTOP)  # a stopped straggler
+        os._exit(0)
+    try:
+        os.kill(-1, signal.SIGTERM)
+    except OSError:
+        pass
+    while True:
+        time.sleep(0.01)
+""",
+    "vsock": """import socket
+def add(a, b):
+    for fam, kind in ((socket.AF_VSOCK, socket.SOCK_STREAM), (socket.AF_PACKET, socket.SOCK_RAW),
+                      (socket.AF_NETLINK, socket.SOCK_RAW)):
+        socket.socket(fam, kind).close()  # raises where the family is refused
+    return a + b
+""",
     "binary_garbage": random.Random(0).randbytes(4096).decode("latin-1"),
 }
 

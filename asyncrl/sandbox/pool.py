@@ -26,7 +26,7 @@ class SandboxPool:
     def __init__(self, settings: SandboxSettings | None = None) -> None:
         self.settings = settings or SandboxSettings()
         self.settings.check()
-        iso = detect(self.settings.namespaces, self.settings.python)  # probe once, up front
+        iso = detect(self.settings.isolation, self.settings.python)  # probe once, up front
         if iso.refusal:
             raise SandboxUnavailable(iso.refusal)
         self.isolation = iso.kind

@@ -1,11 +1,13 @@
-"""One execution on the host side: a fresh temp dir, the harness under ``unshare`` in a
+"""One execution on the host side: a fresh temp dir, the harness under bubblewrap in a
 session of its own, its output capped, its channel read, the whole tree killed at the
 deadline, the temp dir removed.
 
-    run_harness ── Popen(start_new_session) ──▶ unshare ──▶ harness (see _harness.py)
+    run_harness ── Popen(start_new_session) ──▶ bwrap ──▶ harness (see _harness.py)
+        │ hands bwrap the seccomp filter on a pipe (asyncrl/sandbox/seccomp.py)
         │ waits (selectors) on: merged stdout/stderr pipe (capped) and the channel pipe
         │ wakes on: data, EOF of the channel (the harness is done), or the deadline
-        └ then: SIGKILL the process group (with namespaces, that takes the namespace down)
+        └ then: SIGKILL the process group (bwrap --die-with-parent and the PID namespace
+          take everything inside down with it)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from asyncrl.sandbox import seccomp
 from asyncrl.sandbox.isolation import Isolation
 from asyncrl.sandbox.settings import SandboxSettings
 
@@ -32,6 +35,7 @@ STARTUP_GRACE_S = 3.0  # interpreter start, namespace set-up and the kill sweeps
 EXIT_GRACE_S = 1.0  # the harness has sent its frame; it only has to exit
 MARKER = "asyncrl-sandbox-"  # in every sandbox process's command line: tests scan /proc
 CHANNEL_CAP = 64 << 20  # a frame bigger than every case's result cap together is forged
+FILTER = seccomp.program() if seccomp.supported() else b""
 
 
 @dataclass
@@ -61,8 +65,7 @@ def run_harness(
             "uid": uid,
             "workdir": workdir,
             "namespaces": iso.namespaces,
-            "expose_ro": list(iso.expose),
-            "disk_mb": limits.disk_mb,
+            "nproc": _nproc(limits, iso, uid),
             "limits": {
                 k: getattr(limits, k)
                 for k in ("timeout_s", "memory_mb", "file_mb", "open_files", "processes")
@@ -78,23 +81,36 @@ def run_harness(
     return RawRun(frame, output, error, time.monotonic() - t0, run_id, iso.kind)
 
 
+def _nproc(limits: SandboxSettings, iso: Isolation, uid: int | None) -> int | None:
+    """RLIMIT_NPROC of a case child: it counts per uid and user namespace, so it bounds
+    the case on a uid of its own, or in the sandbox's own user namespace (where the
+    harness shares the uid: one more); None where it would count all of this user's
+    processes (isolation none, not root)."""
+    if uid is not None:
+        return limits.processes
+    return limits.processes + 1 if iso.namespaces else None
+
+
 def _spawn(
     job: dict, limits: SandboxSettings, iso: Isolation, workdir: str, run_id: str
 ) -> tuple[bytes, bytes, str]:
     r_chan, w_chan = os.pipe()
+    r_filter = _filter_pipe()
     job["channel_fd"] = w_chan
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir}
-    cmd = [*iso.prefix, iso.python, "-I", "-S", "-B", "-c", HARNESS_SOURCE, MARKER + run_id]
+    prefix = iso.argv(workdir, limits.disk_mb, r_filter)
+    cmd = [*prefix, iso.python, "-I", "-S", "-B", "-c", HARNESS_SOURCE, MARKER + run_id]
     try:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            cwd=workdir, env=env, start_new_session=True, pass_fds=(w_chan,),
+            cwd=workdir, env=env, start_new_session=True, pass_fds=(w_chan, r_filter),
         )  # fmt: skip
     except BaseException:
         os.close(r_chan)
         raise
     finally:
         os.close(w_chan)
+        os.close(r_filter)
     try:
         try:
             proc.stdin.write(json.dumps(job).encode())
@@ -111,6 +127,17 @@ def _spawn(
         _kill_group(proc)
         os.close(r_chan)
         _reap_stragglers(MARKER + run_id)
+
+
+def _filter_pipe() -> int:
+    """A pipe holding the seccomp program (a few hundred bytes: below any pipe buffer),
+    its write end closed: bwrap reads it to EOF."""
+    r, w = os.pipe()
+    try:
+        os.write(w, FILTER)
+    finally:
+        os.close(w)
+    return r
 
 
 def _collect(
@@ -148,8 +175,8 @@ def _collect(
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the session's process group; with --kill-child the harness (PID 1 of its
-    namespace) dies with unshare and the kernel kills everything in the namespace."""
+    """SIGKILL the session's process group; with --die-with-parent the harness (PID 1 of
+    its namespace) dies with bwrap and the kernel kills everything in the namespace."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -161,7 +188,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def _reap_stragglers(marker: str, within_s: float = 10.0) -> None:
     """Return only once no process carries this run's marker. SIGKILL is asynchronous: on a
     loaded box the harness (PID 1 of its namespace) can still be alive for a while after
-    unshare is reaped, and grading must not return with a sandbox process running."""
+    bwrap is reaped, and grading must not return with a sandbox process running."""
     needle = marker.encode()
     end = time.monotonic() + within_s
     while True:

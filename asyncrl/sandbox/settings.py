@@ -22,7 +22,7 @@ class SandboxSettings:
     processes: int = 32  # processes + threads of the sandbox uid (RLIMIT_NPROC)
     output_bytes: int = 65536  # stdout+stderr of the whole execution; more kills it
     result_bytes: int = 1 << 20  # one case's serialized return value; more fails the case
-    namespaces: bool = True  # use Linux namespaces where the kernel allows (see docs)
+    isolation: str = "bwrap"  # bwrap (namespaces + seccomp; refused where unavailable) | none
     python: str = ""  # interpreter the programs run under; "" = the grader's own
 
     @classmethod
@@ -45,7 +45,17 @@ class SandboxSettings:
         for key in ("output_bytes", "result_bytes"):
             if getattr(self, key) < 1024:
                 raise ConfigError(f"sandbox.{key}={getattr(self, key)}: must be >= 1024")
+        for key, top in MAXIMA.items():
+            if not getattr(self, key) <= top:  # NaN fails this too
+                raise ConfigError(f"sandbox.{key}={getattr(self, key)}: must be <= {top}")
+        if self.isolation not in ISOLATIONS:
+            raise ConfigError(f"sandbox.isolation={self.isolation!r}: one of {ISOLATIONS}")
 
 
 MIN_MEMORY_MB = 64  # the harness's own mappings (interpreter, json, ctypes) are ~30 MB
-MAX_WORKERS = 256  # one sandbox uid per worker slot; see isolation.sandbox_uid
+MAX_WORKERS = 256  # one sandbox uid per worker slot; see isolation.UidSlots
+ISOLATIONS = ("bwrap", "none")
+# beyond these a limit cannot be set (RLIMIT overflow, a hard limit) or is no limit at all
+MAXIMA = {"timeout_s": 3600.0, "memory_mb": 1 << 20, "file_mb": 1 << 20, "disk_mb": 1 << 20,
+          "open_files": 1 << 20, "processes": 1 << 16, "output_bytes": 1 << 30,
+          "result_bytes": 1 << 22}  # fmt: skip

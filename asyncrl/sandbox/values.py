@@ -1,106 +1,124 @@
 """The trusted side of the result format: ``[type name, payload]`` trees (written by
-``_harness.encode`` inside the sandbox) decoded into plain builtins, and the exact
-comparison the grader makes. Nothing here calls code that came from the sandbox: the
-decoded values are built by this module from JSON, so an object with a custom
-``__eq__`` cannot reach the grader."""
+``_harness.encode`` inside the sandbox) turned into canonical strings, and the exact
+comparison the grader makes on them.
+
+Nothing from the sandbox is ever built into a Python set, dict or object here: a tree is
+read once, bottom up, into a self-delimiting string (``<tag>:<length>:<text>`` for a
+scalar, ``<tag>[<n>]`` followed by the members for a container; a set's members and a
+dict's items sorted as strings). So decoding is linear in the tree's size (plus the sort
+of each set or dict), whatever its values hash to, and two values are equal exactly when
+their strings are: same type at every level (``True`` is not ``1``, ``1.0`` is not ``1``,
+a tuple is not a list, also as set members and dict keys), floats by ``repr`` (``-0.0`` is
+not ``0.0``; every NaN equals every NaN)."""
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 MAX_DEPTH = 100  # same bound as the harness's encoder
 MAX_INT_DIGITS = 4000  # below Python's int/str conversion limit (4300)
 PLAIN_TYPES = (type(None), bool, int, float, str, bytes, list, tuple, set, frozenset, dict)
+CONTAINERS = ("list", "tuple", "set", "frozenset", "dict")
+INT_TEXT = re.compile(r"-?(0|[1-9][0-9]*)")
+HEX_TEXT = re.compile(r"([0-9a-f]{2})*")
+SHOW_CHARS = 200  # of a value's display text
 
 
 class BadValue(ValueError):
     """A result tree that is not the harness's format: the case fails."""
 
 
-def decode(tree: Any, depth: int = 0) -> Any:
+def canon(tree: Any, depth: int = 0) -> str:
+    """The canonical string of an untrusted ``[type, payload]`` tree (BadValue if it is
+    not one)."""
     if depth > MAX_DEPTH:
         raise BadValue("nested too deeply")
-    if not (isinstance(tree, list) and len(tree) == 2 and isinstance(tree[0], str)):
+    if not (type(tree) is list and len(tree) == 2 and type(tree[0]) is str):
         raise BadValue(f"not a [type, payload] pair: {str(tree)[:80]}")
     tag, p = tree
-    scalar = _SCALARS.get(tag)
-    if scalar is not None:
-        return scalar(p)
-    if tag in ("list", "tuple", "set", "frozenset"):
-        items = [decode(x, depth + 1) for x in _list(p)]
+    if tag in CONTAINERS:
+        if type(p) is not list:
+            raise BadValue("container payload is not a list")
+        if tag == "dict":
+            items = [_pair(x, depth + 1) for x in p]
+        else:
+            items = [canon(x, depth + 1) for x in p]
+        return _container(tag, items)
+    text = _scalar(tag, p)
+    return f"{tag}:{len(text)}:{text}"
+
+
+def _pair(x: Any, depth: int) -> str:
+    if not (type(x) is list and len(x) == 2):
+        raise BadValue("dict item is not a pair")
+    key = canon(x[0], depth)
+    return f"{len(key)}:{key}{canon(x[1], depth)}"
+
+
+def _container(tag: str, items: list[str]) -> str:
+    if tag in ("set", "frozenset"):
+        items.sort()  # a repeated member (only a forged tree has one) counts once
+        items = [x for i, x in enumerate(items) if i == 0 or x != items[i - 1]]
+    elif tag == "dict":
+        items.sort()  # items with one key share the prefix "<len>:<key>": neighbours
+        keys = [x[: x.index(":") + 1 + int(x[: x.index(":")])] for x in items]
+        if any(keys[i] == keys[i - 1] for i in range(1, len(keys))):
+            raise BadValue("a dict with a repeated key")
+    return f"{tag}[{len(items)}]" + "".join(items)
+
+
+def _scalar(tag: str, p: Any) -> str:
+    if tag == "NoneType" and p is None:
+        return ""
+    if tag == "bool" and type(p) is bool:
+        return "1" if p else "0"
+    if tag == "str" and type(p) is str:
+        return p
+    if type(p) is not str:
+        raise BadValue(f"bad payload for a {tag[:40]!r}")
+    if tag == "int":
+        if len(p) > MAX_INT_DIGITS + 1 or not INT_TEXT.fullmatch(p) or p == "-0":
+            raise BadValue("bad int")
+        return p
+    if tag == "float":
         try:
-            return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](items)
-        except TypeError as e:  # an unhashable member of a set
-            raise BadValue(str(e)) from None
-    if tag == "dict":
-        out = {}
-        for pair in _list(p):
-            if not (isinstance(pair, list) and len(pair) == 2):
-                raise BadValue("dict item is not a pair")
-            key = decode(pair[0], depth + 1)
-            try:
-                out[key] = decode(pair[1], depth + 1)
-            except TypeError as e:
-                raise BadValue(str(e)) from None
-        return out
+            return "nan" if math.isnan(f := float(p)) else repr(f)
+        except ValueError:
+            raise BadValue("bad float") from None
+    if tag == "bytes":
+        if not HEX_TEXT.fullmatch(p):
+            raise BadValue("bad bytes")
+        return p
     raise BadValue(f"unknown type tag {tag[:40]!r}")
 
 
-def _list(p: Any) -> list:
-    if not isinstance(p, list):
-        raise BadValue("container payload is not a list")
-    return p
-
-
-def _typed(kind: type):
-    def check(p: Any) -> Any:
-        if type(p) is not kind:
-            raise BadValue(f"payload of a {kind.__name__} is a {type(p).__name__}")
-        return p
-
-    return check
-
-
-def _int(p: Any) -> int:
-    s = _typed(str)(p)
-    if len(s.lstrip("-")) > MAX_INT_DIGITS or not s.lstrip("-").isdigit():
-        raise BadValue("bad int")
-    return int(s)
-
-
-def _float(p: Any) -> float:
-    try:
-        return float(_typed(str)(p))
-    except ValueError:
-        raise BadValue("bad float") from None
-
-
-def _none(p: Any) -> None:
-    if p is not None:
-        raise BadValue("NoneType payload is not null")
-
-
-def _bytes(p: Any) -> bytes:
-    try:
-        return bytes.fromhex(_typed(str)(p))
-    except ValueError:
-        raise BadValue("bad bytes") from None
-
-
-_SCALARS = {
-    "NoneType": _none,
-    "bool": _typed(bool),
-    "str": _typed(str),
-    "int": _int,
-    "float": _float,
-    "bytes": _bytes,
-}
+def encode(v: Any, depth: int = 0) -> list:
+    """A trusted plain value (an expected value) as the harness writes it."""
+    if depth > MAX_DEPTH:
+        raise ValueError("nested too deeply")
+    t = type(v)
+    if v is None or t is bool or t is str:
+        return [t.__name__, v]
+    if t is int:
+        return ["int", str(v)]
+    if t is float:
+        return ["float", repr(v)]
+    if t is bytes:
+        return ["bytes", v.hex()]
+    if t in (list, tuple, set, frozenset):
+        return [t.__name__, [encode(x, depth + 1) for x in v]]
+    if t is dict:
+        return ["dict", [[encode(k, depth + 1), encode(x, depth + 1)] for k, x in v.items()]]
+    raise ValueError(f"not a plain value: {t.__name__}")
 
 
 def is_plain(v: Any, depth: int = 0) -> bool:
     """True if ``v`` (an expected value) is made only of the types the grader compares."""
     if depth > MAX_DEPTH or type(v) not in PLAIN_TYPES:
+        return False
+    if type(v) is int and len(str(abs(v))) > MAX_INT_DIGITS:
         return False
     if type(v) in (list, tuple, set, frozenset):
         return all(is_plain(x, depth + 1) for x in v)
@@ -110,19 +128,36 @@ def is_plain(v: Any, depth: int = 0) -> bool:
 
 
 def same(a: Any, b: Any) -> bool:
-    """Exact equality: same type at every level (bool is not int, 1.0 is not 1, a tuple
-    is not a list), floats equal bit for bit in value (NaN equals NaN)."""
-    if type(a) is not type(b):
-        return False
-    if type(a) is float:
-        return a == b or (math.isnan(a) and math.isnan(b))
-    if type(a) in (list, tuple):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if type(a) is dict:
-        if len(a) != len(b):
-            return False
-        keyed = {(type(k), k): v for k, v in b.items()}
-        return all((type(k), k) in keyed and same(v, keyed[(type(k), k)]) for k, v in a.items())
-    if type(a) in (set, frozenset):
-        return {(type(x), x) for x in a} == {(type(x), x) for x in b}
-    return a == b
+    """Exact equality of two plain values (the rule of the module docstring)."""
+    return canon(encode(a)) == canon(encode(b))
+
+
+def show(tree: Any, limit: int = SHOW_CHARS) -> str:
+    """A short repr-like text of an untrusted tree (for ``CaseResult.got``): reads at most
+    about ``limit`` characters' worth of it."""
+    out: list[str] = []
+    _show(tree, out, [limit])
+    return "".join(out)[:limit]
+
+
+def _show(tree: Any, out: list[str], left: list[int]) -> None:
+    if left[0] <= 0:
+        return
+    if not (type(tree) is list and len(tree) == 2 and type(tree[0]) is str):
+        text = "?"
+    elif tree[0] in CONTAINERS and type(tree[1]) is list:
+        out.append(tree[0] + "(")
+        for i, x in enumerate(tree[1][: left[0]]):
+            out.append(", " if i else "")
+            for j, y in enumerate(x if tree[0] == "dict" and type(x) is list else [x]):
+                out.append(": " if j else "")
+                _show(y, out, left)
+        text = ")"
+    elif tree[0] in ("int", "float") and type(tree[1]) is str:
+        text = tree[1][: left[0]]
+    elif tree[0] == "bytes" and type(tree[1]) is str:
+        text = f"bytes.fromhex({tree[1][: left[0]]!r})"
+    else:
+        text = repr(tree[1] if tree[0] != "NoneType" else None)[: left[0]]
+    out.append(text)
+    left[0] -= len(text) + 1
