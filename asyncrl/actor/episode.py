@@ -33,6 +33,7 @@ The contract every runner keeps (the learner and the queue rely on it):
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 import uuid
@@ -50,7 +51,7 @@ from asyncrl.engine.vllm_engine import (
 )
 from asyncrl.rewards.base import RewardInput
 from asyncrl.rewards.pool import RewardClient
-from asyncrl.tasks.base import Prompt, Task, score
+from asyncrl.tasks.base import Prompt, Task, ascore, score
 from asyncrl.trajectory import Trajectory, TrajectoryGroup
 
 
@@ -107,9 +108,15 @@ class SingleTurnEpisodes:
         prompt_ids = np.asarray(final.prompt_token_ids, dtype=np.int32)  # one per group
         version = self.version()
         trajs, inputs = [], []
-        for i, (c, text) in enumerate(zip(comps, self.texts(comps))):
+        texts = self.texts(comps)
+        # a task that grades in other processes (the code task's sandboxes) grades the
+        # group's completions concurrently; a pure reward is called directly
+        if getattr(self.task, "areward", None) is None:
+            scored = [score(self.task, prompt, t) for t in texts]
+        else:
+            scored = await asyncio.gather(*(ascore(self.task, prompt, t) for t in texts))
+        for i, (c, text, (reward, breakdown, err)) in enumerate(zip(comps, texts, scored)):
             ids, lps, versions = completion_arrays(c, version)
-            reward, breakdown, err = score(self.task, prompt, text)
             trajs.append(
                 Trajectory(
                     traj_id=f"{gid}-{i}",

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from asyncrl.tasks.base import Prompt, Task, score
+from asyncrl.tasks.base import Prompt, Task, ascore
 
 
 @dataclass
@@ -62,7 +62,7 @@ class SingleTurnEnv:
         self.sample, self.task = sample, task
 
     async def step(self, text: str, token_ids: list[int]) -> StepResult:
-        reward, breakdown, err = score(self.task, self.sample, text)
+        reward, breakdown, err = await ascore(self.task, self.sample, text)
         if err:
             raise RuntimeError(err)
         return StepResult(reward=reward, done=True, info=breakdown)

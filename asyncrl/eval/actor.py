@@ -20,7 +20,7 @@ from typing import Any
 
 from asyncrl.actor.settings import EngineSettings
 from asyncrl.eval.settings import EvalSettings
-from asyncrl.tasks.base import Prompt, Task, score
+from asyncrl.tasks.base import Prompt, Task, ascore
 
 
 class EvalActor:
@@ -81,8 +81,8 @@ class EvalActor:
         n = len(prompts)
         passed1, passedk, rewards = 0, 0, []
         for i, p in enumerate(prompts):
-            r1 = [score(task, p, t)[0] for t in texts[i]]
-            rk = [score(task, p, t)[0] for t in texts[n + i]]
+            r1 = [(await ascore(task, p, t))[0] for t in texts[i]]
+            rk = [(await ascore(task, p, t))[0] for t in texts[n + i]]
             passed1 += r1[0] >= s.pass_reward
             passedk += any(r >= s.pass_reward for r in rk)
             rewards += r1

@@ -52,16 +52,35 @@ def _as_tuple(x):
     return tuple(_as_tuple(v) for v in x) if isinstance(x, list | tuple) else x
 
 
-def score(task: Task, prompt: Prompt, completion: str) -> tuple[float, dict[str, float], str]:
+Scored = tuple[float, dict[str, float], str]  # (reward, breakdown, error text or "")
+
+
+def score(task: Task, prompt: Prompt, completion: str) -> Scored:
     """Run the task's reward; a crash is recorded (reward 0, error text), never raised."""
     try:
-        out = task.reward(prompt, completion)
-        if isinstance(out, dict):
-            breakdown = {k: float(v) for k, v in out.items()}
-            return breakdown.pop("reward"), breakdown, ""
-        return float(out), {}, ""
+        return _scored(task.reward(prompt, completion))
     except Exception as e:  # noqa: BLE001 - a user's reward must not kill the actor
         return 0.0, {}, f"{type(e).__name__}: {e}"
+
+
+async def ascore(task: Task, prompt: Prompt, completion: str) -> Scored:
+    """:func:`score` for callers on an event loop: a task whose reward waits on another
+    process (``areward``, e.g. the code task's sandbox) is awaited, never run inline;
+    any other task's ``reward`` is called directly (a cheap, pure function)."""
+    areward = getattr(task, "areward", None)
+    if areward is None:
+        return score(task, prompt, completion)
+    try:
+        return _scored(await areward(prompt, completion))
+    except Exception as e:  # noqa: BLE001 - a user's reward must not kill the actor
+        return 0.0, {}, f"{type(e).__name__}: {e}"
+
+
+def _scored(out: float | dict[str, float]) -> Scored:
+    if isinstance(out, dict):
+        breakdown = {k: float(v) for k, v in out.items()}
+        return breakdown.pop("reward"), breakdown, ""
+    return float(out), {}, ""
 
 
 def digit_credit(got: str, want: str, partial_credit: float) -> dict[str, float]:
