@@ -82,11 +82,7 @@ class DecoupledPPOLoss:
             if self.level == "sequence":
                 behaviour_lr = sequence_sum(behaviour_lr, mask).expand_as(behaviour_lr)
             behaviour_w = truncated_exp(behaviour_lr, self.behaviour_cap)
-        ratio = (
-            log_ratio(outputs.logprobs, prox, mask)
-            .clamp(max=LOG_RATIO_CAP)
-            .exp()
-        )
+        ratio = log_ratio(outputs.logprobs, prox, mask).clamp(max=LOG_RATIO_CAP).exp()
         adv = batch.advantages.to(ratio.dtype)
         unclipped = ratio * adv
         clipped = ratio.clamp(1 - self.clip_low, 1 + self.clip_high) * adv
