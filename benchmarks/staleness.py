@@ -26,7 +26,9 @@ full staleness, as are the gradient norm before clipping (``grad_norm``) and the
 of those steps whose gradient was clipped (``grad_clip_frac``). Start reward = the
 reward of the initial policy's samples (version 0), pooled over all runs; gain retention = (reward(k=8) - start) / (reward(k=0) - start):
 the share of what was learnt at k=0 that survives k=8 (``retention_k8``, the ratio of
-rewards, stays near 1 when little is learnt at all).
+rewards, stays near 1 when little is learnt at all). ``retention_by_k`` gives, for every
+loss and every k swept, each seed's ``reward(k) / reward(k=0)`` as mean, std, min, max
+and n over the seeds (the table after the others and the plot's last panel).
 
 ``--summarise DIR...`` runs nothing: it merges the CSVs of earlier sweeps (e.g. one
 per ``--losses`` subset, run apart) and reports them as one; ``--ks``, ``--losses``
@@ -87,14 +89,27 @@ LOSSES = {  # benchmark name -> conf/loss/<name>.yaml
     # the training job's default loss (PPO's clipped surrogate, the sampler as the "old"
     # policy): what a run with replay.max_staleness > 0 gets unless it picks another
     "clipped": "clipped",
+    # the divergence-masking, sequence-ratio and clipped-weight losses (docs/losses.md)
+    "dppo_mask": "dppo_mask",
+    "icepop": "icepop",
+    "m2po": "m2po",
+    "gspo": "gspo",
+    "cispo": "cispo",
+    # decoupled PPO with AReaL's log-linear proximal policy (no proximal forward pass)
+    "decoupled_ppo_loglinear": "decoupled_ppo",
 }
+LOSS_OVERRIDES = {"decoupled_ppo_loglinear": ("loss.proximal=loglinear",)}
 KS = (0, 1, 2, 4, 8)
 QUICK_KS = (0, 8)
 # Losses whose update is the same at k=0 (behaviour = proximal = current: every ratio
 # is 1, nothing is clipped or masked, the advantages are the estimator's), so
 # --share-k0 runs k=0 once for them. V-trace is not among them: its critic-free
-# advantages are r - group mean, whatever learner.advantage says.
-SAME_ON_POLICY = ("none", "tis", "mis", "decoupled_ppo", "clipped")
+# advantages are r - group mean, whatever learner.advantage says; nor is GSPO: its
+# bounds (3e-4, 4e-4) are below the sampler/learner numeric mismatch, so it clips at k=0.
+SAME_ON_POLICY = (
+    "none", "tis", "mis", "decoupled_ppo", "clipped", "dppo_mask", "icepop", "m2po", "cispo",
+    "decoupled_ppo_loglinear",
+)  # fmt: skip
 QUICK_LOSSES = ("none", "decoupled_ppo")
 FINAL_FRACTION = 0.1  # final reward: the samples of the last 10% of steps
 # Settings every run shares on top of the default config (see the module docstring).
@@ -150,6 +165,7 @@ class Runner:
             *BENCH_OVERRIDES,
             *self.overrides,
             f"loss={LOSSES[loss]}",
+            *LOSS_OVERRIDES.get(loss, ()),
             f"replay.delay_versions={k}",
             f"replay.max_staleness={k}",
             "replay.policy=throttle",
@@ -418,11 +434,19 @@ def report(rows, curves, ks, losses, steps, seeds, args) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "staleness.csv", rows)
     write_csv(args.out / "curves.csv", curves)
-    plot(args.out / "staleness.png", curves, reward, ks, losses)
+    by_k = retention_by_k(rows, ks, losses)
+    plot(args.out / "staleness.png", curves, reward, ks, losses, by_k)
     table(rows, reward, retention, retention_same, gain, start, ks, losses, steps, seeds, args)
+    print_table(
+        "retention by k: reward(k) / reward(k=0) of each seed, mean and sample std over the "
+        "seeds that ran both (n)",
+        ["loss", *[f"k={k}" for k in ks]],
+        [[loss, *[_spread(by_k[loss][str(k)]) for k in ks]] for loss in losses],
+    )
     emit_json(
         {
             "reward": reward,
+            "retention_by_k": by_k,
             "retention_k8": retention,
             "retention_k8_same_version": retention_same,
             "start_reward": start,
@@ -610,6 +634,43 @@ def seed_means(rows: list[dict], key: str, ks, losses) -> dict[str, dict[str, fl
     }
 
 
+def retention_by_k(rows: list[dict], ks, losses) -> dict[str, dict[str, dict[str, float]]]:
+    """loss -> str(k) -> the final reward's retention over seeds: each seed's
+    ``reward(k) / reward(k=0)`` (the seed's own k=0 run, or the copy --share-k0 made),
+    their ``mean``, sample ``std`` (0 for one seed), ``min``, ``max`` and ``n`` (seeds
+    with both runs; nan figures when none)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for loss in losses:
+        mine = [r for r in rows if r["loss"] == loss]
+        base = {r["seed"]: r["final_reward"] for r in mine if r["k"] == 0}
+        out[loss] = {}
+        for k in ks:
+            per_seed = [
+                ratio(r["final_reward"], base[r["seed"]])
+                for r in mine
+                if r["k"] == k and r["seed"] in base
+            ]
+            out[loss][str(k)] = _spread_of([x for x in per_seed if not math.isnan(x)])
+    return out
+
+
+def _spread_of(xs: list[float]) -> dict[str, float]:
+    n = len(xs)
+    mean = _mean(xs)
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
+    return {
+        "mean": mean,
+        "std": std if n else math.nan,
+        "min": min(xs, default=math.nan),
+        "max": max(xs, default=math.nan),
+        "n": n,
+    }
+
+
+def _spread(s: dict[str, float]) -> str:
+    return f"{s['mean']:.3f} ± {s['std']:.3f} (n={s['n']})" if s["n"] else "-"
+
+
 def retention_k8(by_k: dict[str, float]) -> float:
     return ratio(by_k.get("8", math.nan), by_k.get("0", math.nan))
 
@@ -673,9 +734,9 @@ def table(rows, reward, retention, retention_same, gain, start, ks, losses, step
     print(f"outputs: {args.out}")
 
 
-def plot(path: Path, curves, reward, ks, losses, window: int = 10) -> None:
+def plot(path: Path, curves, reward, ks, losses, by_k, window: int = 10) -> None:
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(losses) + 1, figsize=(4 * (len(losses) + 1), 3.6))
+    fig, axes = plt.subplots(1, len(losses) + 2, figsize=(4 * (len(losses) + 2), 3.6))
     for ax, loss in zip(axes, losses):
         for k in ks:
             pts: dict[int, list[float]] = {}
@@ -690,12 +751,23 @@ def plot(path: Path, curves, reward, ks, losses, window: int = 10) -> None:
         ax.set_xlabel("samples trained")
         ax.set_ylabel(f"reward (mean of {window} steps)")
         ax.legend(fontsize=7)
-    ax = axes[-1]
+    ax = axes[-2]
     for loss in losses:
         ax.plot(list(ks), [reward[loss][str(k)] for k in ks], marker="o", label=loss)
     ax.set_xlabel("staleness k (versions)")
     ax.set_ylabel("final reward")
     ax.set_title("final reward vs k")
+    ax.legend(fontsize=7)
+    ax = axes[-1]
+    for loss in losses:
+        got = [(k, by_k[loss][str(k)]) for k in ks if by_k[loss][str(k)]["n"]]
+        ax.errorbar(
+            [k for k, _ in got], [s["mean"] for _, s in got], yerr=[s["std"] for _, s in got],
+            marker="o", capsize=3, label=loss,
+        )  # fmt: skip
+    ax.set_xlabel("staleness k (versions)")
+    ax.set_ylabel("reward(k) / reward(k=0)")
+    ax.set_title("retention vs k (mean ± std over seeds)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -173,6 +173,137 @@ def ref_plain_pg(batch: LossBatch, out: ModelOutputs, advantages: torch.Tensor) 
     return total
 
 
+def _ratio(out: ModelOutputs, batch: LossBatch, b: int, t: int) -> torch.Tensor:
+    """``pi/mu`` of one token with gradient, ``exp(min(log r, 20))``."""
+    lr = out.logprobs[b, t].double() - _f(batch.behaviour_logprobs, b, t)
+    return torch.exp(torch.clamp(lr, max=LOG_RATIO_CAP))
+
+
+def ref_binary_divergence(logp: float, mu: float, kind: str) -> float:
+    """Binary TV ``|p - q|`` or binary KL(q || p) of "this token or not"."""
+    p, q = math.exp(logp), math.exp(mu)
+    if kind == "tv":
+        return abs(p - q)
+    tiny = 2.2250738585072014e-308
+    not_p, not_q = max(-math.expm1(logp), tiny), max(-math.expm1(mu), tiny)
+    return q * (mu - logp) + not_q * (math.log(not_q) - math.log(not_p))
+
+
+def ref_dppo_mask(batch, out, divergence: str, low: float, high: float, kl_coef: float):
+    total = torch.zeros((), dtype=torch.float64)
+    for b in range(batch.mask.shape[0]):
+        for t in _valid(batch, b):
+            lp, mu = _f(out.logprobs, b, t), _f(batch.behaviour_logprobs, b, t)
+            a = _f(batch.advantages, b, t)
+            div = ref_binary_divergence(lp, mu, divergence)
+            if a > 0:
+                dropped = lp > mu and div > high
+            else:
+                dropped = lp < mu and div > low
+            lr = out.logprobs[b, t].double() - mu
+            term = kl_coef * lr**2
+            if not dropped:
+                term = term - _ratio(out, batch, b, t) * a
+            total = total + _f(batch.loss_weights, b, t) * term
+    return total
+
+
+def ref_loglinear_proximal(batch: LossBatch, out: ModelOutputs, b: int, t: int) -> float:
+    """AReaL's log-linear proximal log-prob: ``mu + k/(k+1) (pi - mu)``, ``k`` the staleness."""
+    k = max(batch.learner_version - int(batch.versions[b, t]), 0)
+    mu = _f(batch.behaviour_logprobs, b, t)
+    return mu + k / (k + 1) * (_f(out.logprobs, b, t) - mu)
+
+
+def _proximal(batch, out, b, t, proximal: str) -> float:
+    if proximal == "loglinear":
+        return ref_loglinear_proximal(batch, out, b, t)
+    return _f(batch.proximal_logprobs, b, t)
+
+
+def ref_decoupled_loglinear(batch, out, clip_low, clip_high, cap):
+    """Token-level decoupled PPO with the log-linear proximal policy."""
+    total = torch.zeros((), dtype=torch.float64)
+    for b in range(batch.mask.shape[0]):
+        for t in _valid(batch, b):
+            a = _f(batch.advantages, b, t)
+            prox = ref_loglinear_proximal(batch, out, b, t)
+            behave_w = min(math.exp(prox - _f(batch.behaviour_logprobs, b, t)), cap)
+            r = torch.exp(torch.clamp(out.logprobs[b, t].double() - prox, max=LOG_RATIO_CAP))
+            surrogate = -torch.minimum(r * a, torch.clamp(r, 1 - clip_low, 1 + clip_high) * a)
+            total = total + _f(batch.loss_weights, b, t) * behave_w * surrogate
+    return total
+
+
+def ref_icepop(batch, out, low, high, clip_low, clip_high, proximal="recompute"):
+    total = torch.zeros((), dtype=torch.float64)
+    for b in range(batch.mask.shape[0]):
+        for t in _valid(batch, b):
+            a = _f(batch.advantages, b, t)
+            prox = _proximal(batch, out, b, t, proximal)
+            kappa_lr = prox - _f(batch.behaviour_logprobs, b, t)
+            if not (math.log(low) if low > 0 else -math.inf) <= kappa_lr <= math.log(high):
+                continue
+            r = torch.exp(torch.clamp(out.logprobs[b, t].double() - prox, max=LOG_RATIO_CAP))
+            surrogate = -torch.minimum(r * a, torch.clamp(r, 1 - clip_low, 1 + clip_high) * a)
+            total = total + _f(batch.loss_weights, b, t) * math.exp(kappa_lr) * surrogate
+    return total
+
+
+def ref_m2po_keep(batch, out, threshold: float) -> set[tuple[int, int]]:
+    """Drop the largest ``(log pi/mu)^2`` (the later position first on ties) while the
+    mean of the rest is ``>= threshold``, keeping at least one token."""
+    tokens = []
+    for b in range(batch.mask.shape[0]):
+        for t in _valid(batch, b):
+            lr = _f(out.logprobs, b, t) - _f(batch.behaviour_logprobs, b, t)
+            tokens.append((lr * lr, b, t))
+    order = sorted(range(len(tokens)), key=lambda i: (tokens[i][0], i))
+    kept = [tokens[i] for i in order]
+    while len(kept) > 1 and sum(m for m, _, _ in kept) / len(kept) >= threshold:
+        kept.pop()
+    return {(b, t) for _, b, t in kept}
+
+
+def ref_m2po(batch, out, threshold: float):
+    keep = ref_m2po_keep(batch, out, threshold)
+    total = torch.zeros((), dtype=torch.float64)
+    for b, t in sorted(keep):
+        term = -_ratio(out, batch, b, t) * _f(batch.advantages, b, t)
+        total = total + _f(batch.loss_weights, b, t) * term
+    return total
+
+
+def ref_gspo(batch, out, clip_low: float, clip_high: float):
+    """Per answer ``s = exp(mean_t log pi/mu)``; each token's term ``-min(s A, clip(s) A)``
+    with ``s`` a constant times ``exp(logp - sg(logp))`` (value ``s``, gradient ``s``)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for b in range(batch.mask.shape[0]):
+        ts = _valid(batch, b)
+        if not ts:
+            continue
+        lrs = [_f(out.logprobs, b, t) - _f(batch.behaviour_logprobs, b, t) for t in ts]
+        seq = math.exp(min(sum(lrs) / len(ts), LOG_RATIO_CAP))
+        for t in ts:
+            lp = out.logprobs[b, t].double()
+            s = seq * torch.exp(lp - lp.detach())
+            a = _f(batch.advantages, b, t)
+            term = -torch.minimum(s * a, torch.clamp(s, 1 - clip_low, 1 + clip_high) * a)
+            total = total + _f(batch.loss_weights, b, t) * term
+    return total
+
+
+def ref_cispo(batch, out, clip_low: float, clip_high: float):
+    total = torch.zeros((), dtype=torch.float64)
+    for b in range(batch.mask.shape[0]):
+        for t in _valid(batch, b):
+            r = math.exp(min(_f(out.logprobs, b, t) - _f(batch.behaviour_logprobs, b, t), 20.0))
+            w = min(max(r, 1 - clip_low), 1 + clip_high)
+            term = -w * _f(batch.advantages, b, t) * out.logprobs[b, t].double()
+            total = total + _f(batch.loss_weights, b, t) * term
+    return total
+
+
 # --------------------------------------------------------------------- V-trace
 
 

@@ -171,6 +171,7 @@ def test_staleness_benchmark(tmp_path):
     )
     assert set(f) == {
         "reward",
+        "retention_by_k",
         "retention_k8",
         "retention_k8_same_version",
         "start_reward",
@@ -179,6 +180,9 @@ def test_staleness_benchmark(tmp_path):
     assert 0 <= f["start_reward"] <= 1 and set(f["gain_retention_k8"]) == {"none"}
     assert set(f["reward"]) == {"none"} and set(f["reward"]["none"]) == {"0", "8"}
     assert all(0 <= v <= 1 for v in f["reward"]["none"].values())
+    by_k = f["retention_by_k"]["none"]  # one seed: its own ratio, no spread
+    assert set(by_k) == {"0", "8"} and by_k["0"]["mean"] == 1.0 and by_k["8"]["n"] == 1
+    assert math.isclose(by_k["8"]["mean"], f["retention_k8"]["none"]) and by_k["8"]["std"] == 0
     for key in ("retention_k8", "retention_k8_same_version"):
         assert set(f[key]) == {"none"} and finite(f[key]["none"]) and f[key]["none"] >= 0
     rows = list(csv.DictReader((tmp_path / "staleness.csv").open()))
@@ -370,6 +374,31 @@ def write_sweep(d: Path, runs, curve_run=lambda i: i) -> str:
         )
     )
     return str(d)
+
+
+def test_staleness_retention_by_k_over_seeds(tmp_path):
+    """retention_by_k: every k swept, each seed's reward(k) / reward(k=0), then mean, sample
+    std, min, max and n over the seeds; a seed without its k=0 run does not count, a loss
+    with none has nulls; the plot is written."""
+    runs = [  # loss, k, seed, final reward, shared_from
+        ("tis", 0, 0, 0.6, ""), ("tis", 2, 0, 0.54, ""), ("tis", 8, 0, 0.5, ""),
+        ("tis", 0, 1, 0.7, ""), ("tis", 2, 1, 0.7, ""), ("tis", 8, 1, 0.56, ""),
+        ("tis", 8, 2, 0.1, ""),  # seed 2 has no k=0: left out
+        ("mis", 8, 0, 0.5, ""),
+    ]  # fmt: skip
+    f = run_bench("staleness", tmp_path / "out", "--summarise", write_sweep(tmp_path / "s", runs))
+    tis = f["retention_by_k"]["tis"]
+    assert set(tis) == {"0", "2", "8"}
+    assert tis["0"] == {"mean": 1.0, "std": 0.0, "min": 1.0, "max": 1.0, "n": 2}
+    k8 = [0.5 / 0.6, 0.56 / 0.7]
+    assert tis["8"]["n"] == 2 and math.isclose(tis["8"]["mean"], sum(k8) / 2)
+    assert math.isclose(tis["8"]["std"], abs(k8[0] - k8[1]) / math.sqrt(2))
+    assert math.isclose(tis["8"]["min"], min(k8)) and math.isclose(tis["8"]["max"], max(k8))
+    assert math.isclose(tis["2"]["mean"], (0.9 + 1.0) / 2)
+    assert f["retention_by_k"]["mis"]["8"] == {
+        "mean": None, "std": None, "min": None, "max": None, "n": 0
+    }  # fmt: skip
+    assert (tmp_path / "out" / "staleness.png").stat().st_size > 0
 
 
 def test_staleness_summarise_shares_a_missing_k0(tmp_path):

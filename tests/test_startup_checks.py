@@ -121,7 +121,7 @@ CLI_ROWS = {
     "unknown_key": ("foo=1", "foo: no such key; accepted here: ['actor', "),
     "unknown_option": (
         "loss=nonexistent",
-        "loss=nonexistent: no such option in config group 'loss'; accepted: ['clipped', ",
+        "loss=nonexistent: no such option in config group 'loss'; accepted: ['cispo', 'clipped', ",
     ),  # fmt: skip
 }
 
