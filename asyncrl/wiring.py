@@ -319,7 +319,7 @@ def stop_parts(parts: Parts, quiet: bool = False) -> tuple[dict, dict]:
         queue_stats.update(ray.get(parts.queue.stats.remote(), timeout=10))
 
     _closing("queue", close_queue, quiet)
-    _closing("learner", parts.learner.close, quiet)
+    _closing("learner", lambda: parts.learner.close(), quiet)
     return queue_stats, actor_stats
 
 
