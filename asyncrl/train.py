@@ -183,9 +183,14 @@ def _before_ray(cfg: DictConfig, setup: Setup, out_dir: Path) -> HealthMonitor:
 
 
 def _train(
-    cfg: DictConfig, setup: Setup, live: _Live, ledger: RestartLedger, monitor: HealthMonitor,
-    out_dir: Path, stop: GracefulStop,
-) -> tuple[LoopResult, LoopHooks]:  # fmt: skip
+    cfg: DictConfig,
+    setup: Setup,
+    live: _Live,
+    ledger: RestartLedger,
+    monitor: HealthMonitor,
+    out_dir: Path,
+    stop: GracefulStop,
+) -> tuple[LoopResult, LoopHooks]:
     """Segments of the run until one reaches the end: after a learner rank died
     (asyncrl/fault/learner.py) a new segment starts from the newest checkpoint.
     ``live.parts`` holds the last segment's parts, still running."""
@@ -237,9 +242,14 @@ def _finish(
 
 
 def _segment(
-    cfg: DictConfig, setup: Setup, parts: Parts, ledger: RestartLedger, hooks: LoopHooks,
-    out_dir: Path, stop: GracefulStop,
-) -> LoopResult:  # fmt: skip
+    cfg: DictConfig,
+    setup: Setup,
+    parts: Parts,
+    ledger: RestartLedger,
+    hooks: LoopHooks,
+    out_dir: Path,
+    stop: GracefulStop,
+) -> LoopResult:
     """Resume (``resume=``, or after a restart the newest checkpoint), train to
     ``max_steps``, save the final checkpoint. A dead learner rank raises from here."""
     version = ledger.resume(parts)
@@ -271,8 +281,10 @@ def execute(cfg: DictConfig, out_dir: Path) -> int:
         return 3
     except Interrupted as e:
         what = "before the first step" if e.during == "during start-up" else "abandoning the step"
-        print(f"asyncrl: stopped by {e.signame} {e.during}, {what}; outputs so far: {out_dir}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"asyncrl: stopped by {e.signame} {e.during}, {what}; outputs so far: {out_dir}",
+            file=sys.stderr,
+        )
         return SIGNAL_EXIT
     if summary["stopped_by"]:
         print(

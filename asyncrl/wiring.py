@@ -23,8 +23,6 @@ from asyncrl.eval.launch import EvalPlan, prepare_eval
 from asyncrl.eval.settings import EvalSettings
 from asyncrl.fault.settings import FaultSettings
 from asyncrl.learner.config import LearnerSettings
-from asyncrl.losses.advantages import Advantage
-from asyncrl.losses.base import Loss
 from asyncrl.models.resolve import resolve_model  # model.preset / path / tiny, checked
 from asyncrl.parts import ActorHandle, Fleet, Parts, QueueHandle, Supervisor
 from asyncrl.replay.settings import ReplaySettings
@@ -35,7 +33,9 @@ from asyncrl.tasks.sampler import SamplerSettings, with_sampler
 from asyncrl.utils.affinity import keep_off, restore
 from asyncrl.utils.runlog import LogSettings, Scalars
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # these import torch, which prepare() imports only once it builds them
+    from asyncrl.losses.advantages import Advantage
+    from asyncrl.losses.base import Loss
     from asyncrl.rewards.pool import RewardClient
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,8 @@ def _checkpoint_keep(cfg: DictConfig) -> None:
 def build_loss(cfg: DictConfig) -> Loss:
     """``loss._target_``: callable as ``loss(batch, outputs)``, declaring what it needs
     (``needs_proximal``, ``needs_values``: asyncrl/losses/base.py)."""
+    from asyncrl.losses.base import Loss
+
     loss = build("loss", cfg.loss)
     if not isinstance(loss, Loss):
         missing = [n for n in ("needs_proximal", "needs_values") if not hasattr(loss, n)]
@@ -167,11 +169,23 @@ def prepare(cfg: DictConfig) -> Setup:
         "eval": evaluation.num_cpus if evaluation.enabled else 0,
     }
     return Setup(
-        model_path=model_path, task=task, loss=loss, advantage=advantage, run=run,
-        actor=actor, learner=learner, broker=broker, replay=replay, ray=ray_settings,
-        resources=resources, env=env, log=log_settings, evaluation=eval_plan,
-        reward=reward, fault=fault,
-    )  # fmt: skip
+        model_path=model_path,
+        task=task,
+        loss=loss,
+        advantage=advantage,
+        run=run,
+        actor=actor,
+        learner=learner,
+        broker=broker,
+        replay=replay,
+        ray=ray_settings,
+        resources=resources,
+        env=env,
+        log=log_settings,
+        evaluation=eval_plan,
+        reward=reward,
+        fault=fault,
+    )
 
 
 def start_parts(
@@ -200,9 +214,15 @@ def start_parts(
     # the engines (~25 s each on a CPU) start while the learner ranks load the model
     started = [a.start.remote() for a in actors.values()]
     learner = start_learner(
-        setup.learner, setup.model_path, setup.loss, setup.advantage, setup.actor.sampling,
-        setup.run.seed, setup.run.max_steps, trajectory_log=setup.log.spec(out_dir),
-    )  # fmt: skip
+        setup.learner,
+        setup.model_path,
+        setup.loss,
+        setup.advantage,
+        setup.actor.sampling,
+        setup.run.seed,
+        setup.run.max_steps,
+        trajectory_log=setup.log.spec(out_dir),
+    )
     startup_mark("learner_started")
     ray.get(started)  # engines up
     startup_mark("engines_up")
@@ -214,9 +234,15 @@ def start_parts(
     startup_mark("broker_up")  # the actors primed with version 0
     supervisor = supervise(setup, Fleet(queue, actors, broker), rewards, seeds)
     return Parts(
-        queue=queue, actors=actors, learner=learner, broker=broker, started_ray=started_ray,
-        supervisor=supervisor, reward_workers=reward_workers, moved_affinity=moved,
-    )  # fmt: skip
+        queue=queue,
+        actors=actors,
+        learner=learner,
+        broker=broker,
+        started_ray=started_ray,
+        supervisor=supervisor,
+        reward_workers=reward_workers,
+        moved_affinity=moved,
+    )
 
 
 def _new_actor(setup: Setup, queue: QueueHandle, name: str, seed: int) -> ActorHandle:
