@@ -15,8 +15,8 @@ staleness and throughput benchmarks), with small hooks for what they vary.
              alerts (hooks.monitor); log metrics; checkpoint every ``learner.checkpoint_every``
 
 Only ObjectRefs and small metadata pass through the driver: trajectories go from the
-queue's ``ray.put`` of an actor's hand-off to the learner ranks' ``ray.get``, weights from the learner to the
-actors through the broker.
+actors to the learner ranks through Ray's object store, weights from the learner to the
+actors through the broker. The parts and what the loop calls on each: asyncrl/parts.py.
 """
 
 from __future__ import annotations
