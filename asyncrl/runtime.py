@@ -4,7 +4,6 @@ SIGINT/SIGTERM handling. The running parts themselves: asyncrl/parts.py."""
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import os
 import signal
@@ -13,17 +12,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.cluster.ship import ShipCode
 from asyncrl.config import ConfigError, check_ray_address, settings_from
 
 log = logging.getLogger(__name__)
-
-
-class ShipCode(enum.StrEnum):
-    """How the run's code reaches Ray's workers (``ray.ship_code``)."""
-
-    AUTO = "auto"  # a joined cluster (ray.address): ship; a local Ray: the driver's paths
-    ALWAYS = "always"  # ship through runtime_env (py_modules + working_dir) in any case
-    NEVER = "never"  # the driver's paths as PYTHONPATH: every node must have them
 
 
 @dataclass
@@ -51,7 +43,7 @@ def init_ray(ray_cfg: RaySettings) -> bool:
     """Join ``ray.address`` or start a local Ray on loopback; True if we started it."""
     import ray
 
-    from asyncrl.cluster.ship import code_runtime_env
+    from asyncrl.cluster.ship import code_runtime_env  # noqa: I001
 
     env = {
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),

@@ -9,7 +9,7 @@ Per-token arrays are numpy and all have the response length ``R``:
   may span versions when weights change in flight)
 * ``loss_mask``        bool  [R]  True for tokens the learner trains on (env/tool tokens False)
 
-A multi-turn episode (asyncrl/envs/runner.py) is one trajectory: its response holds
+A multi-turn episode (asyncrl/actor/env_runner.py) is one trajectory: its response holds
 every turn's generated tokens (mask True) and the observations between them (mask
 False, behaviour log-prob 0, the version of the generated token before them).
 Staleness is over generated tokens only (``min_version``/``max_version``).

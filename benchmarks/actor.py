@@ -59,8 +59,8 @@ import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 from asyncrl.actor.controlled import ControlledRolloutActor  # noqa: E402
-from asyncrl.actor.engine import sampling_params  # noqa: E402
 from asyncrl.actor.placement import pin_engine_io  # noqa: E402
+from asyncrl.engine.vllm_engine import sampling_params  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     actor_pid,
     compose,

@@ -92,9 +92,10 @@ def run_fingerprint(
     cfg: Any = None, model_path: Path | str | None = None, seed: int | None = None
 ) -> dict[str, Any]:
     """The fingerprint of a benchmark run (no cfg or model: code, versions, hardware)."""
+    from asyncrl.models.shipped import WEIGHTS_SHA256
     from asyncrl.utils.fingerprint import fingerprint
 
-    return fingerprint(cfg, model_path, seed)
+    return fingerprint(cfg, model_path, seed, WEIGHTS_SHA256)
 
 
 def fingerprint_columns(fp: dict[str, Any]) -> dict[str, Any]:

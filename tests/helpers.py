@@ -45,9 +45,9 @@ async def engine_actor(model, task, settings, name: str = "t0", env=None):
     no generate loop) and its episode runner (``env``: the multi-turn one, None: the
     single-turn one), its weights labelled version 0 as the actor does. The engine is
     shut down on exit. The vLLM tests share one per module (a start costs ~25-60 s)."""
-    from asyncrl.actor.engine import make_engine
+    from asyncrl.actor.env_runner import make_runner
     from asyncrl.actor.rollout import RolloutActor
-    from asyncrl.envs.runner import make_runner
+    from asyncrl.engine.vllm_engine import make_engine
 
     a = RolloutActor(name, str(model), task, None, settings, seed=0, env=env)
     a.engine = make_engine(str(model), settings.engine, 0)

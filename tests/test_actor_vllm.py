@@ -141,7 +141,7 @@ async def test_versions_exact_across_inflight_update(actor, learner, tiny_model)
     await _update(actor, perturbed_state(learner, seed=2), 2)
     outs = await asyncio.gather(*tasks)
 
-    from asyncrl.actor.engine import completion_arrays
+    from asyncrl.engine.vllm_engine import completion_arrays
     from asyncrl.trajectory import Trajectory
 
     spanned = 0
@@ -171,6 +171,6 @@ async def test_versions_exact_across_inflight_update(actor, learner, tiny_model)
 async def test_engine_worker_naps_instead_of_spinning(actor):
     """The engine's worker process got asyncrl's vLLM plugin (entry point, or the worker
     extension's import) with the CPU default nap (actor.engine.spin_nap_s: null)."""
-    from asyncrl.actor.engine import CPU_SPIN_NAP_S
+    from asyncrl.engine.vllm_engine import CPU_SPIN_NAP_S
 
     assert await actor.engine.collective_rpc("asyncrl_spin_nap") == [CPU_SPIN_NAP_S]

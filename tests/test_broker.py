@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asyncrl.actor.worker_ext import AsyncRLWorkerExtension
 from asyncrl.broker.plan import ActorView, SyncSet, plan_waves
 from asyncrl.broker.settings import PAYLOAD_MODES, BrokerKind, BrokerSettings
 from asyncrl.config import ConfigError
+from asyncrl.engine.worker_ext import AsyncRLWorkerExtension
 from asyncrl.learner.weights import WeightsOut
 from asyncrl.transport.broadcast import NO_VERSION
 from asyncrl.transport.delta import Mode

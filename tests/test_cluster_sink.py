@@ -13,8 +13,7 @@ import pytest
 import torch
 from helpers import build_tiny_qwen, refused_before_ray, trajs
 
-from asyncrl.cluster.ship import EXCLUDES, code_runtime_env, package_dir
-from asyncrl.runtime import ShipCode
+from asyncrl.cluster.ship import EXCLUDES, ShipCode, code_runtime_env, package_dir
 
 ENV = {"TOKENIZERS_PARALLELISM": "false"}
 CONF = Path(__file__).parents[1] / "conf"

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from asyncrl.actor.env_runner import MultiTurnEpisodes, make_runner
 from asyncrl.actor.episode import EpisodeAborted, SingleTurnEpisodes, turn_seed
 from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
 from asyncrl.config import ConfigError
 from asyncrl.envs.base import StepResult
 from asyncrl.envs.calculator import ALPHABET, CalculatorEnv, CalculatorTask, evaluate
-from asyncrl.envs.runner import MultiTurnEpisodes, make_runner
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.models.tiny import build_tokenizer
 from asyncrl.tasks.base import Prompt

@@ -15,10 +15,10 @@ import pytest
 from test_envs import ScriptedEngine
 
 import asyncrl.sandbox.pool as pool_module
+from asyncrl.actor.env_runner import MultiTurnEpisodes
 from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
 from asyncrl.config import ConfigError
 from asyncrl.envs.code import CodeEnv, CodeTask
-from asyncrl.envs.runner import MultiTurnEpisodes
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.models.tiny import build_tokenizer
 from asyncrl.sandbox import SandboxPool, SandboxSettings

@@ -12,9 +12,9 @@ import pytest_asyncio
 import torch
 from helpers import engine_actor, fp32_learner, perturbed_state
 
+from asyncrl.actor.env_runner import MultiTurnEpisodes
 from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
 from asyncrl.envs.base import StepResult
-from asyncrl.envs.runner import MultiTurnEpisodes
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.learner.learner import Learner
 from asyncrl.tasks.base import Prompt

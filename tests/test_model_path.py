@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from asyncrl.config import ConfigError
-from asyncrl.learner.model import decoder_layers
+from asyncrl.models.arch import decoder_layers
 from asyncrl.models.resolve import check_architecture, is_hub_id, local_or_hub
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -113,7 +113,9 @@ class _NoBlocks(nn.Module):
 
 
 def test_an_architecture_without_findable_layers_is_refused_by_name(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match=r"_NoBlocks \(model_type oddball\): cannot find its decoder"):
+    with pytest.raises(
+        ValueError, match=r"_NoBlocks \(model_type oddball\): cannot find its decoder"
+    ):
         decoder_layers(_NoBlocks())
     # the same at start-up, through check_architecture: one ConfigError naming the key
     import transformers

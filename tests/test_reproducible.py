@@ -167,7 +167,7 @@ def test_learner_step_on_a_fixed_batch_is_bit_identical(tmp_path):
 def test_fingerprint_says_what_ran(tmp_path):
     cfg = OmegaConf.create({"seed": 3, "lr": "${x}", "x": 0.5})
     model = ensure_tiny_model(default_task(), default_spec(), tmp_path)
-    fp = fingerprint(cfg, model, 3)
+    fp = fingerprint(cfg, model, 3, shipped.WEIGHTS_SHA256)
     assert fp["model"] == {"path": str(model), "weights_sha256": RECORDED, "shipped": True}
     resolved = OmegaConf.to_yaml(cfg, resolve=True).encode()
     assert fp["config_sha256"] == hashlib.sha256(resolved).hexdigest()
@@ -184,7 +184,7 @@ def test_fingerprint_says_what_ran(tmp_path):
 
 
 def test_fingerprint_of_another_model_is_not_shipped(tmp_path):
-    fp = fingerprint(None, build_tiny_qwen(tmp_path), None)
+    fp = fingerprint(None, build_tiny_qwen(tmp_path), None, shipped.WEIGHTS_SHA256)
     assert fp["model"]["shipped"] is False and len(fp["model"]["weights_sha256"]) == 64
     assert fp["config_sha256"] is None
 
@@ -219,8 +219,8 @@ def test_cpu_model_reads_the_first_processor(tmp_path):
 def test_group_seeds_follow_the_run_seed_and_the_index():
     from types import SimpleNamespace
 
-    from asyncrl.actor.engine import GROUP_SEED_STRIDE, group_params, sampling_params
     from asyncrl.actor.settings import SamplingSettings
+    from asyncrl.engine.vllm_engine import GROUP_SEED_STRIDE, group_params, sampling_params
 
     sampling = SamplingSettings(n=4, temperature=1.0, max_tokens=6)
     params = sampling_params(sampling)

@@ -9,9 +9,9 @@ import asyncio
 import pytest
 import pytest_asyncio
 
-from asyncrl.actor.engine import make_engine
 from asyncrl.actor.episode import SingleTurnEpisodes
 from asyncrl.actor.settings import EngineSettings, SamplingSettings
+from asyncrl.engine.vllm_engine import make_engine
 from asyncrl.tasks.base import TaskSampler
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -55,4 +55,3 @@ async def test_other_seeds_sample_otherwise(engine, task):
     second._groups = 1000  # the same prompts as groups 1000-1011: other seeds
     b = samples([await second.run_group(p) for p in prompts(task)])
     assert a != b
-

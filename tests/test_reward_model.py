@@ -52,8 +52,8 @@ def test_batcher_error_reaches_every_caller_of_the_pass():
 
 
 def test_bad_model_directories_are_refused(tmp_path, tiny_model):
-    from asyncrl.models.tiny_rm import ensure_tiny_rm
     from asyncrl.rewards.rm import RewardModel
+    from asyncrl.rewards.tiny_rm import ensure_tiny_rm
 
     with pytest.raises(ConfigError, match=r"model=.*nope: no such directory"):
         RewardModel(model=str(tmp_path / "nope"))

@@ -289,7 +289,7 @@ def _completion(token_ids, logprobs, flat: bool):
 def test_flat_and_dict_logprobs_read_the_same():
     import numpy as np
 
-    from asyncrl.actor.engine import completion_arrays
+    from asyncrl.engine.vllm_engine import completion_arrays
 
     ids, lps = [17, 23, 5], [-0.25, -1.5, -0.125]
     flat = completion_arrays(_completion(ids, lps, flat=True), 3)
@@ -302,7 +302,7 @@ def test_flat_and_dict_logprobs_read_the_same():
 
 
 def test_logprobs_not_of_the_sampled_tokens_are_refused():
-    from asyncrl.actor.engine import completion_arrays
+    from asyncrl.engine.vllm_engine import completion_arrays
 
     comp = _completion([17, 23], [-0.5, -0.5], flat=True)
     comp.token_ids = [17, 24]  # position 1's log-prob belongs to another token
@@ -314,7 +314,7 @@ def test_logprobs_not_of_the_sampled_tokens_are_refused():
 
 
 def test_groups_ask_vllm_for_flat_logprobs():
-    from asyncrl.actor.engine import sampling_params
+    from asyncrl.engine.vllm_engine import sampling_params
 
     params = sampling_params(SamplingSettings(top_k=0))
     assert params.logprobs == 0 and params.flat_logprobs and params.detokenize is False
@@ -361,7 +361,7 @@ def test_engine_settings_reach_vllm(monkeypatch):
     replaced: it would take 25 s to start): vLLM's stats are off unless asked for."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from asyncrl.actor.engine import make_engine
+    from asyncrl.engine.vllm_engine import make_engine
 
     got = []
     monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(lambda cls, a: got.append(a)))
@@ -373,7 +373,7 @@ def test_engine_settings_reach_vllm(monkeypatch):
 
 def test_prompts_go_raw_to_a_vllm_without_a_renderer():
     """An engine without vLLM's renderer API takes the raw prompt dict."""
-    from asyncrl.actor.engine import prompt_renderer
+    from asyncrl.engine.vllm_engine import prompt_renderer
 
     class OldEngine:
         pass

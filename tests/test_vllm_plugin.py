@@ -1,4 +1,4 @@
-"""asyncrl's vLLM plugin (asyncrl/actor/vllm_plugin.py): vLLM's shared-memory message
+"""asyncrl's vLLM plugin (asyncrl/engine/vllm_plugin.py): vLLM's shared-memory message
 queue, a writer here and a reader in a spawned process as in an engine, delivers every
 message with the plugin on, and a reader idling after its last message naps instead of
 burning a core on sched_yield for vLLM's 1 s busy window."""
@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from asyncrl.actor import vllm_plugin
 from asyncrl.actor.settings import EngineSettings
 from asyncrl.config import ConfigError
+from asyncrl.engine import vllm_plugin
 
 N_MESSAGES = 20
 

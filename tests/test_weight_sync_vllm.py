@@ -64,7 +64,7 @@ def _probe(actor, text: str, max_tokens: int) -> dict:
     async def gen():
         from vllm import SamplingParams
 
-        from asyncrl.actor.engine import completion_arrays
+        from asyncrl.engine.vllm_engine import completion_arrays
 
         params = SamplingParams(n=1, temperature=1.0, max_tokens=max_tokens, logprobs=0)
         final = None

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from asyncrl.actor.worker_ext import AsyncRLWorkerExtension
+from asyncrl.engine.worker_ext import AsyncRLWorkerExtension
 
 
 class FakeRunner:

@@ -14,7 +14,7 @@ The contract every runner keeps (the learner and the queue rely on it):
   tokenized again: an episode of several turns builds them turn by turn.
 * ``behaviour_logprobs[i]`` is the log-prob of ``response_ids[i]`` under the
   distribution the engine sampled it from (after temperature / top-k / top-p:
-  ``asyncrl.actor.engine.completion_arrays``).
+  ``asyncrl.engine.vllm_engine.completion_arrays``).
 * ``versions[i]`` is the policy version of the weights that produced token ``i``,
   as the engine labels it (a sequence may span a weight update).
 * ``loss_mask[i]`` is True for tokens the policy generated, False for tokens it did
@@ -41,8 +41,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from asyncrl.actor.engine import completion_arrays, group_params, prompt_renderer, sampling_params
 from asyncrl.actor.settings import SamplingSettings
+from asyncrl.engine.vllm_engine import (
+    completion_arrays,
+    group_params,
+    prompt_renderer,
+    sampling_params,
+)
 from asyncrl.rewards.base import RewardInput
 from asyncrl.rewards.pool import RewardClient
 from asyncrl.tasks.base import Prompt, Task, score

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from asyncrl.actor.engine import on_cpu
+from asyncrl.engine.vllm_engine import on_cpu
 from asyncrl.utils.affinity import children, pin_threads, process_tree
 
 

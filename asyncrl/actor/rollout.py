@@ -22,7 +22,7 @@ now, never waiting). The loop itself asks, and waits, only once a quarter of
 window is shut). Under ``abort`` an episode that lost requests to a weight update
 runs again from its prompt: every trajectory comes from complete generation.
 
-Beside it: one episode (episode.py, envs/runner.py; its rewards, asyncrl/rewards/),
+Beside it: one episode (episode.py, env_runner.py; its rewards, asyncrl/rewards/),
 the hand-off's answers (handoff.py), placement.py, weights.py, settings.py, and the
 test and benchmark controls (controlled.py).
 """
@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.actor import placement, weights
-from asyncrl.actor.engine import make_engine
+from asyncrl.actor.env_runner import make_runner
 from asyncrl.actor.episode import EpisodeAborted, EpisodeRunner
 from asyncrl.actor.handoff import HandOffSlots, group_meta
 from asyncrl.actor.settings import ActorSettings
-from asyncrl.envs.runner import make_runner
+from asyncrl.engine.vllm_engine import make_engine
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.replay.queue import Outbox
 from asyncrl.rewards.pool import RewardClient

@@ -72,7 +72,7 @@ class EngineSettings:
     disable_log_stats: bool = True
     gpu_memory_utilization: float = 0.5
     # vLLM's message-queue readers spin on sched_yield between model steps; on a CPU that
-    # takes the learner's core (asyncrl/actor/vllm_plugin.py). Seconds each turn of that
+    # takes the learner's core (asyncrl/engine/vllm_plugin.py). Seconds each turn of that
     # wait sleeps instead; null: 0.0002 on a CPU, vLLM's spin on a GPU; 0: vLLM's spin.
     spin_nap_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # any other EngineArgs field

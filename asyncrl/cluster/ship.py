@@ -16,6 +16,7 @@ and venv); ``always`` on a local Ray exercises the cluster path on one machine.
 
 from __future__ import annotations
 
+import enum
 import os
 import sys
 from pathlib import Path
@@ -30,16 +31,22 @@ EXCLUDES = [
 ]  # fmt: skip
 
 
+class ShipCode(enum.StrEnum):
+    """How the run's code reaches Ray's workers (``ray.ship_code``)."""
+
+    AUTO = "auto"  # a joined cluster (ray.address): ship; a local Ray: the driver's paths
+    ALWAYS = "always"  # ship through runtime_env (py_modules + working_dir) in any case
+    NEVER = "never"  # the driver's paths as PYTHONPATH: every node must have them
+
+
 def package_dir() -> Path:
     import asyncrl
 
     return Path(asyncrl.__file__).resolve().parent
 
 
-def code_runtime_env(ship: Any, joined: bool, env_vars: dict[str, str]) -> dict[str, Any]:
+def code_runtime_env(ship: ShipCode, joined: bool, env_vars: dict[str, str]) -> dict[str, Any]:
     """The job's ``runtime_env``: ``env_vars`` plus the code, shipped or by path."""
-    from asyncrl.runtime import ShipCode
-
     env = dict(env_vars)
     if ship is ShipCode.NEVER or (ship is ShipCode.AUTO and not joined):
         env["PYTHONPATH"] = os.pathsep.join(

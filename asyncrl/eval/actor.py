@@ -44,7 +44,7 @@ class EvalActor:
 
     async def start(self) -> None:
         from asyncrl.actor import weights
-        from asyncrl.actor.engine import make_engine, prompt_renderer
+        from asyncrl.engine.vllm_engine import make_engine, prompt_renderer
 
         self.engine = make_engine(self.model_path, self.engine_settings, self.seed)
         self._render = prompt_renderer(self.engine)
@@ -94,16 +94,9 @@ class EvalActor:
         }
 
     def _params(self, n: int, temperature: float) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from asyncrl.engine.vllm_engine import text_params
 
-        return SamplingParams(
-            n=n,
-            temperature=temperature,
-            max_tokens=self.max_tokens,
-            seed=self.seed if temperature > 0 else None,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        return text_params(temperature, self.max_tokens, n, self.seed if temperature > 0 else None)
 
     async def _generate(self, prompt: Prompt, params: Any) -> list[str]:
         final = None

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from asyncrl.learner.model import LM_PREFIX, VALUE_PREFIX, PolicyModel, decoder_layers
+from asyncrl.learner.model import LM_PREFIX, VALUE_PREFIX, PolicyModel
+from asyncrl.models.arch import decoder_layers
 
 LOOPBACK = "127.0.0.1"
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 

@@ -98,9 +98,7 @@ def trajectory_metrics(trajs: list, learner_version: int) -> dict[str, Any]:
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         # stopped by the token limit, not by the model (veRL's response_length/clip_ratio)
-        "response_length/clip_ratio": float(
-            np.mean([t.finish_reason == "length" for t in trajs])
-        ),
+        "response_length/clip_ratio": float(np.mean([t.finish_reason == "length" for t in trajs])),
         "staleness/mean": float(stale.mean()),
         "staleness/max": float(stale.max()),
         "staleness/hist": stale.tolist(),  # a list: the TensorBoard sink draws a histogram

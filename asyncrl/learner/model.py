@@ -47,31 +47,6 @@ class PolicyModel(nn.Module):
         return policy_forward(self.lm, self.value_head, input_ids, position_ids, flat_pos)
 
 
-def decoder_layers(lm: nn.Module) -> nn.ModuleList:
-    """The transformer blocks (FSDP shards one unit per block): the decoder's ``layers``
-    (Llama, Qwen, Mistral, Gemma, ...) or else, for any other HF model, the longest
-    ModuleList whose entries are all of a class the model names in ``_no_split_modules``
-    (HF's own list of its blocks, e.g. GPT-2's ``h`` of ``GPT2Block``)."""
-    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    if isinstance(layers, nn.ModuleList) and len(layers):
-        return layers
-    blocks = set(getattr(lm, "_no_split_modules", None) or ())
-    found = [
-        m
-        for m in lm.modules()
-        if isinstance(m, nn.ModuleList) and len(m) and all(type(b).__name__ in blocks for b in m)
-    ]
-    if not found:
-        model_type = getattr(getattr(lm, "config", None), "model_type", "?")
-        raise ValueError(
-            f"{type(lm).__name__} (model_type {model_type}): cannot find its decoder layers "
-            "(neither `get_decoder().layers` nor a list of its `_no_split_modules` blocks), "
-            "which the learner's FSDP wrapping shards; this architecture is not supported"
-        )
-    return max(found, key=len)
-
-
 def load_lm(model_path: str, attn_implementation: str = "sdpa") -> nn.Module:
     from transformers import AutoModelForCausalLM
 

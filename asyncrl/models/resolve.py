@@ -9,7 +9,7 @@ Ray starts (a wrong model is one ConfigError naming the key, exit 2).
 - neither: the tiny offline model (:mod:`asyncrl.models.tiny`).
 
 Then the architecture is checked on the meta device (no weights read): the learner must
-find its decoder layers (:func:`asyncrl.learner.model.decoder_layers`), or the model is
+find its decoder layers (:func:`asyncrl.models.arch.decoder_layers`), or the model is
 refused by name. A task with ``bind_model`` (chat tasks) then takes the model's chat
 template.
 """
@@ -89,7 +89,9 @@ def local_or_hub(path: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError as e:
-        raise ConfigError(f"model.path={path}: a hub id, but huggingface_hub is not installed") from e
+        raise ConfigError(
+            f"model.path={path}: a hub id, but huggingface_hub is not installed"
+        ) from e
     try:  # the HF cache first: a model downloaded before needs no hub
         return check_model_dir(snapshot_download(path, local_files_only=True))
     except ConfigError:
@@ -119,7 +121,7 @@ def check_architecture(model_dir: Path, key: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from asyncrl.learner.model import decoder_layers
+    from asyncrl.models.arch import decoder_layers
 
     try:
         config = AutoConfig.from_pretrained(str(model_dir))

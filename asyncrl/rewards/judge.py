@@ -13,7 +13,7 @@ actor grades each episode by a rubric.
       logs reward/judge_errors); a parsed score is cached (LRU, `cache_size` entries)
 
 The judge's weights are never synced: it is a separate engine the broker does not
-know. ``model: tiny`` is :func:`asyncrl.models.tiny_rm.ensure_tiny_judge` (a format-only
+know. ``model: tiny`` is :func:`asyncrl.rewards.tiny_rm.ensure_tiny_judge` (a format-only
 judge: its scores mean nothing, its malformed answers exercise the failure path).
 """
 
@@ -46,11 +46,9 @@ class JudgeServer:
         self.requests = 0
 
     async def generate(self, prompts: list[str], temperature: float, max_tokens: int) -> list[str]:
-        from vllm import SamplingParams
+        from asyncrl.engine.vllm_engine import make_engine, prompt_renderer, text_params
 
         if self.engine is None:
-            from asyncrl.actor.engine import make_engine, prompt_renderer
-
             self.engine = make_engine(self.model_dir, self.settings, self.seed)
             self.render = prompt_renderer(self.engine)
         self.requests += len(prompts)
@@ -59,7 +57,7 @@ class JudgeServer:
             # no per-request seed: vLLM rewinds a seeded CPU generator when a long
             # prompt's prefill is chunked, which the CPU generator cannot do (the engine
             # dies); unseeded, each retry still samples anew from the engine's generator
-            params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
+            params = text_params(temperature, max_tokens)
             final = None
             async for out in self.engine.generate(self.render(text), params, uuid.uuid4().hex):
                 final = out
@@ -116,7 +114,7 @@ class Judge(Reward):
                 f"temperature={temperature}, timeout_s={timeout_s}: expected >= 0, > 0"
             )
         if model == "tiny":
-            from asyncrl.models.tiny_rm import ensure_tiny_judge
+            from asyncrl.rewards.tiny_rm import ensure_tiny_judge
 
             self.model_dir = str(ensure_tiny_judge())
         else:

@@ -10,7 +10,7 @@
                           one forward pass (torch, in a thread) ─▶ one float each
 
 Any local Hugging Face directory whose config names a ``*ForSequenceClassification``
-architecture with one label, or ``tiny`` (:func:`asyncrl.models.tiny_rm.ensure_tiny_rm`).
+architecture with one label, or ``tiny`` (:func:`asyncrl.rewards.tiny_rm.ensure_tiny_rm`).
 fp32 on a CPU; on a GPU when ``num_gpus`` > 0 and one is there. The directory is checked
 when the component is built (in the driver, before Ray starts); the actor starts on the
 first call, so building the component costs nothing else.
@@ -134,7 +134,7 @@ class RewardModel(Reward):
         if dtype not in DTYPES:
             raise ConfigError(f"dtype={dtype!r}: expected one of {DTYPES}")
         if model == "tiny":
-            from asyncrl.models.tiny_rm import ensure_tiny_rm
+            from asyncrl.rewards.tiny_rm import ensure_tiny_rm
 
             self.model_dir = str(ensure_tiny_rm())
         else:

@@ -130,15 +130,16 @@ def hardware() -> dict[str, Any]:
     }
 
 
-def fingerprint(cfg: Any, model_path: Path | str | None, seed: int | None) -> dict[str, Any]:
+def fingerprint(
+    cfg: Any, model_path: Path | str | None, seed: int | None, shipped_sha256: str
+) -> dict[str, Any]:
     """The run's fingerprint: ``model`` (path, ``weights_sha256``, ``shipped``: the
-    weights are the repository's recorded default model), ``config_sha256``, ``seed``,
+    weights' sha256 is ``shipped_sha256``, the one recorded for the repository's default
+    model, ``asyncrl.models.shipped.WEIGHTS_SHA256``), ``config_sha256``, ``seed``,
     ``git`` (commit, dirty), ``versions`` and ``hardware``. JSON-serialisable."""
-    from asyncrl.models.shipped import WEIGHTS_SHA256
-
     sha = weights_sha256(model_path) if model_path else None
     return {
-        "model": {"path": str(model_path), "weights_sha256": sha, "shipped": sha == WEIGHTS_SHA256},
+        "model": {"path": str(model_path), "weights_sha256": sha, "shipped": sha == shipped_sha256},
         "config_sha256": config_sha256(cfg) if cfg is not None else None,
         "seed": seed,
         "git": git_state(),

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.actor import vllm_plugin
+from asyncrl.engine import vllm_plugin
 from asyncrl.transport.endpoint import ReceiverEndpoint
 
 # vLLM loads the plugin through its entry point; asyncrl run from a checkout that pip

@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.actor.engine import completion_arrays, prompt_renderer, sampling_params
 from asyncrl.actor.episode import (
     EpisodeAborted,
     EpisodeRunner,
@@ -43,6 +42,12 @@ from asyncrl.actor.episode import (
     turn_params,
 )
 from asyncrl.actor.settings import ActorSettings
+from asyncrl.engine.vllm_engine import (
+    completion_arrays,
+    prompt_renderer,
+    sampling_params,
+    tokens_prompt,
+)
 from asyncrl.envs.base import StepResult
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.rewards.pool import RewardClient
@@ -199,7 +204,7 @@ class MultiTurnEpisodes:
         params.max_tokens = max_tokens
         first = not ep.prompt_ids
         # rendered by the engine's renderer either way (vLLM deprecated raw prompts)
-        request = self.render(prompt.text if first else _tokens(ep.prompt_ids + ep.ids))
+        request = self.render(prompt.text if first else tokens_prompt(ep.prompt_ids + ep.ids))
         final = None
         async for out in self.engine.generate(request, params, request_id=rid):
             final = out
@@ -255,12 +260,6 @@ class MultiTurnEpisodes:
         if isinstance(prompt, str) or getattr(self.engine, "renderer", None) is not None:
             return self._render(prompt)
         return prompt
-
-
-def _tokens(ids: list[int]) -> Any:
-    from vllm.inputs import TokensPrompt
-
-    return TokensPrompt(prompt_token_ids=ids)
 
 
 def make_runner(

@@ -1,5 +1,7 @@
-"""Building the vLLM engine for an actor, the sampling parameters of its requests,
-and reading per-token data out of its results."""
+"""Building a vLLM engine (for an actor, the judge or eval), the sampling parameters of
+its requests, its token prompts, and reading per-token data out of its results.
+
+This package is the only place that imports an engine library."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl.actor.settings import EngineSettings, SamplingSettings
-from asyncrl.actor.vllm_plugin import ENV as NAP_ENV
+from asyncrl.engine.vllm_plugin import ENV as NAP_ENV
 
 
 def make_engine(model_path: str, s: EngineSettings, seed: int = 0):
@@ -32,7 +34,7 @@ def make_engine(model_path: str, s: EngineSettings, seed: int = 0):
         # Log-probs of the distribution actually sampled from (after temperature,
         # top-k/top-p): the importance ratios need exactly these.
         logprobs_mode="processed_logprobs",
-        worker_extension_cls="asyncrl.actor.worker_ext.AsyncRLWorkerExtension",
+        worker_extension_cls="asyncrl.engine.worker_ext.AsyncRLWorkerExtension",
         seed=seed,
     )
     if on_cpu():
@@ -80,6 +82,28 @@ def sampling_params(s: SamplingSettings) -> Any:
 # sample i of it seed + i, so no two samples of a run share a seed, and runs with
 # different seeds share none until a run passes 2**32 / n groups.
 GROUP_SEED_STRIDE = 1 << 32
+
+
+def text_params(temperature: float, max_tokens: int, n: int = 1, seed: int | None = None) -> Any:
+    """Plain sampling of ``n`` texts (the judge's and eval's requests): only the final
+    output, no log-probs."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=n,
+        temperature=temperature,
+        max_tokens=max_tokens,
+        seed=seed,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def tokens_prompt(ids: list[int]) -> Any:
+    """A prompt given as token ids (the engine does not re-tokenize it)."""
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=ids)
 
 
 def group_params(engine: Any, params: Any, index: int) -> Any:

@@ -1,0 +1,4 @@
+"""Inference engines for the actor, the judge and eval: building and driving vLLM
+(``vllm_engine.py``), its plugin (``vllm_plugin.py``) and the worker extension that
+receives weights in place (``worker_ext.py``). The only package that imports an engine
+library."""
