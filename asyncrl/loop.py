@@ -15,8 +15,8 @@ staleness and throughput benchmarks), with small hooks for what they vary.
              alerts (hooks.monitor); log metrics; checkpoint every ``learner.checkpoint_every``
 
 Only ObjectRefs and small metadata pass through the driver: trajectories go from the
-queue's ``ray.put`` of an actor's hand-off to the learner ranks' ``ray.get``, weights from the learner to the
-actors through the broker.
+actors to the learner ranks through Ray's object store, weights from the learner to the
+actors through the broker. The parts and what the loop calls on each: asyncrl/parts.py.
 """
 
 from __future__ import annotations
@@ -26,15 +26,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from asyncrl.runtime import Parts
+from asyncrl.learner.resume import save_checkpoint
+from asyncrl.parts import Fleet, Parts
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+    from ray import ObjectRef
 
 # How long one get_batch call may wait in the queue before the driver looks at the
 # actors' health: short enough to notice a dead actor in seconds.
 BATCH_POLL_S = 5.0
 # A stats call that takes longer than this counts the actor as unreachable.
 STATS_TIMEOUT_S = 10.0
+# Where a step's seconds go: waiting for a batch, training, publishing the weights.
+PHASES = ("wait", "train", "publish")
 
 
 class RunError(RuntimeError):
@@ -43,6 +50,24 @@ class RunError(RuntimeError):
 
 class MetricsSink(Protocol):
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+
+class HealthCheck(Protocol):
+    """Run-health alerts (asyncrl.monitor.HealthMonitor)."""
+
+    def check(self, step: int, metrics: dict[str, float]) -> dict[str, float]: ...
+
+
+class Evaluation(Protocol):
+    """Held-out evaluation beside the run (asyncrl.eval.driver.Evaluator)."""
+
+    skipped: list[int]  # versions whose evaluation was skipped (one still running)
+
+    def step(self, version: int) -> dict[str, float]: ...
+
+    def finish(self) -> dict[str, float]: ...
+
+    def summary(self) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -58,14 +83,14 @@ class LoopHooks:
     # A checkpoint every N steps into this directory (N = learner.checkpoint_every).
     checkpoint_dir: Path | None = None
     progress: bool = False
-    # Run-health alerts (asyncrl.monitor.HealthMonitor): ``check(step, metrics)`` adds
-    # ``alerts/*`` to each step's metrics and warns once when one starts firing.
-    monitor: Any = None
+    # ``check(step, metrics)`` adds ``alerts/*`` to each step's metrics and warns once
+    # when one starts firing.
+    monitor: HealthCheck | None = None
     # Every periodic checkpoint also copied to checkpoints/step-V (log.keep_checkpoints).
     keep_checkpoints: bool = False
-    # Held-out evaluation (asyncrl.eval.driver.Evaluator): ``step(V)`` starts one every
-    # eval.every versions when its actor is idle and returns ``eval/*`` as they arrive.
-    evaluator: Any = None
+    # ``step(V)`` starts an evaluation every eval.every versions when its actor is idle
+    # and returns ``eval/*`` as they arrive.
+    evaluator: Evaluation | None = None
     # Asked before each step: True ends the loop there (SIGINT/SIGTERM of the driver).
     should_stop: Callable[[], bool] | None = None
 
@@ -76,76 +101,96 @@ class LoopResult:
     policy_version: int
     per_step: list[tuple[float, float]] = field(default_factory=list)  # (reward sum, count)
     tokens_trained: int = 0
-    # seconds over the whole loop: waiting for a batch, training, publishing weights
-    phases: dict[str, float] = field(default_factory=dict)
+    # seconds over the whole loop, per PHASES
+    phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
 
 def run_loop(
-    cfg: Any,
+    cfg: DictConfig,
     parts: Parts,
     sink: MetricsSink,
     version: int = 0,
     hooks: LoopHooks | None = None,
 ) -> LoopResult:
     """Train from ``version`` up to ``cfg.max_steps`` policy versions."""
-    import ray
-
     hooks = hooks or LoopHooks()
     bar = _progress_bar(cfg.max_steps, version, hooks.progress)
     out = LoopResult(steps=0, policy_version=version)
-    phases = {"wait": 0.0, "train": 0.0, "publish": 0.0}
     t0 = time.time()
     for _ in range(cfg.max_steps - version):  # a resumed run continues up to max_steps
         if hooks.should_stop is not None and hooks.should_stop():
             break
-        supervise(parts)  # dead actors noticed each step too, while batches still come
-        t = time.time()
-        items = wait_batch(parts, cfg.learner.batch_groups, version, cfg.replay.wait_timeout_s)
-        t_batch = time.time()
-        step = parts.learner.submit_train_step(items, version)
-        stats = _stats_refs(parts)  # answered while the learner trains
-        if hooks.during_step is not None:
-            hooks.during_step(version)
-        m = ray.get(step)
-        t_trained = time.time()
-        # and before the publish: a sync must not start to an engine that died during
-        # the step (the learner's sender would wait broker.timeout_s for it)
-        supervise(parts)
+        m, stats, seconds = train_step(cfg, parts, version, hooks)
         version += 1
-        m.update(parts.broker.publish(version))
-        if hooks.wait_for_sync:
-            m.update(parts.broker.wait())
-        parts.queue.set_learner_version.remote(version)
-        t_done = time.time()
-        phases["wait"] += t_batch - t
-        phases["train"] += t_trained - t_batch
-        phases["publish"] += t_done - t_trained
-        m.update({f"perf/{k}_seconds": v for k, v in
-                  (("wait", t_batch - t), ("train", t_trained - t_batch),
-                   ("publish", t_done - t_trained))})  # fmt: skip
+        for k, v in seconds.items():
+            out.phases[k] += v
         out.per_step.append((m["reward/sum"], m["reward/count"]))
         out.tokens_trained += int(m["tokens/trained"])
-        m.update(progress_metrics(stats, t0, out.tokens_trained, phases))
-        if getattr(parts, "supervisor", None) is not None:
-            m.update(parts.supervisor.metrics())  # fault/*
-        if hooks.evaluator is not None:  # never waits for the evaluation
-            m.update(hooks.evaluator.step(version))
-        if hooks.monitor is not None:
-            m.update(hooks.monitor.check(version, m))
+        m.update(progress_metrics(stats, t0, out.tokens_trained, out.phases))
+        m.update(_watched(parts, hooks, version, m))
         sink.log(version, m)
-        every = cfg.learner.checkpoint_every
-        if hooks.checkpoint_dir is not None and every and version % every == 0:
-            from asyncrl.learner.resume import save_checkpoint
-
-            # asyncrl-replay starts from kept steps (log.keep_checkpoints: keep them all)
-            keep = 0 if hooks.keep_checkpoints else cfg.learner.get("checkpoint_keep", 2)
-            save_checkpoint(parts, hooks.checkpoint_dir.parent, version, keep)
+        _checkpoint(cfg, parts, hooks, version)
         _show(bar, m)
     bar.close()
-    out.phases = phases
     out.steps, out.policy_version = len(out.per_step), version
-    parts.broker.wait()
+    if parts.broker is not None:
+        parts.broker.wait()
     return out
+
+
+def train_step(
+    cfg: DictConfig, parts: Parts, version: int, hooks: LoopHooks
+) -> tuple[dict[str, float], dict[str, ObjectRef], dict[str, float]]:
+    """One policy version: a batch at ``version``, the learner's step on it, the weights
+    published as ``version + 1``. Returns the step's metrics, the stats calls answered
+    meanwhile (for :func:`progress_metrics`) and the seconds of each of PHASES."""
+    import ray
+
+    broker = parts.broker
+    if broker is None:
+        raise RunError("the weight broker is closed: these parts were stopped")
+    supervise(parts)  # dead actors noticed each step too, while batches still come
+    t = time.time()
+    items = wait_batch(parts, cfg.learner.batch_groups, version, cfg.replay.wait_timeout_s)
+    t_batch = time.time()
+    step = parts.learner.submit_train_step(items, version)
+    stats = _stats_refs(parts)  # answered while the learner trains
+    if hooks.during_step is not None:
+        hooks.during_step(version)
+    m = ray.get(step)
+    t_trained = time.time()
+    # and before the publish: a sync must not start to an engine that died during
+    # the step (the learner's sender would wait broker.timeout_s for it)
+    supervise(parts)
+    m.update(broker.publish(version + 1))
+    if hooks.wait_for_sync:
+        m.update(broker.wait())
+    parts.queue.set_learner_version.remote(version + 1)
+    seconds = dict(zip(PHASES, (t_batch - t, t_trained - t_batch, time.time() - t_trained)))
+    m.update({f"perf/{k}_seconds": v for k, v in seconds.items()})
+    return m, stats, seconds
+
+
+def _watched(parts: Parts, hooks: LoopHooks, version: int, m: dict[str, float]) -> dict:
+    """``fault/*``, ``eval/*`` and ``alerts/*`` of the step that published ``version``."""
+    out: dict[str, float] = {}
+    if parts.supervisor is not None:
+        out.update(parts.supervisor.metrics())
+    if hooks.evaluator is not None:  # never waits for the evaluation
+        out.update(hooks.evaluator.step(version))
+    if hooks.monitor is not None:  # the alerts see every other metric of the step
+        out.update(hooks.monitor.check(version, {**m, **out}))
+    return out
+
+
+def _checkpoint(cfg: DictConfig, parts: Parts, hooks: LoopHooks, version: int) -> None:
+    """Every ``learner.checkpoint_every`` versions, when the hooks name a directory."""
+    every = cfg.learner.checkpoint_every
+    if hooks.checkpoint_dir is None or not every or version % every:
+        return
+    # asyncrl-replay starts from kept steps (log.keep_checkpoints: keep them all)
+    keep = 0 if hooks.keep_checkpoints else cfg.learner.checkpoint_keep
+    save_checkpoint(parts, hooks.checkpoint_dir.parent, version, keep)
 
 
 def wait_batch(parts: Parts, batch_groups: int, version: int, timeout_s: float) -> list:
@@ -176,7 +221,7 @@ def supervise(parts: Parts, states: dict[str, Any] | None = None) -> bool:
     """Let the supervisor (asyncrl/fault/actors.py; none with fault.actor_restarts=0)
     look at the actors; raises once none is alive or coming back. Returns whether a
     restart is under way."""
-    sup = getattr(parts, "supervisor", None)
+    sup = parts.supervisor
     if sup is None:
         return False
     sup.poll(states)
@@ -188,7 +233,7 @@ def supervise(parts: Parts, states: dict[str, Any] | None = None) -> bool:
     return sup.restarting
 
 
-def actor_states(parts: Parts) -> dict[str, Any]:
+def actor_states(parts: Parts | Fleet) -> dict[str, Any]:
     """Every actor's stats, asked of all at once; a dead or stuck actor is reported
     (a string saying why), not raised."""
     refs = {name: a.get_stats.remote() for name, a in parts.actors.items()}

@@ -1,4 +1,5 @@
-"""Starting and stopping the parts: Ray, the queue, actors, learner, broker."""
+"""Ray for a run (joined or started on loopback, its CPUs checked) and the driver's
+SIGINT/SIGTERM handling. The running parts themselves: asyncrl/parts.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.cluster.ship import ShipCode
@@ -38,7 +39,7 @@ class RaySettings:
             raise ConfigError(f"ray.connect_timeout_s={self.connect_timeout_s}: must be > 0")
 
 
-def init_ray(ray_cfg: Any) -> bool:
+def init_ray(ray_cfg: RaySettings) -> bool:
     """Join ``ray.address`` or start a local Ray on loopback; True if we started it."""
     import ray
 
@@ -56,7 +57,7 @@ def init_ray(ray_cfg: Any) -> bool:
     env[watchdog.MARK] = watchdog.start()
     # Ray workers do not inherit the driver's sys.path: asyncrl and a user's loss or task
     # module next to where they launched must import there too (asyncrl/cluster/ship.py).
-    ship = ShipCode(getattr(ray_cfg, "ship_code", None) or ShipCode.AUTO)
+    ship = ShipCode(ray_cfg.ship_code)
     runtime_env = code_runtime_env(ship, joined=bool(ray_cfg.address), env_vars=env)
     if ray_cfg.address:
         check_ray_address(str(ray_cfg.address), ray_cfg.connect_timeout_s)
@@ -160,17 +161,6 @@ def _compare(needed: dict[str, float], have: float, where: str, more: str) -> No
             f"the run needs {want:g} Ray CPUs ({parts}) but {where} has {have:g}; lower "
             f"actor.num_actors / learner.world_size or their num_cpus, {more}"
         )
-
-
-@dataclass
-class Parts:
-    queue: Any
-    actors: dict[str, Any]
-    learner: Any
-    broker: Any
-    started_ray: bool
-    # threads moved off actor.engine_cores (wiring.keep_off_engines): tid -> former cores
-    moved_affinity: dict[int, set[int]] = field(default_factory=dict)
 
 
 class Interrupted(Exception):

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from asyncrl import STARTUP_MARKS, startup_mark
 from asyncrl.broker.base import BrokerError
 from asyncrl.confdir import conf_dir
 from asyncrl.config import ConfigError, hydra_error_line
+from asyncrl.eval.launch import EvalRun
 from asyncrl.eval.launch import launch as launch_eval
 from asyncrl.fault.actors import fault_summary
 from asyncrl.fault.learner import RestartLedger, close_dead_learner, learner_death
@@ -31,6 +33,7 @@ from asyncrl.learner.resume import save_checkpoint
 from asyncrl.loop import LoopHooks, LoopResult, RunError, run_loop
 from asyncrl.models.shipped import WEIGHTS_SHA256
 from asyncrl.monitor import HealthMonitor, MonitorSettings
+from asyncrl.parts import Parts
 from asyncrl.runtime import GracefulStop, Interrupted, check_local_cpus, check_resources, init_ray
 from asyncrl.utils.fingerprint import fingerprint, markdown
 from asyncrl.utils.runlog import Scalars
@@ -108,6 +111,59 @@ def _run(cfg: DictConfig, out_dir: Path, stop: GracefulStop) -> dict[str, Any]:
     startup_mark("imports")
     setup: Setup = prepare(cfg)  # every config error surfaces here, before Ray starts
     startup_mark("prepared")  # the config checked, the model resolved (built if need be)
+    monitor = _before_ray(cfg, setup, out_dir)
+    fp = fingerprint(cfg, setup.model_path, setup.run.seed, WEIGHTS_SHA256)  # what it ran
+    started = init_ray(setup.ray)
+    startup_mark("ray_up")
+    stop.install()  # over any handler ray.init set
+    live = _Live(started_ray=started)
+    scalars = Scalars(out_dir / "tb")
+    scalars.text("fingerprint", markdown(fp))
+    try:
+        check_resources(setup.resources)
+        live.eval_run = launch_eval(setup.evaluation, setup)  # beside the actors' engines
+        clock = StartupClock(scalars)
+        ledger = RestartLedger(clock, setup.fault.max_restarts, out_dir, cfg.resume)
+        loop, hooks = _train(cfg, setup, live, ledger, monitor, out_dir, stop)
+        summary = _finish(cfg, live, loop, ledger, time.time() - t0)
+        summary["startup_seconds"] = clock.startup_seconds()  # process start -> first step
+        summary["startup_phases"] = dict(STARTUP_MARKS)  # seconds from start at each point
+        summary["fingerprint"] = fp
+        summary["alerts"] = monitor.summary()  # name -> steps it fired, first step
+        summary["stopped_by"] = stop.signame  # null: ran to max_steps
+        if hooks.evaluator is not None:  # set -> first, last, best, version_best
+            summary["eval"] = hooks.evaluator.summary()
+            summary["eval_skipped_versions"] = hooks.evaluator.skipped
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+    finally:
+        scalars.close()
+        _release(live)
+
+
+@dataclass
+class _Live:
+    """What ``_run`` stops on its way out, however it ends."""
+
+    started_ray: bool  # Ray is shut down at the end
+    parts: Parts | None = None  # the segment running (none between two)
+    eval_run: EvalRun | None = None
+
+
+def _release(live: _Live) -> None:
+    if live.eval_run is not None:
+        live.eval_run.stop()
+    if live.parts is not None:
+        stop_parts(live.parts, quiet=True)
+        live.parts = None
+    if live.started_ray:
+        import ray
+
+        ray.shutdown()
+
+
+def _before_ray(cfg: DictConfig, setup: Setup, out_dir: Path) -> HealthMonitor:
+    """The checks that need no Ray; the run directory's config.yaml; the run's alerts."""
     if setup.replay.delay_versions:
         raise ConfigError(
             f"replay.delay_versions={setup.replay.delay_versions} is the staleness benchmark's "
@@ -124,82 +180,77 @@ def _run(cfg: DictConfig, out_dir: Path, stop: GracefulStop) -> dict[str, Any]:
     check_local_cpus(setup.resources, setup.ray)  # what a local Ray will have, before it starts
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    fp = fingerprint(cfg, setup.model_path, setup.run.seed, WEIGHTS_SHA256)  # what this run ran
-    started = init_ray(cfg.ray)
-    startup_mark("ray_up")
-    stop.install()  # over any handler ray.init set
-    parts = eval_run = None
-    scalars = Scalars(out_dir / "tb")
-    scalars.text("fingerprint", markdown(fp))
-    try:
-        check_resources(setup.resources)
-        eval_run = launch_eval(setup.evaluation, setup)  # its engine starts beside the actors'
-        from ray.exceptions import RayError  # a dead rank's ActorDiedError, among others
+    return monitor
 
-        clock = StartupClock(scalars)
-        ledger = RestartLedger(clock, setup.fault.max_restarts, out_dir, cfg.resume)
-        while True:  # one segment; again after a learner rank died (asyncrl/fault/learner.py)
-            parts = start_parts(setup, out_dir, started)
-            hooks = LoopHooks(
-                checkpoint_dir=out_dir / "checkpoint",
-                progress=bool(cfg.progress),
-                monitor=monitor,
-                keep_checkpoints=setup.log.keep_checkpoints,
-                evaluator=eval_run.evaluator(parts.learner) if eval_run else None,
-                should_stop=stop.requested,
-            )
-            try:
-                loop = _segment(cfg, setup, parts, ledger, hooks, out_dir, stop)
-                break
-            except (RayError, BrokerError, RunError, TimeoutError) as e:
-                why = learner_death(e, parts.learner)
-                if why is None:
-                    raise  # not the learner's: exit 3 (or the actors' own restarts)
-                if stop.requested():  # the run was stopping anyway: no restart
-                    raise Interrupted(stop.signame, "after a learner rank died") from e
-                stop.deferring = False  # a signal during the restart stops at once
-                detected = time.time()
-                close_dead_learner(parts)  # the broker killed, the ranks closed
-                sup = getattr(parts, "supervisor", None)
-                queue_stats, actor_stats = stop_parts(parts, quiet=True)
-                parts = None
-                faults = fault_summary(sup, queue_stats)
-                ledger.record_death(why, detected, queue_stats, actor_stats, faults)  # or RunError
-        sup = getattr(parts, "supervisor", None)
-        queue_stats, actor_stats = stop_parts(parts)
-        parts = None
-        actor_faults = ledger.actor_faults(fault_summary(sup, queue_stats))
-        loop, queue_stats = ledger.whole_run(loop, queue_stats)  # every segment counted
-        summary = summarise(cfg, loop, queue_stats, actor_stats, time.time() - t0)
-        summary["tokens_generated"] += ledger.tokens_before  # the dead segments' actors
-        summary.update(ledger.summary())  # learner_restarts, steps_redone, restart_seconds
-        summary["fault"] = actor_faults  # the actors' restarts (asyncrl/fault/actors.py)
-        summary["startup_seconds"] = clock.startup_seconds()  # process start -> first step
-        summary["startup_phases"] = dict(STARTUP_MARKS)  # seconds from start at each point
-        summary["fingerprint"] = fp
-        summary["alerts"] = monitor.summary()  # name -> steps it fired, first step
-        summary["stopped_by"] = stop.signame  # null: ran to max_steps
-        if hooks.evaluator is not None:  # set -> first, last, best, version_best
-            summary["eval"] = hooks.evaluator.summary()
-            summary["eval_skipped_versions"] = hooks.evaluator.skipped
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        return summary
-    finally:
-        scalars.close()
-        if eval_run is not None:
-            eval_run.stop()
-        if parts is not None:
-            stop_parts(parts, quiet=True)
-        if started:
-            import ray
 
-            ray.shutdown()
+def _train(
+    cfg: DictConfig,
+    setup: Setup,
+    live: _Live,
+    ledger: RestartLedger,
+    monitor: HealthMonitor,
+    out_dir: Path,
+    stop: GracefulStop,
+) -> tuple[LoopResult, LoopHooks]:
+    """Segments of the run until one reaches the end: after a learner rank died
+    (asyncrl/fault/learner.py) a new segment starts from the newest checkpoint.
+    ``live.parts`` holds the last segment's parts, still running."""
+    from ray.exceptions import RayError  # a dead rank's ActorDiedError, among others
+
+    while True:
+        parts = live.parts = start_parts(setup, out_dir, live.started_ray)
+        hooks = LoopHooks(
+            checkpoint_dir=out_dir / "checkpoint",
+            progress=setup.run.progress,
+            monitor=monitor,
+            keep_checkpoints=setup.log.keep_checkpoints,
+            evaluator=live.eval_run.evaluator(parts.learner) if live.eval_run else None,
+            should_stop=stop.requested,
+        )
+        try:
+            return _segment(cfg, setup, parts, ledger, hooks, out_dir, stop), hooks
+        except (RayError, BrokerError, RunError, TimeoutError) as e:
+            why = learner_death(e, parts.learner)
+            if why is None:
+                raise  # not the learner's: exit 3 (or the actors' own restarts)
+            if stop.requested():  # the run was stopping anyway: no restart
+                raise Interrupted(stop.signame, "after a learner rank died") from e
+            stop.deferring = False  # a signal during the restart stops at once
+            detected = time.time()
+            close_dead_learner(parts)  # the broker killed, the ranks closed
+            queue_stats, actor_stats = stop_parts(parts, quiet=True)
+            live.parts = None
+            faults = fault_summary(parts.supervisor, queue_stats)
+            ledger.record_death(why, detected, queue_stats, actor_stats, faults)  # or RunError
+
+
+def _finish(
+    cfg: DictConfig, live: _Live, loop: LoopResult, ledger: RestartLedger, wall: float
+) -> dict[str, Any]:
+    """Stop the last segment's parts; the summary of the whole run, every segment
+    counted."""
+    parts = live.parts
+    assert parts is not None  # _train returns with its last segment's parts running
+    queue_stats, actor_stats = stop_parts(parts)
+    live.parts = None
+    actor_faults = ledger.actor_faults(fault_summary(parts.supervisor, queue_stats))
+    loop, queue_stats = ledger.whole_run(loop, queue_stats)
+    summary = summarise(cfg, loop, queue_stats, actor_stats, wall)
+    summary["tokens_generated"] += ledger.tokens_before  # the dead segments' actors
+    summary.update(ledger.summary())  # learner_restarts, steps_redone, restart_seconds
+    summary["fault"] = actor_faults  # the actors' restarts (asyncrl/fault/actors.py)
+    return summary
 
 
 def _segment(
-    cfg: DictConfig, setup: Setup, parts: Any, ledger: RestartLedger, hooks: LoopHooks,
-    out_dir: Path, stop: GracefulStop,
-) -> LoopResult:  # fmt: skip
+    cfg: DictConfig,
+    setup: Setup,
+    parts: Parts,
+    ledger: RestartLedger,
+    hooks: LoopHooks,
+    out_dir: Path,
+    stop: GracefulStop,
+) -> LoopResult:
     """Resume (``resume=``, or after a restart the newest checkpoint), train to
     ``max_steps``, save the final checkpoint. A dead learner rank raises from here."""
     version = ledger.resume(parts)
@@ -231,8 +282,10 @@ def execute(cfg: DictConfig, out_dir: Path) -> int:
         return 3
     except Interrupted as e:
         what = "before the first step" if e.during == "during start-up" else "abandoning the step"
-        print(f"asyncrl: stopped by {e.signame} {e.during}, {what}; outputs so far: {out_dir}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"asyncrl: stopped by {e.signame} {e.during}, {what}; outputs so far: {out_dir}",
+            file=sys.stderr,
+        )
         return SIGNAL_EXIT
     if summary["stopped_by"]:
         print(

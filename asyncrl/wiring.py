@@ -8,9 +8,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -23,12 +24,19 @@ from asyncrl.eval.settings import EvalSettings
 from asyncrl.fault.settings import FaultSettings
 from asyncrl.learner.config import LearnerSettings
 from asyncrl.models.resolve import resolve_model  # model.preset / path / tiny, checked
+from asyncrl.parts import ActorHandle, Fleet, Parts, QueueHandle, Supervisor
 from asyncrl.replay.settings import ReplaySettings
 from asyncrl.rewards.settings import RewardSettings
-from asyncrl.runtime import Parts, RaySettings
+from asyncrl.runtime import RaySettings
+from asyncrl.tasks.base import Prompt, Task, TaskSampler
 from asyncrl.tasks.sampler import SamplerSettings, with_sampler
 from asyncrl.utils.affinity import keep_off, restore
-from asyncrl.utils.runlog import LogSettings
+from asyncrl.utils.runlog import LogSettings, Scalars
+
+if TYPE_CHECKING:  # these import torch, which prepare() imports only once it builds them
+    from asyncrl.losses.advantages import Advantage
+    from asyncrl.losses.base import Loss
+    from asyncrl.rewards.pool import RewardClient
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +60,9 @@ class Setup:
     """Everything the driver checked and built before Ray starts."""
 
     model_path: str
-    task: Any
-    loss: Any
-    advantage: Any
+    task: Task  # the training prompts (held-out ones split off, the sampler applied)
+    loss: Loss
+    advantage: Advantage
     run: RunSettings
     actor: ActorSettings
     learner: LearnerSettings
@@ -69,14 +77,12 @@ class Setup:
     fault: FaultSettings = field(default_factory=FaultSettings)  # restarts (asyncrl/fault)
 
 
-def build_task(cfg: DictConfig) -> Any:
+def build_task(cfg: DictConfig) -> Task:
     task = build("task", cfg.task)
     try:
-        from asyncrl.tasks.base import TaskSampler
-
         first = TaskSampler(task, cfg.seed).next()
-        if not getattr(first, "text", None):
-            raise ValueError(f"the task's first prompt is empty: {first!r}")
+        if not isinstance(first, Prompt) or not first.text:
+            raise ValueError(f"the task's first prompt is not a Prompt with text: {first!r}")
     except Exception as e:
         raise ConfigError(
             f"task ({cfg.task.get('_target_')}): cannot draw a prompt: {type(e).__name__}: {e}"
@@ -85,9 +91,9 @@ def build_task(cfg: DictConfig) -> Any:
 
 
 def _checkpoint_keep(cfg: DictConfig) -> None:
-    """``checkpoint.keep`` (the name issue 25 gives it), when set, is
-    ``learner.checkpoint_keep`` (beside ``learner.checkpoint_every``): written through, so
-    the loop, the restarts and the saved config.yaml see one value."""
+    """``checkpoint.keep``, when set, is ``learner.checkpoint_keep`` (beside
+    ``learner.checkpoint_every``): written through, so the loop, the restarts and the
+    saved config.yaml see one value."""
     keep = (cfg.get("checkpoint") or {}).get("keep")
     if keep is None:
         return
@@ -96,12 +102,43 @@ def _checkpoint_keep(cfg: DictConfig) -> None:
     cfg.learner.checkpoint_keep = keep
 
 
+def build_loss(cfg: DictConfig) -> Loss:
+    """``loss._target_``: callable as ``loss(batch, outputs)``, declaring what it needs
+    (``needs_proximal``, ``needs_values``: asyncrl/losses/base.py)."""
+    from asyncrl.losses.base import Loss
+
+    loss = build("loss", cfg.loss)
+    if not isinstance(loss, Loss):
+        missing = [n for n in ("needs_proximal", "needs_values") if not hasattr(loss, n)]
+        why = f"it lacks {', '.join(missing)}" if missing else "it is not callable"
+        raise ConfigError(
+            f"loss._target_={cfg.loss._target_} is not a loss: {why} (a loss is called as "
+            "loss(batch, outputs) and declares needs_proximal and needs_values)"
+        )
+    return loss
+
+
+def _check_learner_fits(learner: LearnerSettings, actor: ActorSettings, ray: RaySettings) -> None:
+    batch_size = learner.batch_groups * actor.sampling.n
+    if learner.minibatches > batch_size:
+        raise ConfigError(
+            f"learner.minibatches={learner.minibatches} is more than the "
+            f"{batch_size} trajectories of a batch (learner.batch_groups x actor.sampling.n)"
+        )
+    if learner.resources and not ray.address:
+        raise ConfigError(
+            f"learner.resources={learner.resources}: a local Ray (ray.address=null) has no "
+            "custom resources to place the ranks by; set ray.address to a cluster whose "
+            "nodes declare them (docs/cluster.md)"
+        )
+
+
 def prepare(cfg: DictConfig) -> Setup:
     """Check every component's settings and build the cheap parts, in the driver before
     Ray starts: every config error surfaces here as one ConfigError naming its key.
     Settings first (cheap, pure Python), then what imports torch, then the model."""
-    run = settings_from(RunSettings, {k: cfg.get(k) for k in ("max_steps", "seed", "resume",
-                                                              "progress")}, "")  # fmt: skip
+    top = {k: cfg.get(k) for k in ("max_steps", "seed", "resume", "progress")}
+    run = settings_from(RunSettings, top, "")
     ray_settings = RaySettings.from_config(cfg.ray)
     actor = ActorSettings.from_config(cfg.actor)
     replay = ReplaySettings.from_config(cfg.replay)
@@ -113,26 +150,11 @@ def prepare(cfg: DictConfig) -> Setup:
     fault = FaultSettings.from_config(cfg.get("fault"))
     evaluation = EvalSettings.from_config(cfg.get("eval"))
     sampler = SamplerSettings.from_config(cfg.get("sampler"))
-    loss = build("loss", cfg.loss)
-    if not callable(loss):
-        raise ConfigError(
-            f"loss._target_={cfg.loss._target_} is not callable as loss(batch, outputs)"
-        )
+    loss = build_loss(cfg)
     _checkpoint_keep(cfg)
     learner = LearnerSettings.from_config(cfg.learner, loss, run.max_steps)
     advantage = build("learner.advantage", cfg.learner.advantage)
-    batch_size = learner.batch_groups * actor.sampling.n
-    if learner.minibatches > batch_size:
-        raise ConfigError(
-            f"learner.minibatches={learner.minibatches} is more than the "
-            f"{batch_size} trajectories of a batch (learner.batch_groups x actor.sampling.n)"
-        )
-    if learner.resources and not ray_settings.address:
-        raise ConfigError(
-            f"learner.resources={learner.resources}: a local Ray (ray.address=null) has no "
-            "custom resources to place the ranks by; set ray.address to a cluster whose "
-            "nodes declare them (docs/cluster.md)"
-        )
+    _check_learner_fits(learner, actor, ray_settings)
     if run.resume:
         from asyncrl.learner.config import check_resume
 
@@ -147,94 +169,114 @@ def prepare(cfg: DictConfig) -> Setup:
         "eval": evaluation.num_cpus if evaluation.enabled else 0,
     }
     return Setup(
-        model_path, task, loss, advantage, run, actor, learner, broker, replay, ray_settings,
-        resources, env, log_settings, eval_plan,
-        reward=reward, fault=fault,
-    )  # fmt: skip
+        model_path=model_path,
+        task=task,
+        loss=loss,
+        advantage=advantage,
+        run=run,
+        actor=actor,
+        learner=learner,
+        broker=broker,
+        replay=replay,
+        ray=ray_settings,
+        resources=resources,
+        env=env,
+        log=log_settings,
+        evaluation=eval_plan,
+        reward=reward,
+        fault=fault,
+    )
 
 
 def start_parts(
     setup: Setup, out_dir: Path, started_ray: bool, num_actors: int | None = None
 ) -> Parts:
-    """Start the queue, the actors (engines) and the learner ranks, then the broker.
-    ``num_actors``: instead of ``actor.num_actors`` (0: the caller brings its own)."""
+    """Start the queue, the actors (engines), the reward workers and the learner ranks,
+    then the broker and the actors' supervisor. ``num_actors``: instead of
+    ``actor.num_actors`` (0: the caller brings its own)."""
     import ray
 
     from asyncrl import startup_mark
-    from asyncrl.actor.launch import new_actor
     from asyncrl.broker import make_broker
     from asyncrl.learner.config import start_learner
     from asyncrl.replay.queue import remote_queue
-
-    queue = remote_queue(**setup.replay.buffer_kwargs(setup.learner.batch_groups))
-    seed = setup.run.seed
-    actors = {
-        f"actor{i}": new_actor(
-            setup.actor,
-            setup.model_path,
-            setup.task,
-            queue,
-            f"actor{i}",
-            seed + 1000 * i,
-            env=setup.env,
-        )
-        for i in range(setup.actor.num_actors if num_actors is None else num_actors)
-    }
     from asyncrl.rewards.pool import RewardClient, start_workers
 
+    queue = remote_queue(**setup.replay.buffer_kwargs(setup.learner.batch_groups))
+    n = setup.actor.num_actors if num_actors is None else num_actors
+    seeds = {f"actor{i}": setup.run.seed + 1000 * i for i in range(n)}
+    actors = {name: _new_actor(setup, queue, name, seed) for name, seed in seeds.items()}
     reward_workers = start_workers(setup.reward)  # none on the fast path (task reward only)
-    client = RewardClient(setup.reward, reward_workers)
+    rewards = RewardClient(setup.reward, reward_workers)
     # set before start (the runner is built with it); waited for: an async actor may
     # run its calls out of order
-    ray.get([a.set_rewards.remote(client) for a in actors.values()])
+    ray.get([a.set_rewards.remote(rewards) for a in actors.values()])
     # the engines (~25 s each on a CPU) start while the learner ranks load the model
     started = [a.start.remote() for a in actors.values()]
     learner = start_learner(
-        setup.learner, setup.model_path, setup.loss, setup.advantage, setup.actor.sampling,
-        seed, setup.run.max_steps, trajectory_log=setup.log.spec(out_dir),
-    )  # fmt: skip
+        setup.learner,
+        setup.model_path,
+        setup.loss,
+        setup.advantage,
+        setup.actor.sampling,
+        setup.run.seed,
+        setup.run.max_steps,
+        trajectory_log=setup.log.spec(out_dir),
+    )
     startup_mark("learner_started")
     ray.get(started)  # engines up
     startup_mark("engines_up")
-    moved = keep_off_engines(
-        [s["placement"] for s in ray.get([a.get_stats.remote() for a in actors.values()])]
-    )
+    stats = ray.get([a.get_stats.remote() for a in actors.values()])
+    moved = keep_off_engines([s["placement"] for s in stats])
     learner.ping()
     startup_mark("learner_up")
     broker = make_broker(setup.broker, actors, learner)
     startup_mark("broker_up")  # the actors primed with version 0
-    parts = Parts(queue, actors, learner, broker, started_ray, moved)
-    parts.reward_workers = reward_workers  # stopped with the actors (stop_parts)
-    parts.supervisor = supervise(setup, parts, client, {n: seed + 1000 * i
-                                                        for i, n in enumerate(actors)})
-    return parts
+    supervisor = supervise(setup, Fleet(queue, actors, broker), rewards, seeds)
+    return Parts(
+        queue=queue,
+        actors=actors,
+        learner=learner,
+        broker=broker,
+        started_ray=started_ray,
+        supervisor=supervisor,
+        reward_workers=reward_workers,
+        moved_affinity=moved,
+    )
 
 
-def supervise(setup: Setup, parts: Parts, rewards: Any, seeds: dict[str, int]) -> Any:
-    """The dead-actor supervisor (asyncrl/fault/actors.py); None with
-    fault.actor_restarts=0 (a dead actor stays dead, as before)."""
+def _new_actor(setup: Setup, queue: QueueHandle, name: str, seed: int) -> ActorHandle:
+    """A rollout actor (not started, its rewards not set) on ``queue``."""
+    from asyncrl.actor.launch import new_actor
+
+    return new_actor(setup.actor, setup.model_path, setup.task, queue, name, seed, env=setup.env)
+
+
+def supervise(
+    setup: Setup, fleet: Fleet, rewards: RewardClient, seeds: dict[str, int]
+) -> Supervisor | None:
+    """The dead-actor supervisor of ``fleet`` (asyncrl/fault/actors.py); None with
+    fault.actor_restarts=0 (a dead actor stays dead) or without actors."""
     import ray
 
-    from asyncrl.actor.launch import new_actor
     from asyncrl.fault.actors import ActorSupervisor
 
-    if not setup.fault.actor_restarts or not parts.actors:
+    if not setup.fault.actor_restarts or not fleet.actors:
         return None
 
-    def spawn(name: str, seed: int) -> Any:  # as above, one actor
-        a = new_actor(setup.actor, setup.model_path, setup.task, parts.queue, name, seed,
-                      env=setup.env)  # fmt: skip
+    def spawn(name: str, seed: int) -> ActorHandle:  # as start_parts does, one actor
+        a = _new_actor(setup, fleet.queue, name, seed)
         ray.get(a.set_rewards.remote(rewards))
         return a
 
-    return ActorSupervisor(setup.fault, parts, spawn, seeds)
+    return ActorSupervisor(setup.fault, fleet, spawn, seeds)
 
 
 class StartupClock:
     """The run's metrics sink, passed through; the first step it logs ends the start-up:
     ``startup_seconds`` is ``asyncrl``'s import (the run's own imports included) to that moment."""
 
-    def __init__(self, sink: Any):
+    def __init__(self, sink: Scalars):
         self.sink = sink
         self.first_step_at: float | None = None
 
@@ -281,22 +323,39 @@ def keep_off_engines(placements: list[dict[str, Any]]) -> dict[int, set[int]]:
 
 def stop_parts(parts: Parts, quiet: bool = False) -> tuple[dict, dict]:
     """Close the broker (it finishes the sync in flight and closes its groups), stop the
-    actors (nothing new is produced), then read the final accounting and close the
-    learner. ``quiet``: log what fails instead of raising (shutting down after an error).
-    Returns (queue stats, actor stats)."""
+    actors (nothing new is produced) and the reward workers, then read the final
+    accounting and close the learner. ``quiet``: log what fails instead of raising
+    (shutting down after an error). Returns (queue stats, actor stats)."""
     import ray
 
+    from asyncrl.rewards.pool import stop_workers
+
     if parts.broker is not None:
-        try:
-            parts.broker.close()
-        except Exception as e:
-            if not quiet:
-                raise
-            log.warning("weight broker did not close cleanly: %s", e)
+        _closing("weight broker", parts.broker.close, quiet)
         parts.broker = None
-    actor_stats: dict[str, Any] = {}
-    if getattr(parts, "supervisor", None) is not None:
+    actor_stats = _stop_actors(parts, quiet)
+    stop_workers(parts.reward_workers)  # after the actors: none scores now
+    parts.reward_workers = []
+    restore(parts.moved_affinity)  # the engines are gone: their cores are everyone's again
+    parts.moved_affinity = {}
+    queue_stats: dict[str, Any] = {}
+
+    def close_queue() -> None:
+        ray.get(parts.queue.close.remote(), timeout=10)
+        queue_stats.update(ray.get(parts.queue.stats.remote(), timeout=10))
+
+    _closing("queue", close_queue, quiet)
+    _closing("learner", lambda: parts.learner.close(), quiet)
+    return queue_stats, actor_stats
+
+
+def _stop_actors(parts: Parts, quiet: bool) -> dict[str, Any]:
+    """Every actor's final stats (or why it did not stop); their processes killed."""
+    import ray
+
+    if parts.supervisor is not None:
         parts.supervisor.close()  # actors still starting after a death: killed
+    actor_stats: dict[str, Any] = {}
     for name, a in list(parts.actors.items()):
         try:
             actor_stats[name] = ray.get(a.stop.remote(), timeout=60)
@@ -307,23 +366,14 @@ def stop_parts(parts: Parts, quiet: bool = False) -> tuple[dict, dict]:
         # free its CPUs now: a second run in the same Ray (benchmarks) must fit
         ray.kill(a, no_restart=True)
     parts.actors.clear()
-    from asyncrl.rewards.pool import stop_workers
+    return actor_stats
 
-    stop_workers(getattr(parts, "reward_workers", []))  # after the actors: none scores now
-    restore(parts.moved_affinity)  # the engines are gone: their cores are everyone's again
-    parts.moved_affinity = {}
-    queue_stats: dict[str, Any] = {}
+
+def _closing(what: str, close: Callable[[], None], quiet: bool) -> None:
+    """``close()``; what it raises is raised, or with ``quiet`` logged."""
     try:
-        ray.get(parts.queue.close.remote(), timeout=10)
-        queue_stats = ray.get(parts.queue.stats.remote(), timeout=10)
+        close()
     except Exception as e:
         if not quiet:
             raise
-        log.warning("queue unreachable at shutdown: %s", e)
-    try:
-        parts.learner.close()
-    except Exception as e:
-        if not quiet:
-            raise
-        log.warning("learner unreachable at shutdown: %s", e)
-    return queue_stats, actor_stats
+        log.warning("%s did not close cleanly: %s", what, e)

@@ -468,7 +468,7 @@ def test_keep_off_engines_moves_every_other_thread_off_the_engines_cores():
     import subprocess
     import sys
 
-    from asyncrl.runtime import Parts
+    from asyncrl.parts import Parts
     from asyncrl.utils.affinity import pin_tree
     from asyncrl.wiring import keep_off_engines, stop_parts
 
@@ -513,7 +513,7 @@ def test_keep_off_engines_moves_every_other_thread_off_the_engines_cores():
         assert os.sched_getaffinity(0) == allowed  # the driver stays
 
         # stop_parts gives the cores back (its Ray parts are gone here: quiet)
-        stop_parts(Parts(None, {}, None, None, False, moved), quiet=True)
+        stop_parts(Parts(None, {}, None, None, False, moved_affinity=moved), quiet=True)
         for t in threads(raylet.pid) + threads(worker):
             want = {engine_core} if t == engine_thread else allowed
             assert os.sched_getaffinity(t) == want

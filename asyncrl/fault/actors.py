@@ -65,7 +65,7 @@ class Incarnation:
 
 class ActorSupervisor:
     """``spawn(name, seed)``: a new, not yet started actor handle, its rewards set (as
-    ``wiring.start_parts`` does). ``parts``: the run's parts; ``parts.actors`` holds the
+    ``wiring.start_parts`` does). ``parts``: a ``asyncrl.parts.Fleet``; ``parts.actors`` holds the
     actors that are up or priming (the loop's stats and the stop see only those)."""
 
     def __init__(

@@ -46,7 +46,7 @@ def dead_ranks(learner: Any) -> dict[int, str]:
     """Rank -> why, for every rank of ``learner`` (a LearnerGroup) whose process is gone."""
     import ray
 
-    ranks = list(getattr(learner, "ranks", None) or [])
+    ranks = list(learner.ranks)
     refs = [r.ping.remote() for r in ranks]
     if refs:
         ray.wait(refs, num_returns=len(refs), timeout=RANK_PING_TIMEOUT_S)

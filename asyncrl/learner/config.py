@@ -176,7 +176,7 @@ def check_cluster_has(key: str, resources: dict[str, float], times: int) -> None
 
 
 def check_value_head(loss: Any, value_head: bool) -> None:
-    needs = bool(getattr(loss, "needs_values", False))
+    needs = bool(loss.needs_values)
     if needs and not value_head:
         raise ConfigError(
             f"the loss ({type(loss).__name__}) needs values (needs_values=True): set "

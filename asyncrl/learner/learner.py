@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -60,7 +59,8 @@ from asyncrl.learner.shard import (
 )  # fmt: skip
 from asyncrl.learner.tokenlog import TokenRecorder, entropy_metric, is_weights, local_rows
 from asyncrl.learner.weights import WeightsOut
-from asyncrl.losses.base import LossBatch, ModelOutputs
+from asyncrl.losses.advantages import Advantage
+from asyncrl.losses.base import Loss, LossBatch, ModelOutputs
 from asyncrl.losses.diagnostics import mismatch_kl_sum
 
 __all__ = ["Learner", "OptimSettings", "loss_weights", "trajectory_metrics"]
@@ -70,8 +70,8 @@ class Learner(WeightsOut, CheckpointMethods):
     def __init__(
         self,
         model_path: str,
-        loss: Any,
-        advantage: Any,
+        loss: Loss,
+        advantage: Advantage,
         settings: LearnerSettings,
         *,
         rank: int = 0,
@@ -183,7 +183,7 @@ class Learner(WeightsOut, CheckpointMethods):
         )  # fmt: skip
         # The proximal policy is the one at the start of the batch, for every minibatch:
         # after the first step, the clip of a trust-region loss measures against it.
-        needs_prox = getattr(self.loss, "needs_proximal", False)
+        needs_prox = self.loss.needs_proximal
         proxs = [self._proximal(p.packs, p.rows) if needs_prox else {} for p in parts]
         sums, loss_sum, steps, t_opt = MetricSums(), 0.0, [], 0.0
         n_all = max(float(sum(layout.mask_tokens)), 1.0)

@@ -98,9 +98,7 @@ def trajectory_metrics(trajs: list, learner_version: int) -> dict[str, Any]:
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         # stopped by the token limit, not by the model (veRL's response_length/clip_ratio)
-        "response_length/clip_ratio": float(
-            np.mean([getattr(t, "finish_reason", "") == "length" for t in trajs])
-        ),
+        "response_length/clip_ratio": float(np.mean([t.finish_reason == "length" for t in trajs])),
         "staleness/mean": float(stale.mean()),
         "staleness/max": float(stale.max()),
         "staleness/hist": stale.tolist(),  # a list: the TensorBoard sink draws a histogram
@@ -112,7 +110,7 @@ def trajectory_metrics(trajs: list, learner_version: int) -> dict[str, Any]:
         # task/<name> (a mixture's per-task reward): over that task's trajectories only
         has = [t for t in trajs if k in t.reward_breakdown] if k.startswith("task/") else trajs
         out[f"reward/{k}"] = float(np.mean([t.reward_breakdown.get(k, 0.0) for t in has]))
-    out.update(episode_metrics([getattr(t, "episode", {}) for t in trajs]))
+    out.update(episode_metrics([t.episode for t in trajs]))
     return out
 
 

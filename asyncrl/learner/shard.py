@@ -48,7 +48,7 @@ class RowSummary:
             num_tokens=t.num_tokens, mask_tokens=int(t.loss_mask.sum()),
             response_len=len(t.response_ids), reward=t.reward, group_id=t.group_id,
             min_version=t.min_version, error=t.error or "", reward_breakdown=t.reward_breakdown,
-            episode=getattr(t, "episode", {}), finish_reason=t.finish_reason,
+            episode=t.episode, finish_reason=t.finish_reason,
         )  # fmt: skip
 
 

@@ -6,7 +6,16 @@ Each is a callable ``(rewards [B], group_ids [B]) -> advantages [B]``, built fro
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class Advantage(Protocol):
+    """``(rewards [B] float64, group_ids [B] int64) -> advantages [B]``; a group is the
+    trajectories sampled from one prompt."""
+
+    def __call__(self, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor: ...
 
 
 def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor):

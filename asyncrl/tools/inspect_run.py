@@ -25,10 +25,19 @@ from asyncrl.utils.runlog import read_trajectories
 
 TEXT_WIDTH = 36  # characters of prompt/response shown in a table row
 SUMMARY_KEYS = (
-    "steps", "policy_version", "reward_mean_first", "reward_mean_last", "trajectories_produced",
-    "trajectories_trained", "trajectories_dropped_stale", "max_staleness_trained",
-    "max_staleness_bound", "tokens_generated", "tokens_trained", "wall_seconds",
-)  # fmt: skip
+    "steps",
+    "policy_version",
+    "reward_mean_first",
+    "reward_mean_last",
+    "trajectories_produced",
+    "trajectories_trained",
+    "trajectories_dropped_stale",
+    "max_staleness_trained",
+    "max_staleness_bound",
+    "tokens_generated",
+    "tokens_trained",
+    "wall_seconds",
+)
 
 
 def load_rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -67,10 +76,13 @@ def _within(v: Any, rng: tuple[Any, Any] | None) -> bool:
 def select(rows: list[dict], step=None, staleness=None, reward=None, length=None) -> list[dict]:
     """Rows inside every given range (``(lo, hi)``, None: open)."""
     return [
-        r for r in rows
-        if _within(r["step"], step) and _within(r["staleness"], staleness)
-        and _within(r["reward"], reward) and _within(r["response_tokens"], length)
-    ]  # fmt: skip
+        r
+        for r in rows
+        if _within(r["step"], step)
+        and _within(r["staleness"], staleness)
+        and _within(r["reward"], reward)
+        and _within(r["response_tokens"], length)
+    ]
 
 
 def rankings(rows: list[dict], k: int) -> dict[str, list[dict]]:
@@ -116,13 +128,18 @@ def token_table(r: dict, decode=None) -> str:
     def f(x: float | None, w: int = 9) -> str:
         return f"{'-':>{w}}" if x is None else f"{x:>{w}.4f}"
 
-    head = (f"{'#':>4} {'token':<14} {'mask':>4} {'ver':>4} {'behaviour':>9} {'learner':>9} "
-            f"{'Δlogp':>9} {'IS w':>9} {'adv':>9}")  # fmt: skip
+    head = (
+        f"{'#':>4} {'token':<14} {'mask':>4} {'ver':>4} {'behaviour':>9} {'learner':>9} "
+        f"{'Δlogp':>9} {'IS w':>9} {'adv':>9}"
+    )
     lines = [
         f"trajectory {r['traj_id']} (group {r['group_id']}, step {r['step']}, reward "
         f"{r['reward']:.4f}, staleness {r['staleness']}, finish {r['finish_reason']})",
-        f"prompt: {r['prompt']!r}", f"response: {r['response']!r}", head, "-" * len(head),
-    ]  # fmt: skip
+        f"prompt: {r['prompt']!r}",
+        f"response: {r['response']!r}",
+        head,
+        "-" * len(head),
+    ]
     for i in range(n):
         tid = r["response_ids"][i]
         text = repr(decode(tid)) if decode else str(tid)
@@ -189,8 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     try:
         rows = load_rows(a.run_dir)
-        ranges = dict(step=_range(a.step, int), staleness=_range(a.staleness, int),
-                      reward=_range(a.reward, float), length=_range(a.length, int))  # fmt: skip
+        ranges = dict(
+            step=_range(a.step, int),
+            staleness=_range(a.staleness, int),
+            reward=_range(a.reward, float),
+            length=_range(a.length, int),
+        )
     except (FileNotFoundError, ValueError) as e:
         print(f"asyncrl-inspect: {e}", file=sys.stderr)
         return 2

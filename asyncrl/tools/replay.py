@@ -72,14 +72,16 @@ def trajectories_of(table: Any, ids: list[str], step: int) -> list:
             raise ReplayError(f"trajectory {i}: the log has no prompt_ids (an older run)")
         out.append(
             Trajectory(
-                traj_id=i, group_id=r["group_id"],
+                traj_id=i,
+                group_id=r["group_id"],
                 prompt_ids=np.asarray(r["prompt_ids"], np.int32),
                 response_ids=np.asarray(r["response_ids"], np.int32),
                 behaviour_logprobs=np.asarray(r["behaviour_logprobs"], np.float32),
                 versions=np.asarray(r["versions"], np.int32),
-                loss_mask=np.asarray(r["loss_mask"], bool), reward=float(r["reward"]),
+                loss_mask=np.asarray(r["loss_mask"], bool),
+                reward=float(r["reward"]),
             )
-        )  # fmt: skip
+        )
     return out
 
 
@@ -99,17 +101,32 @@ def replay(run_dir: str | Path, from_step: int, steps: int) -> list[dict[str, An
         raise ReplayError(f"steps {absent} are not in {run_dir}/trajectories/batches.jsonl")
     ckpt = checkpoint_at(run_dir, from_step)
     setup = prepare(OmegaConf.load(run_dir / "config.yaml"))
-    cols = ["step", "traj_id", "group_id", "reward", "prompt_ids", "response_ids",
-            "behaviour_logprobs", "versions", "loss_mask"]  # fmt: skip
+    cols = [
+        "step",
+        "traj_id",
+        "group_id",
+        "reward",
+        "prompt_ids",
+        "response_ids",
+        "behaviour_logprobs",
+        "versions",
+        "loss_mask",
+    ]
     by_step: dict[int, dict[str, dict]] = {}
     for r in read_trajectories(run_dir, columns=cols).to_pylist():
         if r["step"] in wanted:
             by_step.setdefault(r["step"], {})[r["traj_id"]] = r
     s, sampling = setup.learner, setup.actor.sampling
     learner = Learner(
-        setup.model_path, setup.loss, setup.advantage, s, seed=setup.run.seed,
-        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-    )  # fmt: skip
+        setup.model_path,
+        setup.loss,
+        setup.advantage,
+        s,
+        seed=setup.run.seed,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+    )
     learner.load(str(ckpt))
     out = []
     for step in wanted:
@@ -141,17 +158,27 @@ def main(argv: list[str] | None = None) -> int:
     except (ReplayError, FileNotFoundError) as e:
         print(f"asyncrl-replay: {e}", file=sys.stderr)
         return 2
-    print(f"{'step':>5} {'loss (replayed)':>24} {'loss (logged)':>24} {'grad norm (replayed)':>24} "
-          f"{'grad norm (logged)':>24}  equal")  # fmt: skip
+    print(
+        f"{'step':>5} {'loss (replayed)':>24} {'loss (logged)':>24} {'grad norm (replayed)':>24} "
+        f"{'grad norm (logged)':>24}  equal"
+    )
     for r in rows:
         eq = "yes" if r["loss_equal"] and r["grad_norm_equal"] else "NO"
-        print(f"{r['step']:>5} {r['loss']!r:>24} {r['logged_loss']!r:>24} "
-              f"{r['grad_norm']!r:>24} {r['logged_grad_norm']!r:>24}  {eq}")  # fmt: skip
+        print(
+            f"{r['step']:>5} {r['loss']!r:>24} {r['logged_loss']!r:>24} "
+            f"{r['grad_norm']!r:>24} {r['logged_grad_norm']!r:>24}  {eq}"
+        )
     equal = all(r["loss_equal"] and r["grad_norm_equal"] for r in rows)
-    print(json.dumps({"steps": len(rows), "from_step": a.from_step, "bit_equal": equal,
-                      "max_abs_loss_diff": max(abs(r["loss"] - r["logged_loss"]) for r in rows),
-                      "max_abs_grad_norm_diff": max(abs(r["grad_norm"] - r["logged_grad_norm"])
-                                                    for r in rows)}))  # fmt: skip
+    loss_diff = max(abs(r["loss"] - r["logged_loss"]) for r in rows)
+    grad_diff = max(abs(r["grad_norm"] - r["logged_grad_norm"]) for r in rows)
+    brief = {
+        "steps": len(rows),
+        "from_step": a.from_step,
+        "bit_equal": equal,
+        "max_abs_loss_diff": loss_diff,
+        "max_abs_grad_norm_diff": grad_diff,
+    }
+    print(json.dumps(brief))
     return 0
 
 

@@ -35,12 +35,20 @@ def scalars(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
     return out
 
 
-def _png(fig) -> str:
+def _plt():
+    """matplotlib's pyplot, drawing off-screen."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _png(fig) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    plt.close(fig)
+    _plt().close(fig)
     return base64.b64encode(buf.getvalue()).decode()
 
 
@@ -58,82 +66,115 @@ def _lines(ax, s: dict, tags: list[str]) -> bool:
 
 
 def figures(s: dict, rows: list[dict], summary: dict) -> dict[str, str]:
-    """Title -> base64 PNG."""
-    import matplotlib
+    """Title -> base64 PNG; a plot none of whose series the run logged is left out.
+    ``s``: :func:`scalars`; ``rows``: the trajectory log's rows; ``summary``: summary.json."""
+    drawn = {
+        "Reward": _reward(s, rows),
+        "Staleness": _staleness(rows, summary),
+        "IS statistics": _importance(s),
+        "Throughput split": _step_split(s),
+        "Broker": _broker(s),
+        "Alerts": _alerts(s),
+    }
+    return {title: png for title, png in drawn.items() if png is not None}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    out: dict[str, str] = {}
-    fig, ax = plt.subplots(figsize=(6, 3))
+def _reward(s: dict, rows: list[dict]) -> str:
+    fig, ax = _plt().subplots(figsize=(6, 3))
     if rows:  # the log's per-step mean, beside the TensorBoard series; the log's step
         # is the version a batch trained from, TensorBoard's the version it published (+1)
         steps = sorted({r["step"] for r in rows})
         by = {k: [r["reward"] for r in rows if r["step"] == k] for k in steps}
-        ax.plot([k + 1 for k in steps], [np.mean(by[k]) for k in steps], "o", ms=3,
-                alpha=0.5, label="logged trajectories, mean per step")  # fmt: skip
+        means = [np.mean(by[k]) for k in steps]
+        label = "logged trajectories, mean per step"
+        ax.plot([k + 1 for k in steps], means, "o", ms=3, alpha=0.5, label=label)
     _lines(ax, s, ["reward/mean"])
     ax.set_title("reward")
     ax.legend(fontsize=7)
-    out["Reward"] = _png(fig)
+    return _png(fig)
 
+
+def _staleness(rows: list[dict], summary: dict) -> str | None:
+    """The summary's whole-run histogram, else the logged trajectories'."""
     hist = summary.get("staleness_histogram") or {}
     stale = [r["staleness"] for r in rows]
-    if hist or stale:
-        fig, ax = plt.subplots(figsize=(6, 3))
-        if hist:
-            ax.bar([int(k) for k in hist], list(hist.values()), color="tab:blue")
-            ax.set_xticks([int(k) for k in hist])
-            ax.set_title("staleness of trained trajectories (summary, whole run)")
-        else:
-            ax.hist(stale, bins=range(max(stale) + 2), color="tab:blue", align="left")
-            ax.set_title("staleness of logged trajectories")
-        ax.set_xlabel("learner version - min token version")
-        out["Staleness"] = _png(fig)
+    if not hist and not stale:
+        return None
+    fig, ax = _plt().subplots(figsize=(6, 3))
+    if hist:
+        ax.bar([int(k) for k in hist], list(hist.values()), color="tab:blue")
+        ax.set_xticks([int(k) for k in hist])
+        ax.set_title("staleness of trained trajectories (summary, whole run)")
+    else:
+        ax.hist(stale, bins=range(max(stale) + 2), color="tab:blue", align="left")
+        ax.set_title("staleness of logged trajectories")
+    ax.set_xlabel("learner version - min token version")
+    return _png(fig)
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3))
+
+def _importance(s: dict) -> str:
+    fig, (a1, a2) = _plt().subplots(1, 2, figsize=(10, 3))
     _lines(a1, s, ["is/ess", "is/ratio_mean", "is/clip_frac"])
     a1.set_title("importance sampling")
     if _lines(a2, s, ["is/mismatch_kl"]):
         a2.set_yscale("symlog", linthresh=1e-6)
     a2.set_title("actor/learner mismatch KL")
-    out["IS statistics"] = _png(fig)
+    return _png(fig)
 
-    split = [
-        t for t in ("perf/wait_seconds", "perf/train_seconds", "perf/publish_seconds") if t in s
-    ]
-    if split:
-        fig, ax = plt.subplots(figsize=(6, 3))
-        steps = s[split[0]][0]
-        names = {"perf/wait_seconds": "waiting for generation", "perf/train_seconds": "training",
-                 "perf/publish_seconds": "weight sync (publish)"}  # fmt: skip
-        ax.stackplot(steps, *[s[t][1] for t in split], labels=[names[t] for t in split])
-        ax.set_xlabel("step")
-        ax.set_ylabel("seconds per step")
-        ax.legend(fontsize=7, loc="upper left")
-        ax.set_title("step time: generation / training / sync")
-        out["Throughput split"] = _png(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 3))
-    if _lines(ax, s, ["broker/sync_seconds", "broker/transfer_seconds", "broker/reload_seconds",
-                      "broker/pack_seconds", "broker/pause_seconds_max"]):  # fmt: skip
-        ax.set_ylabel("seconds")
-        ax.set_title("weight broker timings")
-        out["Broker"] = _png(fig)
-    else:
-        plt.close(fig)
+STEP_PHASES = {  # the loop's perf/*_seconds, stacked
+    "perf/wait_seconds": "waiting for generation",
+    "perf/train_seconds": "training",
+    "perf/publish_seconds": "weight sync (publish)",
+}
 
+
+def _step_split(s: dict) -> str | None:
+    split = [t for t in STEP_PHASES if t in s]
+    if not split:
+        return None
+    fig, ax = _plt().subplots(figsize=(6, 3))
+    steps = s[split[0]][0]
+    ax.stackplot(steps, *[s[t][1] for t in split], labels=[STEP_PHASES[t] for t in split])
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds per step")
+    ax.legend(fontsize=7, loc="upper left")
+    ax.set_title("step time: generation / training / sync")
+    return _png(fig)
+
+
+BROKER_TIMINGS = [
+    "broker/sync_seconds",
+    "broker/transfer_seconds",
+    "broker/reload_seconds",
+    "broker/pack_seconds",
+    "broker/pause_seconds_max",
+]
+
+
+def _broker(s: dict) -> str | None:
+    if not any(t in s for t in BROKER_TIMINGS):
+        return None
+    fig, ax = _plt().subplots(figsize=(6, 3))
+    _lines(ax, s, BROKER_TIMINGS)
+    ax.set_ylabel("seconds")
+    ax.set_title("weight broker timings")
+    return _png(fig)
+
+
+def _alerts(s: dict) -> str | None:
+    """One row per alert, a dot at each step it fired; none if none ever fired."""
     alerts = sorted(t for t in s if t.startswith("alerts/") and t != "alerts/firing")
-    if any(max(s[t][1]) > 0 for t in alerts):
-        fig, ax = plt.subplots(figsize=(6, 0.4 * len(alerts) + 1))
-        for i, t in enumerate(alerts):
-            st, v = s[t]
-            ax.scatter([x for x, y in zip(st, v) if y], [i] * sum(1 for y in v if y), s=6)
-        ax.set_yticks(range(len(alerts)), [t.removeprefix("alerts/") for t in alerts])
-        ax.set_xlabel("step")
-        ax.set_title("alerts firing")
-        out["Alerts"] = _png(fig)
-    return out
+    if not any(max(s[t][1]) > 0 for t in alerts):
+        return None
+    fig, ax = _plt().subplots(figsize=(6, 0.4 * len(alerts) + 1))
+    for i, t in enumerate(alerts):
+        st, v = s[t]
+        ax.scatter([x for x, y in zip(st, v) if y], [i] * sum(1 for y in v if y), s=6)
+    ax.set_yticks(range(len(alerts)), [t.removeprefix("alerts/") for t in alerts])
+    ax.set_xlabel("step")
+    ax.set_title("alerts firing")
+    return _png(fig)
 
 
 def write_report(run_dir: Path, rows: list[dict[str, Any]], out: Path) -> Path:
