@@ -35,6 +35,7 @@ from asyncrl.models.shipped import WEIGHTS_SHA256
 from asyncrl.monitor import HealthMonitor, MonitorSettings
 from asyncrl.parts import Parts
 from asyncrl.runtime import GracefulStop, Interrupted, check_local_cpus, check_resources, init_ray
+from asyncrl.sandbox import unconfined_warning
 from asyncrl.utils.fingerprint import fingerprint, markdown
 from asyncrl.utils.runlog import Scalars
 from asyncrl.wiring import Setup, StartupClock, prepare, start_parts, stop_parts
@@ -131,6 +132,8 @@ def _run(cfg: DictConfig, out_dir: Path, stop: GracefulStop) -> dict[str, Any]:
         summary["fingerprint"] = fp
         summary["alerts"] = monitor.summary()  # name -> steps it fired, first step
         summary["stopped_by"] = stop.signame  # null: ran to max_steps
+        if warning := unconfined_warning(setup.env.sandbox):  # sandbox.isolation=none
+            summary["sandbox_warning"] = warning
         if hooks.evaluator is not None:  # set -> first, last, best, version_best
             summary["eval"] = hooks.evaluator.summary()
             summary["eval_skipped_versions"] = hooks.evaluator.skipped
