@@ -134,7 +134,7 @@ def prepare(cfg: DictConfig) -> Setup:
             "nodes declare them (docs/cluster.md)"
         )
     if run.resume:
-        from asyncrl.learner.config import check_resume
+        from asyncrl.learner.resume import check_resume
 
         check_resume(run.resume)
     model_path = resolve_model(cfg, task)
@@ -163,7 +163,7 @@ def start_parts(
     from asyncrl import startup_mark
     from asyncrl.actor.launch import new_actor
     from asyncrl.broker import make_broker
-    from asyncrl.learner.config import start_learner
+    from asyncrl.learner.group import start_learner
     from asyncrl.replay.queue import remote_queue
 
     queue = remote_queue(**setup.replay.buffer_kwargs(setup.learner.batch_groups))

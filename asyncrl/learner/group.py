@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from asyncrl.config import ConfigError
-from asyncrl.learner.config import LearnerSettings
+from asyncrl.learner.config import LearnerSettings, check_cluster_has
 
 PLACEMENT_TIMEOUT_S = 60.0  # a placement group not ready by then will not become ready
 CALL_TIMEOUT_S = 3600.0  # waiting on every rank (save, load, ping): generous, not forever
@@ -221,3 +221,19 @@ class LearnerGroup:
             if self.pg is not None:
                 ray.util.remove_placement_group(self.pg)
                 self.pg = None
+
+
+def start_learner(
+    settings: LearnerSettings, model_path: str, loss: Any, advantage: Any, sampling: Any,
+    seed: int, max_steps: int, trajectory_log: str | None,
+) -> LearnerGroup:  # fmt: skip
+    """The :class:`LearnerGroup` of ``settings`` (the ranks load the model in the
+    background; ``group.ping()`` waits for them). ``sampling``: the actors' sampling
+    settings, whose temperature / top-k / top-p the log-probs follow; ``max_steps`` is
+    already in ``settings.optim.total_steps``."""
+    del max_steps  # from_config folded it into the LR schedule
+    check_cluster_has("learner.resources", settings.resources, settings.world_size)
+    return LearnerGroup(
+        model_path, loss, advantage, settings, trajectory_log=trajectory_log,
+        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=seed,
+    )  # fmt: skip

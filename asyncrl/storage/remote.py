@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from asyncrl.cluster.sink import SINK_NAME
+from asyncrl.storage.sink import SINK_NAME
 
 CHUNK = 16 << 20  # bytes per call: large files never sit whole in the object store
 _cache: dict[str, Any] = {}  # job id -> the sink, or None when on the driver's node
@@ -93,4 +93,4 @@ def download(sink: Any, remote: str | Path, local: Path, skip: tuple[str, ...] =
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "wb") as f:
             for offset in range(0, max(size, 1), CHUNK):
-                f.write(ray.get(sink.get.remote(str(Path(remote) / rel), offset, CHUNK)))
+                f.write(ray.get(sink.get.remote(str(remote), rel, offset, CHUNK)))
