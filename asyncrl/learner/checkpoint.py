@@ -43,7 +43,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from asyncrl.learner.dist import barrier, broadcast_from_rank0, is_distributed
-from asyncrl.learner.safe_dcp import SafeLoadPlanner, SafeReader, read_metadata
+from asyncrl.learner.safe_dcp import SafeLoadPlanner, SafeReader, read_metadata, reason
 from asyncrl.storage import atomic
 from asyncrl.storage.remote import call, download, remote_sink, staging, upload
 from asyncrl.utils.rng import load_rng, save_rng
@@ -267,8 +267,8 @@ def read_state(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -
             )
     except (Exception, CheckpointException) as e:
         cause = _first_failure(e)
-        why = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-        raise CheckpointError(f"cannot load {state_dir}: {type(cause).__name__}: {why}") from e
+        why = f"{type(cause).__name__}: {reason(cause)}"
+        raise CheckpointError(f"cannot load {state_dir}: {why}") from e
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 

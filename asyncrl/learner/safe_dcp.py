@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from asyncrl.storage.atomic import ManifestError, inside
 
 METADATA = ".metadata"
+WEIGHTS_ONLY_REFUSAL = "WeightsUnpickler error: "  # how torch.load's refusal names a global
 _META_MODULE = "torch.distributed.checkpoint.metadata"
 # What DCP's metadata pickles hold (read off a saved model + optimizer): dataclasses of
 # plain fields, torch.Size, dtypes, the layout (by name) and the checkpoint id (a path).
@@ -56,6 +58,18 @@ ALLOWED_GLOBALS = frozenset(
 
 class UnsafeContent(pickle.UnpicklingError):
     """A checkpoint file asks for something outside the allow-list; nothing of it ran."""
+
+
+def reason(e: BaseException) -> str:
+    """One line of ``e``'s message. torch's weights-only refusal names the global on a
+    line of its own, among advice to allow-list it that does not apply to a checkpoint."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", x).strip() for x in str(e).splitlines()]
+    lines = [x for x in lines if x]
+    for x in lines:
+        if x.startswith(WEIGHTS_ONLY_REFUSAL):
+            named = x[len(WEIGHTS_ONLY_REFUSAL) :].split(" was not an allowed global")[0]
+            return f"refused by torch.load(weights_only=True), nothing of it ran: {named}"
+    return lines[0] if lines else type(e).__name__
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -113,8 +127,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            why = str(e).strip().splitlines()[0]
-            raise UnsafeContent(f"item {fqn!r}: refused, nothing of it ran ({why})") from None
+            raise UnsafeContent(f"item {fqn!r}: {reason(e)}") from None
         if not self.flatten_state_dict:
             self.state_dict[fqn] = obj
             return
