@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from asyncrl.learner.config import LearnerSettings, Normalisation
 from asyncrl.learner.dist import barrier, broadcast_from_rank0, is_distributed
 from asyncrl.learner.safe_dcp import SafeLoadPlanner, SafeReader, read_metadata, reason
 from asyncrl.storage import atomic
@@ -328,15 +329,21 @@ def export_hf(out: Path, lm: torch.nn.Module, sd: dict[str, torch.Tensor], src: 
 
 class Checkpointer:
     """A learner rank's checkpoints (held by :class:`~asyncrl.learner.learner.Learner`):
-    its model, optimizer and LR scheduler to a sharded checkpoint and back. ``recorded``:
-    the rank's settings ``learner.json`` keeps (world size, normalisation, value head)."""
+    its model, optimizer and LR scheduler to a sharded checkpoint and back; ``learner.json``
+    also records the settings a resume must match or report (world size, normalisation,
+    value head)."""
 
     def __init__(
-        self, policy: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, rank: int,
-        model_path: str, recorded: dict[str, Any],
+        self, policy: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, model_path: str,
+        settings: LearnerSettings, rank: int,
     ) -> None:  # fmt: skip
         self.policy, self.opt, self.sched = policy, opt, sched
-        self.rank, self.model_path, self.recorded = rank, model_path, dict(recorded)
+        self.model_path, self.rank, self.value_head = model_path, rank, settings.value_head
+        self.recorded = {
+            "world_size": settings.world_size,
+            "normalisation": Normalisation(settings.normalisation).value,
+            "value_head": settings.value_head,
+        }
 
     def save(
         self, path: str, version: int, lr_scale: float, driver_state: dict | None = None,
@@ -358,10 +365,9 @@ class Checkpointer:
         """Collective. ``learner.json`` plus ``driver_state``; a checkpoint saved with
         another ``learner.value_head`` is refused."""
         meta = load(path, self.policy, self.opt, self.sched, self.rank)
-        value_head = bool(self.recorded.get("value_head", False))
-        if meta.get("value_head", False) != value_head:
+        if meta.get("value_head", False) != self.value_head:
             raise CheckpointError(
                 f"{path}: saved with learner.value_head={meta.get('value_head')}, "
-                f"this run has {value_head}"
+                f"this run has {self.value_head}"
             )
         return meta

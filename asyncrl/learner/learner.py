@@ -151,11 +151,7 @@ class Learner:
         if trajectory_log and rank == 0:
             self.traj_log = TrajectoryLog(trajectory_log)
         self.weights = WeightsOut(rank, self.sharded, self.named_parameters_stream)
-        recorded = {"world_size": s.world_size, "normalisation": s.normalisation.value}
-        recorded["value_head"] = s.value_head
-        self.checkpoints = Checkpointer(
-            self.policy, self.opt, self.sched, rank, model_path, recorded
-        )
+        self.checkpoints = Checkpointer(self.policy, self.opt, self.sched, model_path, s, rank)
 
     # ---- one step -----------------------------------------------------------------
     def train_step(self, items: list, version: int) -> dict[str, float]:

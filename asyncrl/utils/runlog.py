@@ -145,14 +145,7 @@ class TrajectoryLog:
         ``metrics``: the step's (``batches.jsonl`` keeps the loss and grad norm)."""
         s = self.settings
         if s.batch_ids and trajs:
-            rec = {"step": step, "traj_ids": [t.traj_id for t in trajs]}
-            rec.update({k: float(metrics[k]) for k in REPLAY_KEYS if k in (metrics or {})})
-            line = json.dumps(rec) + "\n"  # floats as repr: exact doubles
-            if self._sink is not None:
-                call(self._sink.append.remote(str(self.dir / "batches.jsonl"), line.encode()))
-            else:
-                with open(self.dir / "batches.jsonl", "a") as f:  # one line: survives a kill
-                    f.write(line)
+            self._write_batch_ids(step, trajs, metrics)
         for i, t in enumerate(trajs):
             if not _sampled(t.traj_id, s.sample_frac):
                 continue
@@ -194,6 +187,19 @@ class TrajectoryLog:
         self._steps += 1
         if self._steps >= s.part_every:
             self.flush()
+
+    def _write_batch_ids(
+        self, step: int, trajs: list[Trajectory], metrics: dict[str, float] | None
+    ) -> None:
+        """One ``batches.jsonl`` line: the step's trajectory ids, loss and grad norm."""
+        rec = {"step": step, "traj_ids": [t.traj_id for t in trajs]}
+        rec.update({k: float(metrics[k]) for k in REPLAY_KEYS if k in (metrics or {})})
+        line = json.dumps(rec) + "\n"  # floats as repr: exact doubles
+        if self._sink is not None:
+            call(self._sink.append.remote(str(self.dir / "batches.jsonl"), line.encode()))
+        else:
+            with open(self.dir / "batches.jsonl", "a") as f:  # one line: survives a kill
+                f.write(line)
 
     def flush(self) -> None:
         """Write the buffered rows as the next part (closed, renamed into place)."""
