@@ -49,9 +49,12 @@ def saved(tmp_path_factory):
     torch.set_num_threads(1)
     model = build_tiny_qwen(tmp_path_factory.mktemp("m"))
     L = Learner(
-        str(model), ClippedISLoss(), GroupNormalized(),
-        LearnerSettings(optim=OptimSettings(lr=1e-2), micro_batch_tokens=40), seed=1,
-    )  # fmt: skip
+        str(model),
+        ClippedISLoss(),
+        GroupNormalized(),
+        LearnerSettings(optim=OptimSettings(lr=1e-2), micro_batch_tokens=40),
+        seed=1,
+    )
     L.step_on_batch(collate(trajs(8, seed=3)), 0)
     path = tmp_path_factory.mktemp("ck") / "ck"
     L.save(str(path), driver_state={"queue": {}})
@@ -84,9 +87,15 @@ def load_after_plant(L: Learner, root: Path, marker: Path) -> str | None:
 
 
 FILES = [
-    "state/.metadata", "state/__0_0.distcp", "rng/rank0.safetensors", "learner.json",
-    "driver_state.json", "manifest.json", "hf/model.safetensors", "hf/config.json",
-]  # fmt: skip
+    "state/.metadata",
+    "state/__0_0.distcp",
+    "rng/rank0.safetensors",
+    "learner.json",
+    "driver_state.json",
+    "manifest.json",
+    "hf/model.safetensors",
+    "hf/config.json",
+]
 
 
 def test_every_file_a_resume_reads_is_planted_below(saved):

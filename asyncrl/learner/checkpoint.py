@@ -334,9 +334,14 @@ class Checkpointer:
     value head)."""
 
     def __init__(
-        self, policy: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, model_path: str,
-        settings: LearnerSettings, rank: int,
-    ) -> None:  # fmt: skip
+        self,
+        policy: torch.nn.Module,
+        opt: torch.optim.Optimizer,
+        sched: Any,
+        model_path: str,
+        settings: LearnerSettings,
+        rank: int,
+    ) -> None:
         self.policy, self.opt, self.sched = policy, opt, sched
         self.model_path, self.rank, self.value_head = model_path, rank, settings.value_head
         self.recorded = {
@@ -346,9 +351,13 @@ class Checkpointer:
         }
 
     def save(
-        self, path: str, version: int, lr_scale: float, driver_state: dict | None = None,
+        self,
+        path: str,
+        version: int,
+        lr_scale: float,
+        driver_state: dict | None = None,
         hf_weights: dict[str, torch.Tensor] | None = None,
-    ) -> str:  # fmt: skip
+    ) -> str:
         """Collective. ``hf_weights`` (rank 0's full weights): also ``PATH/hf``, an HF
         model directory, sealed by the checkpoint's manifest."""
         meta = {"version": version, **self.recorded, "lr_scale": lr_scale}

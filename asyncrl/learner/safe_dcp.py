@@ -41,8 +41,13 @@ ALLOWED_GLOBALS = frozenset(
         *(
             (_META_MODULE, name)
             for name in (
-                "Metadata", "MetadataIndex", "StorageMeta", "ChunkStorageMetadata",
-                "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties",
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "ChunkStorageMetadata",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "TensorProperties",
                 "_MEM_FORMAT_ENCODING",
             )
         ),
@@ -53,7 +58,7 @@ ALLOWED_GLOBALS = frozenset(
         ("pathlib", "PurePosixPath"),
         ("collections", "OrderedDict"),
     }
-)  # fmt: skip
+)
 
 
 class UnsafeContent(pickle.UnpicklingError):
