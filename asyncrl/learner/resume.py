@@ -59,7 +59,7 @@ def resume_state(parts: Any, path: str) -> tuple[int, dict[str, Any]]:
     what a learner restart adds the dead segment's production to, asyncrl/fault/learner.py)."""
     import ray
 
-    found = find_latest(path)
+    found = find_latest(Path(path).absolute())  # absolute: a rank on another node reads it
     allow_reads_from(found)  # a cluster's ranks on other nodes fetch it through the sink
     meta = parts.learner.load(str(found))
     version = int(meta["version"])
