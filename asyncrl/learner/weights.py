@@ -11,9 +11,10 @@
     object-store broker
     publish(V) ── weights_ref ────▶ one ray.put of the weights (broker/payload.py)
 
-Built with the rank, and ``stream``: ``named_parameters_stream()`` (``(HF name, full
-tensor)``, collective on a sharded learner: every rank iterates it); a subclass with a
-plain ``model`` and no stream streams its state dict.
+Built with the rank, whether the learner is sharded, and ``stream``, its
+``named_parameters_stream()`` (``(HF name, full tensor)``, collective on a sharded
+learner: every rank iterates it); a subclass with a plain ``model`` and no stream
+streams the model's state dict.
 """
 
 from __future__ import annotations
