@@ -37,10 +37,11 @@ import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.optim.lr_scheduler import LambdaLR
 
 from asyncrl.learner.config import LearnerSettings, Normalisation
 from asyncrl.learner.dist import barrier, broadcast_from_rank0, is_distributed
@@ -48,6 +49,9 @@ from asyncrl.learner.safe_dcp import SafeLoadPlanner, SafeReader, read_metadata,
 from asyncrl.storage import atomic
 from asyncrl.storage.remote import call, download, remote_sink, staging, upload
 from asyncrl.utils.rng import load_rng, save_rng
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 FORMAT = 2  # learner.json's format: 2 keeps the RNG states as safetensors
 MANIFEST = atomic.MANIFEST
@@ -106,7 +110,7 @@ def verify(path: str | Path, full: bool = True) -> dict[str, Any]:
     return read_meta(root)
 
 
-def _fresh_tmp(tmp: Path, rank: int, sink: Any) -> Path:
+def _fresh_tmp(tmp: Path, rank: int, sink: ActorHandle | None) -> Path:
     """Where this rank writes: ``tmp`` itself on the driver's node, else a staging folder
     of this node whose files go to the driver's ``tmp`` (asyncrl/storage/remote.py)."""
     here = tmp if sink is None else staging(f"save-rank{rank}") / tmp.name
@@ -139,7 +143,7 @@ def save(
     path: str | Path,
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
-    sched: Any,
+    sched: LambdaLR,
     meta: dict[str, Any],
     rank: int,
     driver_state: dict[str, Any] | None = None,
@@ -232,7 +236,7 @@ def find_latest(path: str | Path) -> Path:
     return max(found, key=lambda vs: (vs[0], not vs[1].name.endswith(".old")))[1]
 
 
-def _checked_by_rank0(root: Path, rank: int, sink: Any) -> None:
+def _checked_by_rank0(root: Path, rank: int, sink: ActorHandle | None) -> None:
     """Collective: rank 0 checks every CRC (at the driver's side through a sink); every
     rank raises its error."""
     err = None
@@ -282,7 +286,7 @@ def _first_failure(e: BaseException) -> BaseException:
 
 
 def load(
-    path: str | Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, rank: int
+    path: str | Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: LambdaLR, rank: int
 ) -> dict[str, Any]:
     """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns
     ``learner.json`` plus ``driver_state``."""
@@ -337,7 +341,7 @@ class Checkpointer:
         self,
         policy: torch.nn.Module,
         opt: torch.optim.Optimizer,
-        sched: Any,
+        sched: LambdaLR,
         model_path: str,
         settings: LearnerSettings,
         rank: int,

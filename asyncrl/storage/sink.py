@@ -28,15 +28,18 @@ import os
 import shutil
 import time
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING
 
 from asyncrl.storage.atomic import ManifestError, check_manifest, inside, seal
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 SINK_NAME = "asyncrl-file-sink"
 RECORD = "cluster_sink.jsonl"
 PARTIAL = ".sink"  # suffix of a file still arriving
 
-_driver_sink: Any = None  # the driver's handle, when it started one (init_ray)
+_driver_sink: ActorHandle | None = None  # the driver's handle, when it started one (init_ray)
 
 
 class FileSink:
@@ -170,7 +173,7 @@ class FileSink:
             f.write(json.dumps(rec) + "\n")
 
 
-def start_sink() -> Any:
+def start_sink() -> ActorHandle:
     """The driver's sink on its own node (after joining a cluster). Creating it costs a
     worker start, so a local Ray (one node, the driver's files) has none."""
     import ray
