@@ -69,11 +69,11 @@ def init_ray(ray_cfg: RaySettings) -> bool:
             )
         except ConnectionError as e:
             raise ConfigError(f"ray.address={ray_cfg.address}: cannot join ({e})") from e
-        from asyncrl.cluster.sink import start_sink
+        from asyncrl.storage.sink import start_sink
 
         start_sink()  # learner ranks on other nodes send their files through it
         return True
-    from asyncrl.cluster.sink import forget_sink
+    from asyncrl.storage.sink import forget_sink
 
     forget_sink()  # one node, the driver's files: ranks write in place
     if ray_cfg.node_ip == LOOPBACK:

@@ -156,7 +156,7 @@ def prepare(cfg: DictConfig) -> Setup:
     advantage = build("learner.advantage", cfg.learner.advantage)
     _check_learner_fits(learner, actor, ray_settings)
     if run.resume:
-        from asyncrl.learner.config import check_resume
+        from asyncrl.learner.resume import check_resume
 
         check_resume(run.resume)
     model_path = resolve_model(cfg, task)
@@ -198,7 +198,7 @@ def start_parts(
 
     from asyncrl import startup_mark
     from asyncrl.broker import make_broker
-    from asyncrl.learner.config import start_learner
+    from asyncrl.learner.group import start_learner
     from asyncrl.replay.queue import remote_queue
     from asyncrl.rewards.pool import RewardClient, start_workers
 

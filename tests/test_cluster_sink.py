@@ -63,7 +63,7 @@ def test_a_cluster_gets_the_code_shipped(monkeypatch, tmp_path):
 
 @pytest.fixture
 def sink(ray_local, tmp_path):
-    from asyncrl.cluster import sink as sink_mod
+    from asyncrl.storage import sink as sink_mod
 
     handle = sink_mod.start_sink()
     sink_mod.allow_run_dir(tmp_path / "run")
@@ -84,7 +84,7 @@ def test_remote_rank_saves_loads_and_logs_through_the_sink(sink, tmp_path, monke
     from asyncrl.utils.runlog import TrajectoryLog, read_trajectories
 
     monkeypatch.setattr(ck, "remote_sink", lambda: sink)
-    monkeypatch.setattr("asyncrl.cluster.remote.remote_sink", lambda: sink)
+    monkeypatch.setattr("asyncrl.utils.runlog.remote_sink", lambda: sink)
     model = build_tiny_qwen(tmp_path / "m")
     torch.set_num_threads(1)
 
@@ -103,7 +103,7 @@ def test_remote_rank_saves_loads_and_logs_through_the_sink(sink, tmp_path, monke
     recs = [json.loads(x) for x in (run / "cluster_sink.jsonl").read_text().splitlines()]
     sent = {r["path"] for r in recs}
     assert "checkpoints/step-1.tmp/learner.json" in sent
-    assert "checkpoints/step-1.tmp/rng/rank0.pt" in sent
+    assert "checkpoints/step-1.tmp/rng/rank0.safetensors" in sent
     assert not any(p.endswith("manifest.json") for p in sent)  # written at the driver's side
 
     L2 = make()  # loads from bytes fetched through the sink: the same weights
@@ -125,3 +125,37 @@ def test_remote_rank_saves_loads_and_logs_through_the_sink(sink, tmp_path, monke
     with pytest.raises(ray.exceptions.RayTaskError, match="outside the run directories"):
         ray.get(sink.put.remote(str(tmp_path / "elsewhere.bin"), 0, b"x", True, "n"))
     assert not Path(tmp_path / "elsewhere.bin").exists()
+
+
+def test_the_sink_serves_only_files_inside_its_run_directories(sink, tmp_path):
+    """Reads name a tree inside a run directory and a relative path inside that tree:
+    no absolute path, no ``..``, no symlink leading out, no other folder."""
+    import ray
+
+    ck = tmp_path / "run" / "ck"
+    ck.mkdir(parents=True)
+    (ck / "a.bin").write_bytes(b"abc")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("key material")
+    assert ray.get(sink.get.remote(str(ck), "a.bin", 0, 10)) == b"abc"
+    assert ray.get(sink.list_files.remote(str(ck), [])) == [("a.bin", 3)]
+    assert ray.get(sink.count.remote(str(ck), "*.bin")) == 1
+    refused = {
+        "absolute file": sink.get.remote(str(ck), str(secret), 0, 10),
+        "dot-dot file": sink.get.remote(str(ck), "../../secret.txt", 0, 10),
+        "root outside": sink.get.remote(str(tmp_path), "secret.txt", 0, 10),
+        "dot-dot root": sink.get.remote(f"{ck}/../..", "secret.txt", 0, 10),
+        "relative root": sink.get.remote("run/ck", "a.bin", 0, 10),
+        "list outside": sink.list_files.remote("/etc", []),
+        "count outside": sink.count.remote("/etc", "*"),
+        "count pattern": sink.count.remote(str(ck), "../../*"),
+    }
+    for what, ref in refused.items():
+        with pytest.raises(PermissionError, match="file sink"):
+            ray.get(ref)
+            pytest.fail(what)
+    assert "outside the run directories" in ray.get(sink.verify.remote(str(tmp_path)))
+    (ck / "out").symlink_to(secret)  # a symlink leading out of the tree
+    for ref in (sink.get.remote(str(ck), "out", 0, 10), sink.list_files.remote(str(ck), [])):
+        with pytest.raises(PermissionError, match="leads out of"):
+            ray.get(ref)

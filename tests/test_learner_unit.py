@@ -133,3 +133,25 @@ def test_processed_logprobs_match_reference(t, k, p):
 def test_greedy_is_refused():
     with pytest.raises(ValueError, match="temperature"):
         process_logits(torch.zeros(2, 3), 0.0)
+
+
+def test_the_rank_exposes_its_held_parts_methods_as_its_own():
+    """What Ray calls on a rank (the brokers' weight methods) has the held
+    ``WeightsOut``'s names and signatures, so ``ray.remote(Learner)`` checks calls alike."""
+    import inspect
+
+    from asyncrl.learner.weights import WeightsOut
+
+    names = [
+        "attach_broker",
+        "snapshot_weights",
+        "detach_broker",
+        "weight_digests",
+        "weights_ref",
+        "stream_weights",
+        "full_state_dict",
+    ]
+    for name in names:
+        mine, held = getattr(Learner, name), getattr(WeightsOut, name)
+        assert inspect.signature(mine) == inspect.signature(held), name
+        assert mine.__doc__ == held.__doc__, name

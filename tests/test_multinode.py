@@ -4,7 +4,7 @@ fails in its plain environment (a shadowing ``asyncrl`` first on its PYTHONPATH)
 learner is placed on the worker (``learner.resources``); the code reaches it through
 ``runtime_env`` (ray.ship_code), a user's loss module in the driver's cwd included,
 and its Parquet parts and checkpoint come back to the driver's run directory through
-the file sink (asyncrl/cluster). docs/cluster.md has the same commands.
+the file sink (asyncrl/storage). docs/cluster.md has the same commands.
 
 Only the processes this module starts are stopped, by pid; never ``ray stop``.
 """

@@ -55,7 +55,8 @@ def smollm2_world(ray_local):
     from asyncrl.broker.client import start_weight_broker
     from asyncrl.broker.settings import BrokerSettings
     from asyncrl.confdir import conf_dir
-    from asyncrl.learner.config import LearnerSettings, start_learner
+    from asyncrl.learner.config import LearnerSettings
+    from asyncrl.learner.group import start_learner
     from asyncrl.losses.advantages import GroupNormalized
     from asyncrl.losses.clipped import ClippedISLoss
     from asyncrl.models.resolve import resolve_model

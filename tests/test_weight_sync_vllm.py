@@ -105,7 +105,8 @@ def world(ray_local, tiny_model, task):
     from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
     from asyncrl.broker.client import start_weight_broker
     from asyncrl.broker.settings import BrokerSettings
-    from asyncrl.learner.config import LearnerSettings, start_learner
+    from asyncrl.learner.config import LearnerSettings
+    from asyncrl.learner.group import start_learner
     from asyncrl.losses.advantages import GroupNormalized
     from asyncrl.losses.clipped import ClippedISLoss
     from asyncrl.replay.queue import remote_queue

@@ -187,32 +187,3 @@ def check_value_head(loss: Any, value_head: bool) -> None:
             f"learner.value_head=true but the loss ({type(loss).__name__}) does not use values "
             f"(needs_values=False): set learner.value_head=false"
         )
-
-
-def check_resume(path: str) -> None:
-    """A resumable checkpoint, or a run directory holding one (cheap: sizes against the
-    manifest; CRCs on load)."""
-    from asyncrl.learner.checkpoint import CheckpointError, find_latest, verify
-
-    try:
-        verify(find_latest(path), full=False)
-    except (CheckpointError, OSError, ValueError) as e:
-        raise ConfigError(f"resume={path}: {e}") from e
-
-
-def start_learner(
-    settings: LearnerSettings, model_path: str, loss: Any, advantage: Any, sampling: Any,
-    seed: int, max_steps: int, trajectory_log: str | None,
-):  # fmt: skip
-    """The :class:`~asyncrl.learner.group.LearnerGroup` of ``settings`` (the ranks load
-    the model in the background; ``group.ping()`` waits for them). ``sampling``: the
-    actors' sampling settings, whose temperature / top-k / top-p the log-probs follow;
-    ``max_steps`` is already in ``settings.optim.total_steps``."""
-    from asyncrl.learner.group import LearnerGroup
-
-    del max_steps  # from_config folded it into the LR schedule
-    check_cluster_has("learner.resources", settings.resources, settings.world_size)
-    return LearnerGroup(
-        model_path, loss, advantage, settings, trajectory_log=trajectory_log,
-        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=seed,
-    )  # fmt: skip

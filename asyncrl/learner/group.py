@@ -11,7 +11,8 @@ value, raising the first rank's error as soon as any rank fails. ``submit_train_
 alone returns at once (rank 0's ref): a peer that fails there surfaces as rank 0's
 collective timing out (``learner.collective_timeout_s``) or at the next call.
 ``group.ranks`` are the rank actors: the brokers call the weight methods of
-:class:`~asyncrl.learner.weights.WeightsOut` on them.
+:class:`~asyncrl.learner.weights.WeightsOut` on them (each rank forwards them to the
+``WeightsOut`` it holds).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from asyncrl.config import ConfigError
-from asyncrl.learner.config import LearnerSettings
+from asyncrl.learner.config import LearnerSettings, check_cluster_has
 
 PLACEMENT_TIMEOUT_S = 60.0  # a placement group not ready by then will not become ready
 CALL_TIMEOUT_S = 3600.0  # waiting on every rank (save, load, ping): generous, not forever
@@ -137,7 +138,7 @@ class LearnerGroup:
         return self._call("train_step", items, version)
 
     def step_on_batch(self, batch: Any, version: int) -> dict[str, float]:
-        """One step on a collated batch every rank gets whole (tests, benchmarks)."""
+        """One step on a collated batch every rank gets whole (benchmarks/learner.py)."""
         return self._call("step_on_batch", batch, version)
 
     def save(self, path: str, driver_state: dict | None = None) -> str:
@@ -157,7 +158,7 @@ class LearnerGroup:
         return self._call("weight_digests")
 
     def full_state_dict(self) -> dict[str, Any]:
-        """Rank 0's full weights, fetched one tensor at a time (tests, checks)."""
+        """Rank 0's full weights, fetched one tensor at a time (bit-exactness checks)."""
         return dict(self.named_parameters_stream())
 
     def _submit(self, method: str, *args: Any) -> list:
@@ -221,3 +222,32 @@ class LearnerGroup:
             if self.pg is not None:
                 ray.util.remove_placement_group(self.pg)
                 self.pg = None
+
+
+def start_learner(
+    settings: LearnerSettings,
+    model_path: str,
+    loss: Any,
+    advantage: Any,
+    sampling: Any,
+    seed: int,
+    max_steps: int,
+    trajectory_log: str | None,
+) -> LearnerGroup:
+    """The :class:`LearnerGroup` of ``settings`` (the ranks load the model in the
+    background; ``group.ping()`` waits for them). ``sampling``: the actors' sampling
+    settings, whose temperature / top-k / top-p the log-probs follow; ``max_steps`` is
+    already in ``settings.optim.total_steps``."""
+    del max_steps  # from_config folded it into the LR schedule
+    check_cluster_has("learner.resources", settings.resources, settings.world_size)
+    return LearnerGroup(
+        model_path,
+        loss,
+        advantage,
+        settings,
+        trajectory_log=trajectory_log,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        seed=seed,
+    )

@@ -23,14 +23,17 @@ measured against the batch's start.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from asyncrl.learner.batch import TrainBatch, collate, loss_weights
-from asyncrl.learner.checkpoint import CheckpointMethods
+from asyncrl.learner.checkpoint import Checkpointer
 from asyncrl.learner.config import LearnerSettings, OptimSettings
 from asyncrl.learner.dist import (
     all_gather,
@@ -62,11 +65,35 @@ from asyncrl.learner.weights import WeightsOut
 from asyncrl.losses.advantages import Advantage
 from asyncrl.losses.base import Loss, LossBatch, ModelOutputs
 from asyncrl.losses.diagnostics import mismatch_kl_sum
+from asyncrl.utils.runlog import TrajectoryLog
 
 __all__ = ["Learner", "OptimSettings", "loss_weights", "trajectory_metrics"]
 
 
-class Learner(WeightsOut, CheckpointMethods):
+def held(part: str, method: Callable) -> Callable:
+    """``method`` of the learner's ``part`` as the learner's own (what Ray calls on a rank),
+    with ``method``'s name, signature and docstring."""
+
+    @functools.wraps(method)
+    def call(self: Learner, *args: Any, **kwargs: Any) -> Any:
+        return getattr(getattr(self, part), method.__name__)(*args, **kwargs)
+
+    return call
+
+
+class Learner:
+    """One rank (a Ray actor). Holds ``weights`` (:class:`~asyncrl.learner.weights.
+    WeightsOut`, whose methods the brokers call on the rank) and ``checkpoints``
+    (:class:`~asyncrl.learner.checkpoint.Checkpointer`, behind ``save`` / ``load``)."""
+
+    stream_weights = held("weights", WeightsOut.stream_weights)
+    full_state_dict = held("weights", WeightsOut.full_state_dict)
+    attach_broker = held("weights", WeightsOut.attach_broker)
+    snapshot_weights = held("weights", WeightsOut.snapshot_weights)
+    detach_broker = held("weights", WeightsOut.detach_broker)
+    weight_digests = held("weights", WeightsOut.weight_digests)
+    weights_ref = held("weights", WeightsOut.weights_ref)
+
     def __init__(
         self,
         model_path: str,
@@ -123,9 +150,9 @@ class Learner(WeightsOut, CheckpointMethods):
         self.logging = bool(trajectory_log)  # every rank: rank 0 gathers the rows it logs
         self.tokens = TokenRecorder()  # what the loss used, per token, for the log
         if trajectory_log and rank == 0:
-            from asyncrl.utils.runlog import TrajectoryLog
-
             self.traj_log = TrajectoryLog(trajectory_log)
+        self.weights = WeightsOut(rank, self.sharded, self.named_parameters_stream)
+        self.checkpoints = Checkpointer(self.policy, self.opt, self.sched, model_path, s, rank)
 
     # ---- one step -----------------------------------------------------------------
     def train_step(self, items: list, version: int) -> dict[str, float]:
@@ -332,11 +359,23 @@ class Learner(WeightsOut, CheckpointMethods):
                 out[m] = self._rows(pk, logits, values, (len(pk.seqs), T))[0]
         return out
 
-    # ---- weights out ----------------------------------------------------------------
+    # ---- weights out (learner/weights.py) and checkpoints (learner/checkpoint.py) -----
     def named_parameters_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(HF name, full tensor)`` one FSDP unit at a time (see ``dist.stream_parameters``:
         valid until the next item; collective, so every rank iterates)."""
         return stream_parameters(self.policy, self.sharded)
+
+    def save(self, path: str, driver_state: dict | None = None, export_hf: bool = True) -> str:
+        """Sharded checkpoint (collective); with ``export_hf`` also ``PATH/hf``, an HF model
+        directory of the current weights (what vLLM or ``model.path`` can load)."""
+        hf = self.full_state_dict() if export_hf else None  # collective: every rank streams
+        return self.checkpoints.save(path, self.version, self.lr_scale, driver_state, hf)
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Restore a checkpoint (collective). Returns ``{"version", "driver_state", ...}``."""
+        meta = self.checkpoints.load(path)
+        self.version, self.lr_scale = int(meta["version"]), float(meta.get("lr_scale", 1.0))
+        return meta
 
     @torch.no_grad()
     def logprobs_of(self, trajs: list, version_check: bool = False) -> list | None:
@@ -367,8 +406,6 @@ class Learner(WeightsOut, CheckpointMethods):
         return True
 
     def pid(self) -> int:  # the rank's process: what a fault test or chaos run kills
-        import os
-
         return os.getpid()
 
     def close(self) -> None:

@@ -15,6 +15,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config import ConfigError
+from asyncrl.learner.checkpoint import CheckpointError, find_latest, publish, step_dir, verify
+from asyncrl.storage.sink import allow_reads_from
+
+
+def check_resume(path: str) -> None:
+    """A resumable checkpoint, or a run directory holding one (cheap: sizes against the
+    manifest; CRCs on load)."""
+    try:
+        verify(find_latest(path), full=False)
+    except (CheckpointError, OSError, ValueError) as e:
+        raise ConfigError(f"resume={path}: {e}") from e
+
 
 def driver_state(parts: Any) -> dict[str, Any]:
     import ray
@@ -30,8 +43,6 @@ def driver_state(parts: Any) -> dict[str, Any]:
 def save_checkpoint(parts: Any, run_dir: Path, version: int, keep: int) -> str:
     """Learner state (sharded) plus the driver's state in ``RUN/checkpoints/step-V``, then
     ``RUN/checkpoint`` points at it and only the newest ``keep`` steps stay (0: all)."""
-    from asyncrl.learner.checkpoint import publish, step_dir
-
     out = parts.learner.save(str(step_dir(run_dir, version)), driver_state(parts))
     publish(run_dir, version, keep)
     return out
@@ -48,9 +59,9 @@ def resume_state(parts: Any, path: str) -> tuple[int, dict[str, Any]]:
     what a learner restart adds the dead segment's production to, asyncrl/fault/learner.py)."""
     import ray
 
-    from asyncrl.learner.checkpoint import find_latest
-
-    meta = parts.learner.load(str(find_latest(path)))
+    found = find_latest(Path(path).absolute())  # absolute: a rank on another node reads it
+    allow_reads_from(found)  # a cluster's ranks on other nodes fetch it through the sink
+    meta = parts.learner.load(str(found))
     version = int(meta["version"])
     ds = meta.get("driver_state") or {}
     if "queue" in ds:

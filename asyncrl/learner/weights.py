@@ -1,5 +1,5 @@
 """A learner rank's weights, out to the brokers: the methods the brokers call on a rank
-(a Ray actor), mixed into :class:`~asyncrl.learner.learner.Learner`.
+(a Ray actor), held by :class:`~asyncrl.learner.learner.Learner` as ``weights``.
 
     process-group broker            this rank (rank 0 sends; the others only take part
                                     in the collective unshard of a sharded learner)
@@ -11,17 +11,21 @@
     object-store broker
     publish(V) ── weights_ref ────▶ one ray.put of the weights (broker/payload.py)
 
-A class mixing this in provides ``rank`` and ``named_parameters_stream()`` (``(HF name,
-full tensor)``, collective on a sharded learner: every rank iterates it).
+Built with the rank, whether the learner is sharded, and ``stream``, its
+``named_parameters_stream()`` (``(HF name, full tensor)``, collective on a sharded
+learner: every rank iterates it); a subclass with a plain ``model`` and no stream
+streams the model's state dict.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+Stream = Callable[[], Iterator[tuple[str, torch.Tensor]]]  # (HF name, full tensor), in order
 
 
 def export_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -40,9 +44,15 @@ class WeightsOut:
     rank: int = 0
     sharded: bool = False  # the stream's tensors are transient (FSDP unshards)
     _sender: Any = None  # broker.learner_side.SenderLoop while a broker is attached
+    _stream: Stream | None = None
+
+    def __init__(self, rank: int = 0, sharded: bool = False, stream: Stream | None = None):
+        self.rank, self.sharded, self._stream = rank, sharded, stream
 
     def named_parameters_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return export_state(self.model)  # a plain model; Learner streams FSDP units
+        if self._stream is not None:
+            return self._stream()  # the Learner's: FSDP units
+        return export_state(self.model)  # a plain model
 
     def stream_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The stream as CPU copies, for a Ray streaming call (``LearnerGroup``); ranks

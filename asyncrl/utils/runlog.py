@@ -7,7 +7,7 @@ the driver (and with it the learner) is SIGKILLed: a crash loses at most the ste
 since the last part. :func:`read_trajectories` reads every part as one table (and the
 single ``trajectories.parquet`` of runs made before the parts). A learner rank on
 another node than the driver's writes each part to a staging folder of its node and
-sends it to the driver's run directory through the file sink (asyncrl/cluster).
+sends it to the driver's run directory through the file sink (asyncrl/storage).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from asyncrl.config import ConfigError
+from asyncrl.storage.remote import call, remote_sink, staging, upload_file
+from asyncrl.storage.sink import allow_run_dir
 from asyncrl.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -97,9 +99,7 @@ class LogSettings:
 
     def spec(self, out_dir: Path) -> dict[str, Any]:
         """What the learner's rank 0 needs to write the log (plain data, for Ray). On a
-        cluster the driver's file sink may now write under ``out_dir`` (asyncrl/cluster)."""
-        from asyncrl.cluster.sink import allow_run_dir
-
+        cluster the driver's file sink may now write under ``out_dir`` (asyncrl/storage)."""
         allow_run_dir(out_dir)
         return {"dir": str(out_dir / LOG_DIR), **self.__dict__}
 
@@ -115,8 +115,6 @@ class TrajectoryLog:
     def __init__(self, spec: str | dict[str, Any]):
         if isinstance(spec, str):  # a bare folder: the default settings
             spec = {"dir": spec}
-        from asyncrl.cluster.remote import call, remote_sink, staging
-
         self.dir = Path(spec["dir"])
         self._sink = remote_sink()  # None on the driver's node: parts written in place
         if self._sink is None:
@@ -147,16 +145,7 @@ class TrajectoryLog:
         ``metrics``: the step's (``batches.jsonl`` keeps the loss and grad norm)."""
         s = self.settings
         if s.batch_ids and trajs:
-            rec = {"step": step, "traj_ids": [t.traj_id for t in trajs]}
-            rec.update({k: float(metrics[k]) for k in REPLAY_KEYS if k in (metrics or {})})
-            line = json.dumps(rec) + "\n"  # floats as repr: exact doubles
-            if self._sink is not None:
-                from asyncrl.cluster.remote import call
-
-                call(self._sink.append.remote(str(self.dir / "batches.jsonl"), line.encode()))
-            else:
-                with open(self.dir / "batches.jsonl", "a") as f:  # one line: survives a kill
-                    f.write(line)
+            self._write_batch_ids(step, trajs, metrics)
         for i, t in enumerate(trajs):
             if not _sampled(t.traj_id, s.sample_frac):
                 continue
@@ -199,6 +188,19 @@ class TrajectoryLog:
         if self._steps >= s.part_every:
             self.flush()
 
+    def _write_batch_ids(
+        self, step: int, trajs: list[Trajectory], metrics: dict[str, float] | None
+    ) -> None:
+        """One ``batches.jsonl`` line: the step's trajectory ids, loss and grad norm."""
+        rec = {"step": step, "traj_ids": [t.traj_id for t in trajs]}
+        rec.update({k: float(metrics[k]) for k in REPLAY_KEYS if k in (metrics or {})})
+        line = json.dumps(rec) + "\n"  # floats as repr: exact doubles
+        if self._sink is not None:
+            call(self._sink.append.remote(str(self.dir / "batches.jsonl"), line.encode()))
+        else:
+            with open(self.dir / "batches.jsonl", "a") as f:  # one line: survives a kill
+                f.write(line)
+
     def flush(self) -> None:
         """Write the buffered rows as the next part (closed, renamed into place)."""
         self._steps = 0
@@ -210,8 +212,6 @@ class TrajectoryLog:
         pq.write_table(pa.table(self._rows, schema=_SCHEMA), str(tmp))
         os.replace(tmp, local)  # atomic: readers never see half a part
         if self._sink is not None:  # the sink writes aside and renames too
-            from asyncrl.cluster.remote import upload_file
-
             upload_file(self._sink, local, str(path))
             local.unlink()
         self._part += 1

@@ -13,15 +13,18 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from asyncrl.cluster.sink import SINK_NAME
+from asyncrl.storage.sink import SINK_NAME
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 CHUNK = 16 << 20  # bytes per call: large files never sit whole in the object store
 _cache: dict[str, Any] = {}  # job id -> the sink, or None when on the driver's node
 
 
-def remote_sink() -> Any:
+def remote_sink() -> ActorHandle | None:
     """The driver's FileSink when this process runs on another node, else None."""
     try:
         import ray
@@ -62,7 +65,7 @@ def staging(name: str) -> Path:
     return d
 
 
-def upload_file(sink: Any, local: Path, remote: str) -> None:
+def upload_file(sink: ActorHandle, local: Path, remote: str) -> None:
     import ray
 
     node, size, offset = this_node(), local.stat().st_size, 0
@@ -76,7 +79,7 @@ def upload_file(sink: Any, local: Path, remote: str) -> None:
             offset = offset_next
 
 
-def upload(sink: Any, local: Path, remote: str | Path) -> int:
+def upload(sink: ActorHandle, local: Path, remote: str | Path) -> int:
     """Every file under ``local`` to the same relative path under ``remote``; count."""
     files = sorted(p for p in local.rglob("*") if p.is_file())
     for p in files:
@@ -84,7 +87,9 @@ def upload(sink: Any, local: Path, remote: str | Path) -> int:
     return len(files)
 
 
-def download(sink: Any, remote: str | Path, local: Path, skip: tuple[str, ...] = ()) -> None:
+def download(
+    sink: ActorHandle, remote: str | Path, local: Path, skip: tuple[str, ...] = ()
+) -> None:
     """Every file under the driver's ``remote`` (but the top-level ``skip``) into ``local``."""
     import ray
 
@@ -93,4 +98,4 @@ def download(sink: Any, remote: str | Path, local: Path, skip: tuple[str, ...] =
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "wb") as f:
             for offset in range(0, max(size, 1), CHUNK):
-                f.write(ray.get(sink.get.remote(str(Path(remote) / rel), offset, CHUNK)))
+                f.write(ray.get(sink.get.remote(str(remote), rel, offset, CHUNK)))
