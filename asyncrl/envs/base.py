@@ -49,10 +49,10 @@ class Env(Protocol):
 
 
 class SingleTurnEnv:
-    """Today's tasks: one turn, scored by the task's reward, then done. ``env=single_turn``
-    runs it through :class:`asyncrl.actor.episode.SingleTurnEpisodes` (one engine request
-    for the whole group, the same figures as before environments); the multi-turn runner
-    takes it too (same rewards, one request per sample)."""
+    """A task as an env: one turn, scored by the task's reward, then done.
+    ``env=single_turn`` runs it through :class:`asyncrl.actor.episode.SingleTurnEpisodes`
+    (one engine request for the whole group); the multi-turn runner takes it too (same
+    rewards, one request per sample)."""
 
     def __init__(self) -> None:
         self.sample: Prompt | None = None

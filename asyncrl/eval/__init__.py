@@ -1,4 +1,4 @@
-"""Periodic held-out evaluation beside training (issue 24 item 1): settings.py (the
+"""Periodic held-out evaluation beside training: settings.py (the
 ``eval.*`` keys), split.py (the held-out split of a task), actor.py (the Ray actor with
 its own vLLM engine), driver.py (what the training loop calls each step)."""
 

@@ -1,6 +1,6 @@
 """The env/task's own reward as a component: the default ``reward`` config is exactly
-this one with weight 1, so a default run scores every episode as before rewards were
-components (the env computed ``env_reward``; this passes it on)."""
+this one with weight 1, so a default run's reward is the env's (the env computes
+``env_reward``; this passes it on)."""
 
 from __future__ import annotations
 
