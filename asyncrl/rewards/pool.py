@@ -80,7 +80,7 @@ class RewardClient:
     the batching state is built in the actor's process on first use)."""
 
     def __init__(self, settings: RewardSettings | None = None, workers: list[Any] | None = None):
-        self.settings = settings or RewardSettings()
+        self.settings = settings or RewardSettings.defaults()
         self.workers = list(workers or [])
         self._init_local()
 
