@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.broker.settings import BrokerSettings
-from asyncrl.config import ConfigError, build, settings_from
+from asyncrl.config import ConfigError, Settings, build, setting, settings_from
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.eval.launch import EvalPlan, prepare_eval
 from asyncrl.eval.settings import EvalSettings
@@ -34,17 +34,13 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class RunSettings:
+class RunSettings(Settings):
     """The top level of the config (the component groups have their own settings)."""
 
-    max_steps: int
-    seed: int
-    resume: str | None
-    progress: bool
-
-    def check(self) -> None:
-        if self.max_steps < 1:
-            raise ConfigError(f"max_steps={self.max_steps}: must be >= 1")
+    max_steps: int = setting(">= 1")
+    seed: int = setting()
+    resume: str | None = setting()
+    progress: bool = setting()
 
 
 @dataclass
@@ -205,8 +201,9 @@ def start_parts(
     startup_mark("broker_up")  # the actors primed with version 0
     parts = Parts(queue, actors, learner, broker, started_ray, moved)
     parts.reward_workers = reward_workers  # stopped with the actors (stop_parts)
-    parts.supervisor = supervise(setup, parts, client, {n: seed + 1000 * i
-                                                        for i, n in enumerate(actors)})
+    parts.supervisor = supervise(
+        setup, parts, client, {n: seed + 1000 * i for i, n in enumerate(actors)}
+    )
     return parts
 
 
