@@ -58,11 +58,11 @@ class Setup:
     replay: ReplaySettings
     ray: RaySettings
     resources: dict[str, float] = field(default_factory=dict)
-    env: EnvSettings = field(default_factory=EnvSettings)  # the episodes' (env=single_turn)
-    log: LogSettings = field(default_factory=LogSettings)  # the trajectory log's parts
-    evaluation: EvalPlan = field(default_factory=lambda: EvalPlan(EvalSettings()))  # eval.*
-    reward: RewardSettings = field(default_factory=RewardSettings)  # components, workers
-    fault: FaultSettings = field(default_factory=FaultSettings)  # restarts (asyncrl/fault)
+    env: EnvSettings = field(default_factory=EnvSettings.defaults)  # the episodes'
+    log: LogSettings = field(default_factory=LogSettings.defaults)  # the trajectory log's parts
+    evaluation: EvalPlan = field(default_factory=lambda: EvalPlan(EvalSettings.defaults()))
+    reward: RewardSettings = field(default_factory=RewardSettings.defaults)  # components, workers
+    fault: FaultSettings = field(default_factory=FaultSettings.defaults)  # restarts (asyncrl/fault)
 
 
 def build_task(cfg: DictConfig) -> Any:
