@@ -20,14 +20,14 @@ def test_the_defaults_in_code_are_the_shipped_yaml():
     conf/actor/default.yaml are the same, key by key (and the YAML has no key the
     settings do not know)."""
     from_yaml = ActorSettings.from_config(OmegaConf.load(YAML))
-    assert asdict(from_yaml) == asdict(ActorSettings())
+    assert asdict(from_yaml) == asdict(ActorSettings.defaults())
     assert from_yaml.sampling.max_tokens == 6
 
 
 def test_a_partial_config_keeps_the_other_defaults():
     s = ActorSettings.from_config({"update_mode": "abort", "sampling": {"n": 4}})
-    assert s.update_mode is UpdateMode.ABORT and s.sampling == SamplingSettings(n=4)
-    assert s.engine == EngineSettings() and s.handoff_linger_s == 0.1
+    assert s.update_mode is UpdateMode.ABORT and s.sampling == SamplingSettings.defaults(n=4)
+    assert s.engine == EngineSettings.defaults() and s.handoff_linger_s == 0.1
 
 
 @pytest.mark.parametrize(
@@ -98,7 +98,7 @@ def test_set_update_mode_names_the_modes():
     from asyncrl.actor.controlled import ControlledRolloutActor
     from asyncrl.tasks.arithmetic import AdditionTask
 
-    a = ControlledRolloutActor("t", "m", AdditionTask(), None, ActorSettings())
+    a = ControlledRolloutActor("t", "m", AdditionTask(), None, ActorSettings.defaults())
     a.set_update_mode("wait")
     assert a.update_mode is UpdateMode.WAIT
     with pytest.raises(ConfigError, match="expected one of abort, wait, keep"):
@@ -112,7 +112,7 @@ def test_new_actor_starts_the_given_class_as_a_ray_actor(ray_local):
     from asyncrl.tasks.arithmetic import AdditionTask
 
     ray = ray_local
-    settings = ActorSettings(num_cpus=0, sampling=SamplingSettings(n=2))
+    settings = ActorSettings.defaults(num_cpus=0, sampling=SamplingSettings.defaults(n=2))
     a = new_actor(settings, "/no/model", AdditionTask(), None, "actor7", 3, ControlledRolloutActor)
     try:
         assert ray.get(a.ping.remote()) == "actor7"

@@ -73,7 +73,7 @@ def test_settings_defaults_are_the_gloo_yaml():
     from omegaconf import OmegaConf
 
     conf = OmegaConf.load(Path(__file__).parents[1] / "conf" / "broker" / "gloo.yaml")
-    assert BrokerSettings.from_config(conf) == BrokerSettings()
+    assert BrokerSettings.from_config(conf) == BrokerSettings.defaults()
 
 
 def test_objectstore_payload_travels_out_of_band(ray_local):
@@ -409,7 +409,7 @@ def fake_world(ray_local, task):
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cls = ray.remote(ControlledRolloutActor).options(num_cpus=0, max_concurrency=100)
     actors = {
-        f"actor{i}": cls.remote(f"actor{i}", "unused", task, None, ActorSettings(), 0)
+        f"actor{i}": cls.remote(f"actor{i}", "unused", task, None, ActorSettings.defaults(), 0)
         for i in range(3)
     }
     ray.get([a.__ray_call__.remote(_install_fake_engine) for a in actors.values()])
@@ -422,7 +422,7 @@ def fake_world(ray_local, task):
 def _start(actors, learner, **kw):
     from asyncrl.broker.client import start_weight_broker
 
-    settings = BrokerSettings(
+    settings = BrokerSettings.defaults(
         bucket_mb=BUCKET_MB, timeout_s=TIMEOUT_S, join_timeout_s=30.0, verify=True, **kw
     )
     return start_weight_broker(settings, actors, [learner])
@@ -555,7 +555,7 @@ def test_replaced_actor_is_primed_with_the_published_version_not_live_weights(
     actors, learner = fake_world
     broker = _start(actors, learner, mode="sparse_delta")
     cls = ray.remote(ControlledRolloutActor).options(num_cpus=0, max_concurrency=100)
-    new = cls.remote("actor2", "unused", task, None, ActorSettings(), 0)
+    new = cls.remote("actor2", "unused", task, None, ActorSettings.defaults(), 0)
     ray.get(new.__ray_call__.remote(_install_fake_engine))
     try:
         broker.supervise()

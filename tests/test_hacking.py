@@ -67,7 +67,9 @@ def stream(hack: bool, seed: int = 0) -> list[dict[str, float]]:
 
 
 def monitor(rows, **hacking) -> tuple[HealthMonitor, list[dict[str, float]]]:
-    mon = HealthMonitor(MonitorSettings(warmup_steps=WARMUP), 0, HackingSettings(**hacking))
+    mon = HealthMonitor(
+        MonitorSettings.defaults(warmup_steps=WARMUP), 0, HackingSettings.defaults(**hacking)
+    )
     return mon, [mon.check(step, m) for step, m in enumerate(rows, start=1)]
 
 

@@ -135,7 +135,7 @@ async def test_pool_grades_concurrently_without_blocking_the_loop():
             ticks += 1
 
     slow = "import time\ndef add(a, b):\n    time.sleep(0.5)\n    return a + b\n"
-    async with SandboxPool(SandboxSettings(workers=2, timeout_s=5)) as pool:
+    async with SandboxPool(SandboxSettings.defaults(workers=2, timeout_s=5)) as pool:
         task = asyncio.create_task(ticker())
         t0 = time.monotonic()
         grades = await asyncio.gather(*(pool.grade(slow, CASES[:1]) for _ in range(4)))

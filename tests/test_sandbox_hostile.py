@@ -23,7 +23,7 @@ from asyncrl.sandbox.hostile import (
     program,
 )
 
-LIMITS = SandboxSettings(timeout_s=1.0)
+LIMITS = SandboxSettings.defaults(timeout_s=1.0)
 SECRET = "s3cr3t-" + new_tag()
 USES_TIME_LIMIT = {
     "infinite_loop",
@@ -106,7 +106,7 @@ WORLD_READABLE_PYTHON = "/usr/bin/python3"
 
 
 def _fallback_limits() -> SandboxSettings:
-    s = SandboxSettings(timeout_s=1.0, namespaces=False, python=WORLD_READABLE_PYTHON)
+    s = SandboxSettings.defaults(timeout_s=1.0, namespaces=False, python=WORLD_READABLE_PYTHON)
     if not os.path.exists(WORLD_READABLE_PYTHON) or detect(False, s.python).refusal:
         pytest.skip(f"no interpreter a sandbox uid can import from at {WORLD_READABLE_PYTHON}")
     return s
@@ -131,7 +131,7 @@ def test_refuses_root_without_namespaces_or_a_readable_stdlib():
     if not iso.refusal:
         pytest.skip("this interpreter's stdlib is readable by a sandbox uid, or not root")
     with pytest.raises(SandboxUnavailable, match="sandbox.namespaces"):
-        grade_with(CORRECT, CASES, SandboxSettings(namespaces=False))
+        grade_with(CORRECT, CASES, SandboxSettings.defaults(namespaces=False))
 
 
 # ---- user namespaces (the mode used without root) --------------------------------------
