@@ -103,7 +103,9 @@ def test_duplicates_climbing_fire_and_steady_duplicates_do_not():
 
 
 def test_bad_hacking_settings_name_their_key():
-    from asyncrl.config import ConfigError, settings_from
+    from asyncrl.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"reward.monitor.length_factor=1.0: must be > 1"):
-        settings_from(HackingSettings, {"length_factor": 1.0}, "reward.monitor")
+    with pytest.raises(
+        ConfigError, match=r"reward.monitor.length_factor=1.0: expected a number > 1"
+    ):
+        HackingSettings.defaults(length_factor=1.0)

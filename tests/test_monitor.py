@@ -122,7 +122,7 @@ def test_staleness_pinned_needs_a_bound():
 )
 def test_bad_thresholds_name_the_key(node, match):
     with pytest.raises(ConfigError, match=match):
-        MonitorSettings.from_config(node)
+        MonitorSettings.defaults(**node)
 
 
 @pytest.mark.parametrize(

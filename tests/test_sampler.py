@@ -154,7 +154,7 @@ def test_the_actor_builds_what_the_config_names():
 )  # fmt: skip
 def test_bad_settings_name_the_key(node, names):
     with pytest.raises(ConfigError, match=None) as e:
-        SamplerSettings.from_config(node)
+        SamplerSettings.defaults(**node)
     assert names in str(e.value)
 
 
