@@ -68,4 +68,3 @@ def test_the_default_lr_decays_over_the_run():
     f = [lr_factor(k, s) for k in range(100)]
     assert f[0] == 1.0 and f[50] == pytest.approx(0.5) and f[99] < 1e-3
     assert all(a >= b for a, b in zip(f, f[1:]))
-

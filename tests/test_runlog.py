@@ -115,7 +115,7 @@ def test_legacy_single_file_still_reads(tmp_path):
 )
 def test_bad_settings_name_the_key(node, match):
     with pytest.raises(ConfigError, match=match):
-        LogSettings.from_config(node)
+        LogSettings.defaults(**node)
 
 
 def test_writer_killed_mid_run_leaves_finished_parts(tmp_path):

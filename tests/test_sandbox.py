@@ -111,7 +111,7 @@ def test_limits_from_arguments():
 
 
 def test_settings_from_config_name_the_key():
-    s = SandboxSettings.from_config({"workers": 3, "timeout_s": 2, "memory_mb": 256})
+    s = SandboxSettings.defaults(workers=3, timeout_s=2, memory_mb=256)
     assert (s.workers, s.timeout_s, s.memory_mb) == (3, 2.0, 256)
     for node, key in [
         ({"workers": 0}, "sandbox.workers"),
@@ -122,7 +122,7 @@ def test_settings_from_config_name_the_key():
         ({"wokers": 2}, "sandbox"),
     ]:
         with pytest.raises(ConfigError, match=key):
-            SandboxSettings.from_config(node)
+            SandboxSettings.defaults(**node)
 
 
 async def test_pool_grades_concurrently_without_blocking_the_loop():

@@ -68,8 +68,8 @@ class EnvSettings(Settings):
 
     @classmethod
     def from_config(cls, node: Any, sandbox: Any = None) -> EnvSettings:
-        """From the ``env`` node (DictConfig, dict or None: the single-turn env) and the
-        ``sandbox`` node (None: SandboxSettings' defaults). Builds one env to check the
+        """From the ``env`` node (DictConfig, dict or None: conf/'s env; limits it leaves
+        out: conf/'s) and the ``sandbox`` node (None: conf/'s). Builds one env to check the
         class and its arguments (ConfigError naming ``env.*`` or ``sandbox.*``)."""
         from omegaconf import DictConfig, OmegaConf
 
@@ -84,9 +84,8 @@ class EnvSettings(Settings):
             raise ConfigError(
                 "env.sandbox: the runner passes the actor's sandbox pool; set sandbox.* instead"
             )
-        missing = [k for k in LIMIT_KEYS if k not in spec]
-        if missing:
-            raise ConfigError(f"env.{missing[0]} is missing (every env sets {LIMIT_KEYS})")
+        if any(k not in spec for k in LIMIT_KEYS):  # a node written in Python: conf/'s env
+            spec = {**{k: v for k, v in defaults("env").items() if k in LIMIT_KEYS}, **spec}
         limits = {k: spec.pop(k) for k in LIMIT_KEYS}
         out = cls(target=str(spec.get("_target_", "")), kwargs={}, sandbox=box, **limits)
         env = build("env", spec)  # names env._target_ / env.<arg> on a mistake
