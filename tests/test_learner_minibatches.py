@@ -76,14 +76,14 @@ def test_the_proximal_policy_is_the_batchs_start_for_every_minibatch(model_dir):
 
 
 def test_minibatches_bad_values_and_a_short_batch(model_dir):
-    with pytest.raises(ValueError, match="learner.minibatches must be >= 1"):
+    with pytest.raises(ValueError, match="learner.minibatches=0: expected an integer >= 1"):
         learner(model_dir, ClippedISLoss(), 0)
     L = learner(model_dir, ClippedISLoss(), 5)  # a short batch: one step per trajectory
     assert L.step_on_batch(collate(trajs(4)), 0)["learner/optimizer_steps"] == 4
     assert L.version == 1
     lc = OmegaConf.load(CONF)
     lc.minibatches = 0
-    with pytest.raises(ConfigError, match="learner.minibatches must be >= 1"):
+    with pytest.raises(ConfigError, match="learner.minibatches=0: expected an integer >= 1"):
         LearnerSettings.from_config(lc, ClippedISLoss(), 10)
 
 
