@@ -43,6 +43,8 @@ def build(key: str, node: Any) -> Any:
     cls = _locate(key, target)
     accepted = _accepted(cls)
     given = [k for k in spec if k != "_target_"]
+    for k in given:
+        check_finite(f"{key}.{k}", spec[k])
     if accepted is not None:
         unknown = [k for k in given if k not in accepted]
         if unknown:
@@ -57,6 +59,19 @@ def build(key: str, node: Any) -> Any:
             f"{key}: building {target}({', '.join(f'{k}={spec[k]!r}' for k in given)}) failed: "
             f"{type(cause).__name__}: {cause}. It accepts {sorted(accepted or [])}"
         ) from e
+
+
+def check_finite(key: str, value: Any) -> None:
+    """ConfigError naming ``key`` (or the entry inside it) for a NaN or an inf anywhere in
+    ``value``: a class's argument that means "no limit" takes null, never inf."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r}: expected a finite number")
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            check_finite(f"{key}.{k}", v)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            check_finite(f"{key}[{i}]", v)
 
 
 def _locate(key: str, target: str) -> Any:

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.config import ConfigError, Settings, _accepted, _locate, setting
+from asyncrl.config import ConfigError, Settings, _accepted, _locate, check_finite, setting
 from asyncrl.monitor.hacking import HackingSettings
 
 TASK_REWARD = "asyncrl.rewards.task.TaskReward"
@@ -68,6 +68,7 @@ def _check_component(key: str, spec: Any) -> str:
     w = spec.get("weight")
     if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w):
         raise ConfigError(f"{key}.weight={w!r}: expected a finite number (total = sum w x value)")
+    check_finite(key, spec)
     from asyncrl.rewards.base import Reward
 
     cls = _locate(key, spec["_target_"])
