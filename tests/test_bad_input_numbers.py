@@ -80,7 +80,6 @@ CLI = [
     ("env.timeout_s=inf", "env.timeout_s=inf"),
     ("fault.actor_start_timeout_s=nan", "fault.actor_start_timeout_s=nan"),
     ("eval.heldout_frac=nan", "eval.heldout_frac=nan"),
-    ("monitor.kl_floor=nan", "monitor.kl_floor=nan"),
     ("reward.on_error=nan", "reward.on_error=nan"),
     ("reward.monitor.min_rise=inf", "reward.monitor.min_rise=inf"),
     ("log.sample_frac=nan", "log.sample_frac=nan"),
