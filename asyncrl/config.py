@@ -291,6 +291,11 @@ class Settings:
     def __post_init__(self) -> None:
         check_ranges(self, self.KEY)
 
+    def check(self) -> None:
+        """ConfigError naming the key of a value no run could use (here: a number outside
+        its range, also after a field was changed); a subclass adds its own rules."""
+        check_ranges(self, self.KEY)
+
     @classmethod
     def from_config(cls, node: Any) -> Self:
         """From a config node (DictConfig or dict) holding every key; None: the defaults."""

@@ -46,6 +46,8 @@ class BrokerSettings(Settings):
     host: str | None = setting()  # learner address the workers connect to; null = its node IP
 
     def check(self) -> None:
+        super().check()
+
         def bad(key: str, why: str) -> None:
             raise ConfigError(f"broker.{key}={getattr(self, key)!r}: {why}")
 

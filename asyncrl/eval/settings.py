@@ -48,6 +48,7 @@ class EvalSettings(Settings):
         return self.every > 0
 
     def check(self) -> None:
+        super().check()
         if self.enabled and not self.sets:
             raise ConfigError("eval.sets is empty: name at least one set (e.g. heldout: {})")
         for name, node in list(self.sets.items()):

@@ -48,6 +48,7 @@ class MonitorSettings(Settings):
     clip_ratio_max: float = setting("[0, 1]")
 
     def check(self) -> None:
+        super().check()
         if self.idle_low >= self.idle_high:
             raise ConfigError(
                 f"monitor.idle_low={self.idle_low} must be below monitor.idle_high={self.idle_high}"

@@ -28,6 +28,7 @@ class ReplaySettings(Settings):
     wait_timeout_s: float = setting(TIMEOUT_S)
 
     def check(self) -> None:
+        super().check()
         if self.delay_versions > self.max_staleness:
             raise ConfigError(
                 f"replay.delay_versions={self.delay_versions} exceeds "

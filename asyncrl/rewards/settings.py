@@ -31,6 +31,7 @@ class RewardSettings(Settings):
     monitor: HackingSettings = setting()  # hacking/* monitors
 
     def check(self) -> None:
+        super().check()
         if not self.components:
             raise ConfigError("reward.components is empty: list at least one component")
         names: dict[str, str] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncrl.config import Settings, check_ranges, setting
+from asyncrl.config import Settings, setting
 
 MIN_MEMORY_MB = 64  # the harness's own mappings (interpreter, json, ctypes) are ~30 MB
 MAX_WORKERS = 256  # one sandbox uid per worker slot; see isolation.sandbox_uid
@@ -38,7 +38,3 @@ class SandboxSettings(Settings):
     result_bytes: int = setting(f"[1024, {MAX_BYTES}]")  # one case's serialized return value
     namespaces: bool = setting()  # use Linux namespaces where the kernel allows (see docs)
     python: str = setting()  # interpreter the programs run under; "" = the grader's own
-
-    def check(self) -> None:
-        """Every limit is within its field's range (also after a field was changed)."""
-        check_ranges(self, self.KEY)
