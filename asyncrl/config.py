@@ -161,17 +161,25 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
 @functools.lru_cache(maxsize=32)
 def _composed(overrides: tuple[str, ...]) -> dict[str, Any]:
     from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from asyncrl.confdir import conf_dir
 
+    backup = get_gh_backup()  # Hydra already set up (inside @hydra.main, a test's compose)
+    if backup is not None:
+        GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
             cfg = compose("config", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(hydra_error_line(e)) from e
+    finally:
+        if backup is not None:
+            restore_gh_from_backup(backup)
     return OmegaConf.to_container(cfg, resolve=True)
 
 

@@ -108,3 +108,13 @@ def test_every_numeric_setting_has_a_range(cls):
 @pytest.mark.parametrize("cls", [c for c in all_settings() if c.KEY], ids=lambda c: c.__qualname__)
 def test_every_settings_class_builds_from_conf(cls):
     assert isinstance(cls.defaults(), cls)
+
+
+def test_defaults_compose_inside_a_running_hydra():
+    """Inside ``@hydra.main`` (the CLI's driver) or a test's own compose, Hydra is set
+    up already: composing the defaults leaves that set-up as it was."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        assert compose_config(["max_steps=9"]).max_steps == 9
+        assert compose("config", overrides=["max_steps=8"]).max_steps == 8
