@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.config import ConfigError, Settings, setting
+from asyncrl.config import ConfigError, Settings, check_finite, setting
 from asyncrl.utils.affinity import parse_cpu_list
 
 # vLLM's ``dtype`` names (EngineArgs.dtype)
@@ -78,6 +78,7 @@ class EngineSettings(Settings):
                 f"{key}extra={self.extra!r}: expected a mapping of vLLM EngineArgs names to values"
             )
         self.extra = dict(self.extra)
+        check_finite(key + "extra", self.extra)
 
 
 @dataclass

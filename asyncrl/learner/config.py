@@ -9,6 +9,7 @@ trains as a run's does. Nothing here imports torch.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -166,7 +167,8 @@ def check_custom_resources(key: str, resources: Any) -> None:
                 f"{key}: {name!r} is not a custom resource name (CPUs and GPUs come from "
                 f"num_cpus / num_gpus)"
             )
-        if isinstance(amount, bool) or not isinstance(amount, int | float) or amount <= 0:
+        number = isinstance(amount, int | float) and not isinstance(amount, bool)
+        if not number or not 0 < amount < math.inf:
             raise ConfigError(f"{key}.{name}={amount!r}: expected a number > 0")
 
 
