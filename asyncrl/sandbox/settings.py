@@ -9,11 +9,12 @@ from asyncrl.config import Settings, setting
 
 MIN_MEMORY_MB = 64  # the harness's own mappings (interpreter, json, ctypes) are ~30 MB
 MAX_WORKERS = 256  # one sandbox uid per worker slot; see isolation.sandbox_uid
-# Upper bounds: larger values overflow a limit's C type or the kernel's own cap (a
-# RLIMIT_NOFILE above fs.nr_open, 1M by default, fails every case's set-up).
+# Upper bounds: a larger value could not be set, and every case would fail its set-up.
 MAX_TIMEOUT_S = 3600  # one execution's wall clock
-MAX_MB = 1 << 20  # 1 TiB: memory, file and tmpfs sizes
-MAX_OPEN_FILES = 1 << 16
+MAX_MB = 1 << 20  # 1 TiB: memory, file and tmpfs sizes (bytes stay far inside an rlim_t)
+# A case cannot raise RLIMIT_NOFILE above the grader's own hard limit (20000 measured
+# here: 20001 failed every case); 4096 is the smallest hard limit Linux hosts ship.
+MAX_OPEN_FILES = 4096
 MAX_PROCESSES = 1 << 15  # the kernel's default pid_max
 MAX_BYTES = 1 << 30  # output and result caps
 
