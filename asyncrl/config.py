@@ -3,16 +3,25 @@ message naming the key to change."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
+import functools
 import importlib
 import inspect
 import json
+import math
+import re
 import socket
 import types
 import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 T = TypeVar("T")
 
@@ -34,6 +43,8 @@ def build(key: str, node: Any) -> Any:
     cls = _locate(key, target)
     accepted = _accepted(cls)
     given = [k for k in spec if k != "_target_"]
+    for k in given:
+        check_finite(f"{key}.{k}", spec[k])
     if accepted is not None:
         unknown = [k for k in given if k not in accepted]
         if unknown:
@@ -48,6 +59,19 @@ def build(key: str, node: Any) -> Any:
             f"{key}: building {target}({', '.join(f'{k}={spec[k]!r}' for k in given)}) failed: "
             f"{type(cause).__name__}: {cause}. It accepts {sorted(accepted or [])}"
         ) from e
+
+
+def check_finite(key: str, value: Any) -> None:
+    """ConfigError naming ``key`` (or the entry inside it) for a NaN or an inf anywhere in
+    ``value``: a class's argument that means "no limit" takes null, never inf."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r}: expected a finite number")
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            check_finite(f"{key}.{k}", v)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            check_finite(f"{key}[{i}]", v)
 
 
 def _locate(key: str, target: str) -> Any:
@@ -152,12 +176,207 @@ def check_ray_address(address: str, timeout_s: float) -> None:
         ) from e
 
 
+# ---- the defaults: conf/ composed as `asyncrl-train` composes it ----------------------------
+def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
+    """The config ``asyncrl-train <overrides>`` runs with (conf/, Hydra's compose; the
+    ``hydra`` node left out), interpolations resolved. A fresh copy on every call (the
+    composition itself is cached per ``overrides``); a bad override is a ConfigError."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create(copy.deepcopy(_composed(tuple(overrides))))
+
+
+@functools.lru_cache(maxsize=32)
+def _composed(overrides: tuple[str, ...]) -> dict[str, Any]:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from asyncrl.confdir import conf_dir
+
+    backup = get_gh_backup()  # Hydra already set up (inside @hydra.main, a test's compose)
+    if backup is not None:
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            cfg = compose("config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(hydra_error_line(e)) from e
+    finally:
+        if backup is not None:
+            restore_gh_from_backup(backup)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def defaults(key: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The settings ``asyncrl-train <overrides>`` runs with at the dotted ``key``
+    (``"learner"``, ``"actor.sampling"``), as a plain dict the caller may change: conf/
+    is the only source of every default (docs/architecture.md, Defaults)."""
+    node: Any = _composed(tuple(overrides))
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise ConfigError(f"{key}: no such settings in the composed config")
+        node = node[part]
+    if not isinstance(node, dict):
+        raise ConfigError(f"{key}={node!r}: a single value, not a group of settings")
+    return copy.deepcopy(node)
+
+
+# ---- ranges: every numeric setting has one ---------------------------------------------------
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting accepts: ``low``/``high`` (None: unbounded), each
+    bound itself accepted unless ``*_open``. NaN is never accepted; inf only with
+    ``inf`` (a setting where "no limit" is a meaningful value)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    inf: bool = False
+
+    def accepts(self, v: float) -> bool:
+        if math.isnan(v) or (math.isinf(v) and not self.inf):
+            return False
+        if self.low is not None and (v <= self.low if self.low_open else v < self.low):
+            return False
+        return self.high is None or (v < self.high if self.high_open else v <= self.high)
+
+    def __str__(self) -> str:
+        lo, hi = self.low, self.high
+        if lo is not None and hi is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            return f"in {left}{_num(lo)}, {_num(hi)}{right}"
+        if lo is not None:
+            return f"{'>' if self.low_open else '>='} {_num(lo)}"
+        if hi is not None:
+            return f"{'<' if self.high_open else '<='} {_num(hi)}"
+        return "that is finite"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if x == int(x) and abs(x) < 1e16 else f"{x:g}"
+
+
+_RANGE = re.compile(
+    r"^\s*(?:(?P<op>>=|>|<=|<)\s*(?P<bound>[^,\s]+)"
+    r"|(?P<lb>[\[(])\s*(?P<lo>[^,\s]+)\s*,\s*(?P<hi>[^,\s\])]+)\s*(?P<rb>[\])]))\s*$"
+)
+
+
+def parse_range(text: str, inf: bool = False) -> Range:
+    """``">= 1"``, ``"> 0"``, ``"<= 1"``, ``"[0, 1]"``, ``"(0, 1]"``, ``""`` (any finite
+    number) as a :class:`Range`; bounds are numbers (``1e6``, ``2**20``)."""
+    m = _RANGE.match(text)
+    if not text.strip():
+        return Range(inf=inf)
+    if m is None:
+        raise ValueError(f"not a range: {text!r}")
+
+    def num(s: str) -> float:
+        base, _, exp = s.partition("**")
+        return float(base) ** float(exp) if exp else float(s)
+
+    if m["op"]:
+        b, op = num(m["bound"]), m["op"]
+        if op[0] == ">":
+            return Range(low=b, low_open=op == ">", inf=inf)
+        return Range(high=b, high_open=op == "<", inf=inf)
+    return Range(num(m["lo"]), num(m["hi"]), m["lb"] == "(", m["rb"] == ")", inf)
+
+
+def setting(accepts: str = "", *, inf: bool = False) -> Any:
+    """A config key's dataclass field: no default (conf/ holds it) and the range its
+    value must lie in (:func:`parse_range`; NaN never, inf only with ``inf``)."""
+    return dataclasses.field(metadata={"range": parse_range(accepts, inf)})
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # any wait longer than a week is a mistake (and 1e10 s
+#   overflows the C timeouts of threads, sockets and collectives)
+TIMEOUT_S = f"(0, {MAX_TIMEOUT_S:g}]"  # the range of every timeout in seconds
+
+
+def check_ranges(obj: Any, prefix: str) -> None:
+    """ConfigError naming ``<prefix>.<field>`` for a number outside its field's range
+    (``setting(...)``), or any float field holding NaN or inf without one."""
+    for f in dataclasses.fields(obj):
+        check_range(f"{prefix}.{f.name}" if prefix else f.name, getattr(obj, f.name), f)
+
+
+def check_range(key: str, value: Any, f: dataclasses.Field) -> None:
+    """ConfigError naming ``key`` when ``value`` is a number outside ``f``'s range."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return
+    r = f.metadata.get("range", Range())
+    if not r.accepts(value):
+        kind = "an integer" if isinstance(value, int) else "a number"
+        raise ConfigError(f"{key}={value!r}: expected {kind} {r}")
+
+
+class Settings:
+    """Base of the settings dataclasses. ``KEY``: where the class's values sit in the
+    composed config (``"learner.optim"``). Its config-key fields have no defaults:
+    :meth:`defaults` takes them from conf/, as ``asyncrl-train`` does. Every instance,
+    however built, has its numbers checked against their ranges (:func:`check_ranges`)."""
+
+    KEY: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self.KEY)
+
+    def check(self) -> None:
+        """ConfigError naming the key of a value no run could use (here: a number outside
+        its range, also after a field was changed); a subclass adds its own rules."""
+        check_ranges(self, self.KEY)
+
+    @classmethod
+    def from_config(cls, node: Any) -> Self:
+        """From a config node (DictConfig or dict) holding every key; None: the defaults."""
+        if node is None:
+            return cls.defaults()
+        return settings_from(cls, node, cls.KEY)
+
+    @classmethod
+    def defaults(cls, **values: Any) -> Self:
+        """The settings ``asyncrl-train`` runs with (conf/ composed, no overrides), with
+        ``values`` on top: a mapping merges into a nested settings group (``optim={"lr":
+        1e-3}``), anything else replaces the value (a dataclass instance included)."""
+        return cls.from_config(merged(cls, defaults(cls.KEY), values))
+
+
+def merged(cls: type, node: dict[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    """``node`` with ``values`` on top; a mapping given for a field typed as a settings
+    dataclass merges into that group, key by key (other mappings replace)."""
+    out = dict(node)
+    hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+    for k, v in values.items():
+        sub = _dataclass_in(hints.get(k))
+        if sub is not None and isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = merged(sub, out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _dataclass_in(hint: Any) -> type | None:
+    """The dataclass ``hint`` is (or is an Optional of), else None."""
+    for h in (hint, *typing.get_args(hint)):
+        if isinstance(h, type) and dataclasses.is_dataclass(h):
+            return h
+    return None
+
+
 # ---- typed settings ------------------------------------------------------------------------
 def settings_from(cls: type[T], node: Any, prefix: str) -> T:
     """A settings dataclass from a config node, every value checked against the field's
-    type: unknown keys, missing keys, wrong types and values outside an Enum raise a
-    ConfigError naming ``<prefix>.<key>``. Nested dataclass fields recurse. The class's
-    own ``check()`` (if any) runs last and raises ConfigError itself."""
+    type: unknown keys, missing keys, wrong types, values outside an Enum and numbers
+    outside the field's range (NaN and inf included) raise a ConfigError naming
+    ``<prefix>.<key>``. Nested dataclass fields recurse (an instance of the field's class
+    is taken as it is). The class's own ``check()`` (if any) runs last and raises
+    ConfigError itself."""
     from omegaconf import DictConfig, OmegaConf
 
     raw = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
@@ -176,6 +395,7 @@ def settings_from(cls: type[T], node: Any, prefix: str) -> T:
                 raise ConfigError(f"{key} is missing")
             continue
         values[name] = _typed(key, raw[name], hints[name])
+        check_range(key, values[name], f)
     out = cls(**values)
     check = getattr(out, "check", None)
     if check is not None:
@@ -200,7 +420,7 @@ def _typed(key: str, value: Any, hint: Any) -> Any:
                 pass
         raise ConfigError(f"{key}={value!r}: expected one of the types {inner}")
     if dataclasses.is_dataclass(hint):
-        return settings_from(hint, value, key)
+        return value if isinstance(value, hint) else settings_from(hint, value, key)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         accepted = [m.value for m in hint]
         if value not in accepted:
@@ -233,8 +453,6 @@ def _typed(key: str, value: Any, hint: Any) -> Any:
 def hydra_error_line(e: Exception) -> str:
     """One line for an override Hydra could not compose, naming the key or group and
     what it accepts (``foo=1``: the keys there are; ``loss=x``: the group's options)."""
-    import re
-
     options = getattr(e, "options", None)
     missing = re.search(r"Could not find '([^']+)/([^']+)'", str(e))
     if missing and options is not None:
@@ -255,15 +473,10 @@ def hydra_error_line(e: Exception) -> str:
 def _keys_beside(key: str) -> list[str] | str:
     """The keys of the default config at ``key``'s parent (what a typo was meant to be)."""
     try:
-        from hydra import compose, initialize_config_dir
-
-        from asyncrl.confdir import conf_dir
-
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-            node: Any = compose("config")
+        node: Any = _composed(())
         for part in key.split(".")[:-1]:
             node = node[part]
-        return sorted(str(k) for k in node.keys())
+        return sorted(str(k) for k in node)
     except Exception:  # the line still names the key
         return "see conf/"
 

@@ -13,30 +13,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.cluster.ship import ShipCode
-from asyncrl.config import ConfigError, check_ray_address, settings_from
+from asyncrl.config import TIMEOUT_S, ConfigError, Settings, check_ray_address, setting
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class RaySettings:
-    """``ray.*`` in config (conf/config.yaml holds the defaults)."""
+class RaySettings(Settings):
+    """``ray.*`` in config (conf/config.yaml holds every value)."""
 
-    address: str | None  # null: a local Ray; "auto" or host:port joins a cluster
-    num_cpus: int | None  # local Ray only; null = all cores
-    node_ip: str  # a local Ray binds here; 127.0.0.1: loopback only (docs/security.md)
-    connect_timeout_s: float
-    ship_code: ShipCode = ShipCode.AUTO  # asyncrl/cluster/ship.py
+    KEY = "ray"
 
-    @classmethod
-    def from_config(cls, node: Any) -> RaySettings:
-        return settings_from(cls, node, "ray")
-
-    def check(self) -> None:
-        if self.num_cpus is not None and self.num_cpus < 1:
-            raise ConfigError(f"ray.num_cpus={self.num_cpus}: must be >= 1 or null")
-        if self.connect_timeout_s <= 0:
-            raise ConfigError(f"ray.connect_timeout_s={self.connect_timeout_s}: must be > 0")
+    address: str | None = setting()  # null: a local Ray; "auto" or host:port joins a cluster
+    num_cpus: int | None = setting(">= 1")  # local Ray only; null = all cores
+    node_ip: str = setting()  # a local Ray binds here; 127.0.0.1: loopback only (docs/security.md)
+    connect_timeout_s: float = setting(TIMEOUT_S)
+    ship_code: ShipCode = setting()  # asyncrl/cluster/ship.py
 
 
 def init_ray(ray_cfg: RaySettings) -> bool:

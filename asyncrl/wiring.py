@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.broker.settings import BrokerSettings
-from asyncrl.config import ConfigError, build, settings_from
+from asyncrl.config import ConfigError, Settings, build, setting, settings_from
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.eval.launch import EvalPlan, prepare_eval
 from asyncrl.eval.settings import EvalSettings
@@ -42,17 +42,13 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class RunSettings:
+class RunSettings(Settings):
     """The top level of the config (the component groups have their own settings)."""
 
-    max_steps: int
-    seed: int
-    resume: str | None
-    progress: bool
-
-    def check(self) -> None:
-        if self.max_steps < 1:
-            raise ConfigError(f"max_steps={self.max_steps}: must be >= 1")
+    max_steps: int = setting(">= 1")
+    seed: int = setting()
+    resume: str | None = setting()
+    progress: bool = setting()
 
 
 @dataclass
@@ -70,11 +66,11 @@ class Setup:
     replay: ReplaySettings
     ray: RaySettings
     resources: dict[str, float] = field(default_factory=dict)
-    env: EnvSettings = field(default_factory=EnvSettings)  # the episodes' (env=single_turn)
-    log: LogSettings = field(default_factory=LogSettings)  # the trajectory log's parts
-    evaluation: EvalPlan = field(default_factory=lambda: EvalPlan(EvalSettings()))  # eval.*
-    reward: RewardSettings = field(default_factory=RewardSettings)  # components, workers
-    fault: FaultSettings = field(default_factory=FaultSettings)  # restarts (asyncrl/fault)
+    env: EnvSettings = field(default_factory=EnvSettings.defaults)  # the episodes'
+    log: LogSettings = field(default_factory=LogSettings.defaults)  # the trajectory log's parts
+    evaluation: EvalPlan = field(default_factory=lambda: EvalPlan(EvalSettings.defaults()))
+    reward: RewardSettings = field(default_factory=RewardSettings.defaults)  # components, workers
+    fault: FaultSettings = field(default_factory=FaultSettings.defaults)  # restarts (asyncrl/fault)
 
 
 def build_task(cfg: DictConfig) -> Task:

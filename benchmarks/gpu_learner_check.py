@@ -94,14 +94,14 @@ def sync() -> None:
 
 
 def make_learner(path: Path):
-    from asyncrl.learner.config import LearnerSettings, OptimSettings
+    from asyncrl.learner.config import LearnerSettings
     from asyncrl.learner.learner import Learner
     from asyncrl.losses.advantages import GroupNormalized
     from asyncrl.losses.clipped import ClippedISLoss
     from asyncrl.transport.group import free_port
 
-    settings = LearnerSettings(
-        optim=OptimSettings(lr=1e-4), micro_batch_tokens=SPEC["micro"], minibatches=ARGS.minibatches
+    settings = LearnerSettings.defaults(
+        optim={"lr": 1e-4}, micro_batch_tokens=SPEC["micro"], minibatches=ARGS.minibatches
     )
     rdv = None if DRY else f"127.0.0.1:{free_port()}"
     return Learner(str(path), ClippedISLoss(), GroupNormalized(), settings, rank=0, rendezvous=rdv)

@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from asyncrl.learner.batch import collate  # noqa: E402
-from asyncrl.learner.config import LearnerSettings, OptimSettings  # noqa: E402
+from asyncrl.learner.config import LearnerSettings  # noqa: E402
 from asyncrl.learner.learner import Learner  # noqa: E402
 from asyncrl.losses.advantages import GroupNormalized  # noqa: E402
 from asyncrl.losses.clipped import ClippedISLoss  # noqa: E402
@@ -136,12 +136,12 @@ def real_tokens(trajs: list[Trajectory]) -> int:
 def measure(model_dir: Path, steps: int, threads: int, world_size: int = 1) -> dict:
     """Best step time of the learner (``world_size`` ranks) and of the baseline."""
     torch.set_num_threads(threads)
-    optim = OptimSettings(lr=1e-4)
+    optim = {"lr": 1e-4}  # the baseline's; the rest as asyncrl-train's
     group = None
     if world_size == 1:
         learner = Learner(
             str(model_dir), ClippedISLoss(), GroupNormalized(),
-            LearnerSettings(optim=optim, num_threads=threads),
+            LearnerSettings.defaults(optim=optim, num_threads=threads),
         )  # fmt: skip
         step = learner.step_on_batch
     else:
@@ -149,7 +149,7 @@ def measure(model_dir: Path, steps: int, threads: int, world_size: int = 1) -> d
 
         group = LearnerGroup(
             str(model_dir), ClippedISLoss(), GroupNormalized(),
-            LearnerSettings(optim=optim, world_size=world_size, num_threads=threads),
+            LearnerSettings.defaults(optim=optim, world_size=world_size, num_threads=threads),
         )  # fmt: skip
         group.ping()
         step = group.step_on_batch

@@ -29,7 +29,7 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != 
 import torch  # noqa: E402
 
 from asyncrl.learner.batch import collate  # noqa: E402
-from asyncrl.learner.config import LearnerSettings, OptimSettings  # noqa: E402
+from asyncrl.learner.config import LearnerSettings  # noqa: E402
 from asyncrl.learner.learner import Learner  # noqa: E402
 from asyncrl.losses.advantages import GroupNormalized  # noqa: E402
 from asyncrl.losses.decoupled_ppo import DecoupledPPOLoss  # noqa: E402
@@ -47,8 +47,8 @@ def main() -> dict:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(args.model, Path(tmp))
-        settings = LearnerSettings(
-            optim=OptimSettings(lr=1e-4), num_threads=1, minibatches=args.minibatches
+        settings = LearnerSettings.defaults(
+            optim={"lr": 1e-4}, num_threads=1, minibatches=args.minibatches
         )
         learners = {
             m: Learner(str(model_dir), DecoupledPPOLoss(proximal=m), GroupNormalized(), settings)

@@ -91,7 +91,7 @@ def main() -> None:
     if unknown:
         p.error(f"unknown hostile program(s) {unknown}; known: {sorted(HOSTILE)}")
 
-    settings = SandboxSettings(workers=args.workers, timeout_s=args.timeout)
+    settings = SandboxSettings.defaults(workers=args.workers, timeout_s=args.timeout)
     rows: list[dict[str, Any]] = []
     with SandboxPool(settings) as pool:
         python = pool_python(pool)

@@ -60,18 +60,26 @@ async def engine_actor(model, task, settings, name: str = "t0", env=None):
         a.engine = None
 
 
+def plain_optim(**values):
+    """conf/'s ``learner.optim`` with a constant LR and no off-policy brake (the plain
+    AdamW step whose maths the learner tests check), ``values`` on top."""
+    from asyncrl.learner.config import OptimSettings
+
+    return OptimSettings.defaults(**{"schedule": "constant", "mismatch_kl_target": None, **values})
+
+
 def fp32_learner(model):
     """A one-rank learner on ``model`` (fp32, lr 1e-2) whose log-probs the vLLM tests
     compare with the engine's behaviour log-probs."""
     import torch
 
     from asyncrl.learner.config import LearnerSettings
-    from asyncrl.learner.learner import Learner, OptimSettings
+    from asyncrl.learner.learner import Learner
     from asyncrl.losses.advantages import GroupNormalized
     from asyncrl.losses.clipped import ClippedISLoss
 
     torch.set_num_threads(1)
-    settings = LearnerSettings(optim=OptimSettings(lr=1e-2))
+    settings = LearnerSettings.defaults(optim=plain_optim(lr=1e-2))
     return Learner(str(model), ClippedISLoss(), GroupNormalized(), settings, temperature=1.0)
 
 

@@ -1,9 +1,8 @@
-"""actor.* settings: checked once, naming the key; the defaults in code are the
-shipped YAML's; the production actor's remote surface; new_actor."""
+"""actor.* settings: checked once, naming the key; the production actor's remote
+surface; new_actor. (Python-built settings equal the CLI's: test_settings_defaults.py.)"""
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -15,37 +14,38 @@ from asyncrl.config import ConfigError
 YAML = Path(__file__).parents[1] / "conf" / "actor" / "default.yaml"
 
 
-def test_the_defaults_in_code_are_the_shipped_yaml():
-    """One source of truth: an ActorSettings built in code and one built from
-    conf/actor/default.yaml are the same, key by key (and the YAML has no key the
-    settings do not know)."""
-    from_yaml = ActorSettings.from_config(OmegaConf.load(YAML))
-    assert asdict(from_yaml) == asdict(ActorSettings())
-    assert from_yaml.sampling.max_tokens == 6
+def test_defaults_merge_nested_values_and_keep_the_others():
+    s = ActorSettings.defaults(update_mode="abort", sampling={"n": 4})
+    assert s.update_mode is UpdateMode.ABORT
+    assert s.sampling == SamplingSettings.defaults(n=4) and s.sampling.max_tokens == 6
+    assert s.engine == EngineSettings.defaults() and s.handoff_linger_s == 0.1
 
 
-def test_a_partial_config_keeps_the_other_defaults():
-    s = ActorSettings.from_config({"update_mode": "abort", "sampling": {"n": 4}})
-    assert s.update_mode is UpdateMode.ABORT and s.sampling == SamplingSettings(n=4)
-    assert s.engine == EngineSettings() and s.handoff_linger_s == 0.1
+def test_a_partial_config_names_the_missing_key():
+    """No default hides in the dataclass: a node must hold every key (conf/ does)."""
+    with pytest.raises(ConfigError, match="actor.num_actors is missing"):
+        ActorSettings.from_config({"update_mode": "abort"})
 
 
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ({"update_mode": "bogus"}, "actor.update_mode='bogus': expected one of abort, wait, keep"),
-        ({"bogus": 1}, "actor.bogus: unknown key; actor accepts num_actors"),
-        ({"sampling": {"bogus": 1}}, "actor.sampling.bogus: unknown key"),
-        ({"engine": {"bogus": 1}}, "actor.engine.bogus: unknown key"),
+        ({"update_mode": "bogus"}, "actor.update_mode='bogus': expected one of"),
+        ({"bogus": 1}, "actor: unknown key(s) ['bogus']"),
+        ({"sampling": {"bogus": 1}}, "actor.sampling: unknown key(s) ['bogus']"),
+        ({"engine": {"bogus": 1}}, "actor.engine: unknown key(s) ['bogus']"),
         ({"num_actors": 0}, "actor.num_actors=0: expected an integer >= 1"),
-        ({"num_cpus": -1}, "actor.num_cpus=-1: expected a number >= 0"),
+        ({"num_cpus": -1}, "actor.num_cpus=-1.0: expected a number >= 0"),
         ({"max_inflight_groups": 0}, "actor.max_inflight_groups=0"),
         ({"max_inflight_groups": 2.5}, "actor.max_inflight_groups=2.5"),
         ({"handoff_linger_ms": -1}, "actor.handoff_linger_ms=-1"),
         ({"engine_cores": "3-1"}, "actor.engine_cores='3-1': not a CPU list"),
         ({"engine_cores": []}, "actor.engine_cores=[]: not a CPU list"),
         ({"sampling": {"n": 0}}, "actor.sampling.n=0"),
-        ({"sampling": {"temperature": 0.0}}, "actor.sampling.temperature=0.0: expected > 0"),
+        (
+            {"sampling": {"temperature": 0.0}},
+            "actor.sampling.temperature=0.0: expected a number > 0",
+        ),
         ({"sampling": {"top_p": 1.5}}, "actor.sampling.top_p=1.5"),
         ({"sampling": {"top_k": -2}}, "actor.sampling.top_k=-2"),
         ({"sampling": {"max_tokens": True}}, "actor.sampling.max_tokens=True"),
@@ -71,7 +71,7 @@ def test_every_bad_value_is_refused_naming_its_key(override, message):
 def test_cpu_lists_arrive_as_one_string():
     """`actor.engine_cores=0` arrives as an int, a YAML list as a list: one string each."""
     for given, want in ((0, "0"), ("0-1", "0-1"), ([0, "2-3"], "0,2-3"), (None, None)):
-        assert ActorSettings.from_config({"engine_cores": given}).engine_cores == want
+        assert ActorSettings.defaults(engine_cores=given).engine_cores == want
 
 
 def test_the_production_actor_has_only_the_production_remote_methods():
@@ -98,7 +98,7 @@ def test_set_update_mode_names_the_modes():
     from asyncrl.actor.controlled import ControlledRolloutActor
     from asyncrl.tasks.arithmetic import AdditionTask
 
-    a = ControlledRolloutActor("t", "m", AdditionTask(), None, ActorSettings())
+    a = ControlledRolloutActor("t", "m", AdditionTask(), None, ActorSettings.defaults())
     a.set_update_mode("wait")
     assert a.update_mode is UpdateMode.WAIT
     with pytest.raises(ConfigError, match="expected one of abort, wait, keep"):
@@ -112,7 +112,7 @@ def test_new_actor_starts_the_given_class_as_a_ray_actor(ray_local):
     from asyncrl.tasks.arithmetic import AdditionTask
 
     ray = ray_local
-    settings = ActorSettings(num_cpus=0, sampling=SamplingSettings(n=2))
+    settings = ActorSettings.defaults(num_cpus=0, sampling=SamplingSettings.defaults(n=2))
     a = new_actor(settings, "/no/model", AdditionTask(), None, "actor7", 3, ControlledRolloutActor)
     try:
         assert ray.get(a.ping.remote()) == "actor7"

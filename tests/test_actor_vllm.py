@@ -26,8 +26,8 @@ FP32_LOGP_TOL = 2e-4
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def actor(tiny_model, task):
-    settings = ActorSettings(
-        update_mode="keep", sampling=SamplingSettings(n=4, temperature=1.0, max_tokens=6)
+    settings = ActorSettings.defaults(
+        update_mode="keep", sampling=SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=6)
     )
     async with engine_actor(tiny_model, task, settings) as a:
         assert isinstance(a.episodes, SingleTurnEpisodes)

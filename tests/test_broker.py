@@ -13,7 +13,6 @@ import asyncio
 import re
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -52,9 +51,9 @@ def test_plan_groups_by_held_version_and_rolls_most_stale_first():
 
 def test_settings_name_the_key_to_fix():
     assert PAYLOAD_MODES == tuple(m.value for m in Mode)
-    ok = BrokerSettings.from_config({"kind": "gloo", "mode": "changed_buckets", "rolling_k": 2})
+    ok = BrokerSettings.defaults(kind="gloo", mode="changed_buckets", rolling_k=2)
     assert ok.mode == "changed_buckets" and ok.rolling_k == 2 and ok.kind is BrokerKind.GLOO
-    store = BrokerSettings.from_config({"kind": "objectstore", "timeout_s": 5})
+    store = BrokerSettings.defaults(kind="objectstore", timeout_s=5)
     assert store.kind is BrokerKind.OBJECTSTORE and store.timeout_s == 5.0
     for bad, key in [
         ({"kind": "nope"}, "broker.kind"),
@@ -66,14 +65,7 @@ def test_settings_name_the_key_to_fix():
         ({"kind": "gloo", "bucket_size": 1}, "bucket_size"),
     ]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            BrokerSettings.from_config(bad)
-
-
-def test_settings_defaults_are_the_gloo_yaml():
-    from omegaconf import OmegaConf
-
-    conf = OmegaConf.load(Path(__file__).parents[1] / "conf" / "broker" / "gloo.yaml")
-    assert BrokerSettings.from_config(conf) == BrokerSettings()
+            BrokerSettings.defaults(**bad)
 
 
 def test_objectstore_payload_travels_out_of_band(ray_local):
@@ -409,7 +401,7 @@ def fake_world(ray_local, task):
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cls = ray.remote(ControlledRolloutActor).options(num_cpus=0, max_concurrency=100)
     actors = {
-        f"actor{i}": cls.remote(f"actor{i}", "unused", task, None, ActorSettings(), 0)
+        f"actor{i}": cls.remote(f"actor{i}", "unused", task, None, ActorSettings.defaults(), 0)
         for i in range(3)
     }
     ray.get([a.__ray_call__.remote(_install_fake_engine) for a in actors.values()])
@@ -422,7 +414,7 @@ def fake_world(ray_local, task):
 def _start(actors, learner, **kw):
     from asyncrl.broker.client import start_weight_broker
 
-    settings = BrokerSettings(
+    settings = BrokerSettings.defaults(
         bucket_mb=BUCKET_MB, timeout_s=TIMEOUT_S, join_timeout_s=30.0, verify=True, **kw
     )
     return start_weight_broker(settings, actors, [learner])
@@ -522,7 +514,7 @@ def test_objectstore_broker_takes_the_weights_from_the_learner(ray_local, fake_w
     from asyncrl.broker.objectstore import ObjectStoreBroker
 
     actors, learner = fake_world
-    settings = BrokerSettings.from_config({"kind": "objectstore", "timeout_s": 60})
+    settings = BrokerSettings.defaults(kind="objectstore", timeout_s=60)
     broker = make_broker(settings, actors, SimpleNamespace(ranks=[learner]))
     assert isinstance(broker, ObjectStoreBroker)
     try:
@@ -555,7 +547,7 @@ def test_replaced_actor_is_primed_with_the_published_version_not_live_weights(
     actors, learner = fake_world
     broker = _start(actors, learner, mode="sparse_delta")
     cls = ray.remote(ControlledRolloutActor).options(num_cpus=0, max_concurrency=100)
-    new = cls.remote("actor2", "unused", task, None, ActorSettings(), 0)
+    new = cls.remote("actor2", "unused", task, None, ActorSettings.defaults(), 0)
     ray.get(new.__ray_call__.remote(_install_fake_engine))
     try:
         broker.supervise()

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build_tiny_qwen, trajs
+from helpers import build_tiny_qwen, plain_optim, trajs
 
 from asyncrl.learner import checkpoint as ck
 from asyncrl.learner.batch import collate
-from asyncrl.learner.config import LearnerSettings, OptimSettings
+from asyncrl.learner.config import LearnerSettings
 from asyncrl.learner.learner import Learner
 from asyncrl.losses.advantages import GroupNormalized
 from asyncrl.losses.clipped import ClippedISLoss
@@ -113,7 +113,7 @@ def make(model_dir) -> Learner:
     torch.set_num_threads(1)
     return Learner(
         str(model_dir), ClippedISLoss(), GroupNormalized(),
-        LearnerSettings(optim=OptimSettings(lr=1e-2), micro_batch_tokens=40), seed=1,
+        LearnerSettings.defaults(optim=plain_optim(lr=1e-2), micro_batch_tokens=40), seed=1,
     )  # fmt: skip
 
 

@@ -11,11 +11,11 @@ import json
 
 import pytest
 import torch
-from helpers import build_tiny_qwen, trajs
+from helpers import build_tiny_qwen, plain_optim, trajs
 
 from asyncrl.learner.batch import collate
 from asyncrl.learner.checkpoint import CheckpointError, verify
-from asyncrl.learner.config import LearnerSettings, OptimSettings
+from asyncrl.learner.config import LearnerSettings
 from asyncrl.learner.learner import Learner
 from asyncrl.learner.optim import lr_factor
 from asyncrl.losses.advantages import GroupNormalized
@@ -26,12 +26,12 @@ from asyncrl.losses.vtrace import VTraceLoss
 K, M = 2, 2  # checkpoint after K steps, then M more
 SETUPS = {
     # plain IS loss, constant LR
-    "clipped": (ClippedISLoss, False, OptimSettings(lr=1e-2)),
+    "clipped": (ClippedISLoss, False, plain_optim(lr=1e-2)),
     # value head with its own LR, warm-up + cosine
     "vtrace_value_head": (
         lambda: VTraceLoss(use_value_head=True),
         True,
-        OptimSettings(
+        plain_optim(
             lr=1e-2,
             warmup_steps=2,
             schedule="cosine",
@@ -41,7 +41,7 @@ SETUPS = {
         ),
     ),
     # proximal log-probs (a second forward per step)
-    "decoupled_ppo": (DecoupledPPOLoss, False, OptimSettings(lr=1e-2, weight_decay=0.1)),
+    "decoupled_ppo": (DecoupledPPOLoss, False, plain_optim(lr=1e-2, weight_decay=0.1)),
 }
 
 
@@ -55,7 +55,7 @@ def make(model_dir, setup: str) -> Learner:
     loss, value_head, optim = SETUPS[setup]
     return Learner(
         str(model_dir), loss(), GroupNormalized(),
-        LearnerSettings(optim=optim, micro_batch_tokens=40, value_head=value_head), seed=1,
+        LearnerSettings.defaults(optim=optim, micro_batch_tokens=40, value_head=value_head), seed=1,
     )  # fmt: skip
 
 
@@ -99,19 +99,19 @@ def test_resume_is_bit_exact(model_dir, tmp_path, setup):
 def test_resume_with_a_longer_run_follows_the_longer_cosine(model_dir, tmp_path):
     """A run resumed with a larger max_steps (a longer cosine horizon) takes its first
     step at the longer cosine's LR, not at the finished schedule's last LR (0)."""
-    short = OptimSettings(lr=1e-2, schedule="cosine", total_steps=K)
+    short = plain_optim(lr=1e-2, schedule="cosine", total_steps=K)
     a = Learner(
         str(model_dir), ClippedISLoss(), GroupNormalized(),
-        LearnerSettings(optim=short, micro_batch_tokens=40),
+        LearnerSettings.defaults(optim=short, micro_batch_tokens=40),
     )  # fmt: skip
     for v, b in enumerate(batches(K)):
         a.step_on_batch(b, v)
     assert a.opt.param_groups[0]["lr"] == 0.0  # the short schedule has ended
     a.save(str(tmp_path / "ck"))
-    longer = OptimSettings(lr=1e-2, schedule="cosine", total_steps=4 * K)
+    longer = plain_optim(lr=1e-2, schedule="cosine", total_steps=4 * K)
     b = Learner(
         str(model_dir), ClippedISLoss(), GroupNormalized(),
-        LearnerSettings(optim=longer, micro_batch_tokens=40),
+        LearnerSettings.defaults(optim=longer, micro_batch_tokens=40),
     )  # fmt: skip
     b.load(str(tmp_path / "ck"))
     m = b.step_on_batch(batches(K + 1)[K], K)

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build_tiny_qwen, trajs
+from helpers import build_tiny_qwen, plain_optim, trajs
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from asyncrl.learner import checkpoint as ck
 from asyncrl.learner.batch import collate
-from asyncrl.learner.config import LearnerSettings, OptimSettings
+from asyncrl.learner.config import LearnerSettings
 from asyncrl.learner.learner import Learner
 from asyncrl.learner.safe_dcp import METADATA, read_metadata
 from asyncrl.losses.advantages import GroupNormalized
@@ -52,7 +52,7 @@ def saved(tmp_path_factory):
         str(model),
         ClippedISLoss(),
         GroupNormalized(),
-        LearnerSettings(optim=OptimSettings(lr=1e-2), micro_batch_tokens=40),
+        LearnerSettings.defaults(optim=plain_optim(lr=1e-2), micro_batch_tokens=40),
         seed=1,
     )
     L.step_on_batch(collate(trajs(8, seed=3)), 0)

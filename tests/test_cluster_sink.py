@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build_tiny_qwen, refused_before_ray, trajs
+from helpers import build_tiny_qwen, plain_optim, refused_before_ray, trajs
 
 from asyncrl.cluster.ship import EXCLUDES, ShipCode, code_runtime_env, package_dir
 
@@ -77,7 +77,7 @@ def test_remote_rank_saves_loads_and_logs_through_the_sink(sink, tmp_path, monke
 
     from asyncrl.learner import checkpoint as ck
     from asyncrl.learner.batch import collate
-    from asyncrl.learner.config import LearnerSettings, OptimSettings
+    from asyncrl.learner.config import LearnerSettings
     from asyncrl.learner.learner import Learner
     from asyncrl.losses.advantages import GroupNormalized
     from asyncrl.losses.clipped import ClippedISLoss
@@ -89,7 +89,7 @@ def test_remote_rank_saves_loads_and_logs_through_the_sink(sink, tmp_path, monke
     torch.set_num_threads(1)
 
     def make() -> Learner:
-        s = LearnerSettings(optim=OptimSettings(lr=1e-2), micro_batch_tokens=40)
+        s = LearnerSettings.defaults(optim=plain_optim(lr=1e-2), micro_batch_tokens=40)
         return Learner(str(model), ClippedISLoss(), GroupNormalized(), s, seed=1)
 
     run = tmp_path / "run"

@@ -94,7 +94,7 @@ def test_prepare_reports_broken_model_path(tmp_path):
 def test_more_minibatches_than_trajectories_is_refused():
     with pytest.raises(ConfigError, match=r"learner.minibatches=9 is more than the 8 traj"):
         prepare(cfg("learner.minibatches=9", "learner.batch_groups=2", "actor.sampling.n=4"))
-    with pytest.raises(ConfigError, match="learner.minibatches must be >= 1"):
+    with pytest.raises(ConfigError, match="learner.minibatches=0: expected an integer >= 1"):
         prepare(cfg("learner.minibatches=0"))
 
 

@@ -64,14 +64,16 @@ def calculator_policy(ids: list[int]) -> str:
 
 
 def runner(engine, env: EnvSettings, n: int = 2, max_tokens: int = 20, max_len: int = 64):
-    settings = ActorSettings(
-        sampling=SamplingSettings(n=n, max_tokens=max_tokens),
-        engine=EngineSettings(max_model_len=max_len),
+    settings = ActorSettings.defaults(
+        sampling=SamplingSettings.defaults(n=n, max_tokens=max_tokens),
+        engine=EngineSettings.defaults(max_model_len=max_len),
     )
     return MultiTurnEpisodes(engine, CalculatorTask(), settings, env, lambda: engine.version)
 
 
-CALC = EnvSettings(target="asyncrl.envs.calculator.CalculatorEnv", max_turns=3, max_tokens=56)
+CALC = EnvSettings.defaults(
+    target="asyncrl.envs.calculator.CalculatorEnv", max_turns=3, max_tokens=56
+)
 
 
 def test_calculator_episode_is_exact_and_masks_the_tool_output():
@@ -163,7 +165,7 @@ class Talkative(Raising):
 )
 def test_every_truncation_says_why(target, limits, finish, reward):
     engine = ScriptedEngine(lambda ids: "12")
-    env = EnvSettings(target=target, **{"max_turns": 2, **limits})
+    env = EnvSettings.defaults(target=target, **{"max_turns": 2, **limits})
     t = asyncio.run(runner(engine, env, n=1).run_group(Prompt("1*2=", "2"))).trajectories[0]
     assert t.finish_reason == finish and t.reward == reward
     assert bool(t.error) == (finish == "env_error")
@@ -269,10 +271,10 @@ def test_code_env_grades_in_the_sandbox_with_a_scripted_policy():
     from asyncrl.envs.code import CodeTask
 
     engine = ScriptedEngine(_code_policy({}), tok=CODE_TOK)
-    env = EnvSettings(target="asyncrl.envs.code.CodeEnv", max_turns=2, max_tokens=200)
-    settings = ActorSettings(
-        sampling=SamplingSettings(n=1, max_tokens=80),
-        engine=EngineSettings(max_model_len=256),
+    env = EnvSettings.defaults(target="asyncrl.envs.code.CodeEnv", max_turns=2, max_tokens=200)
+    settings = ActorSettings.defaults(
+        sampling=SamplingSettings.defaults(n=1, max_tokens=80),
+        engine=EngineSettings.defaults(max_model_len=256),
     )
     r = MultiTurnEpisodes(engine, CodeTask(), settings, env, lambda: 0)
     cases = [{"call": "add(1, 2)", "expected": 3}, {"call": "add(2, 2)", "expected": 4}]

@@ -43,8 +43,9 @@ def code_env(workers: int, max_attempts: int = 1) -> EnvSettings:
 
 
 def runner(engine, env: EnvSettings, n: int) -> MultiTurnEpisodes:
-    settings = ActorSettings(
-        sampling=SamplingSettings(n=n, max_tokens=120), engine=EngineSettings(max_model_len=256)
+    settings = ActorSettings.defaults(
+        sampling=SamplingSettings.defaults(n=n, max_tokens=120),
+        engine=EngineSettings.defaults(max_model_len=256),
     )
     r = MultiTurnEpisodes(engine, CodeTask(), settings, env, lambda: 0)
     r.render(PROMPT.text)  # imports what the runner takes from vLLM, as an actor has
@@ -167,4 +168,4 @@ def test_the_env_gets_one_pool_of_sandbox_workers_per_process():
     with pytest.raises(ConfigError, match="env.sandbox"):
         EnvSettings.from_config({"_target_": "asyncrl.envs.code.CodeEnv", "sandbox": 1})
     plain = EnvSettings.from_config({"_target_": "asyncrl.envs.calculator.CalculatorEnv"})
-    assert plain.sandbox == SandboxSettings() and plain._pool is None
+    assert plain.sandbox == SandboxSettings.defaults() and plain._pool is None

@@ -9,11 +9,11 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from helpers import build_tiny_qwen
+from helpers import build_tiny_qwen, plain_optim
 from reference_losses import make_batch
 
 from asyncrl.learner.batch import collate
-from asyncrl.learner.config import LearnerSettings, OptimSettings
+from asyncrl.learner.config import LearnerSettings
 from asyncrl.learner.learner import Learner
 from asyncrl.learner.metrics import trajectory_metrics
 from asyncrl.learner.shard import RowSummary
@@ -124,7 +124,7 @@ def test_a_learner_step_ignores_masked_tokens(tmp_path):
     for batch in (ts, scrambled):
         learner = Learner(
             str(model_dir), DecoupledPPOLoss(), GroupNormalized(),
-            LearnerSettings(optim=OptimSettings(lr=1e-2, mismatch_kl_target=None)),
+            LearnerSettings.defaults(optim=plain_optim(lr=1e-2, mismatch_kl_target=None)),
         )  # fmt: skip
         metrics = learner.step_on_batch(collate(batch), 0)
         results.append((metrics, [p.detach().clone() for p in learner.model.parameters()]))

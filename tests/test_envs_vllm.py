@@ -53,12 +53,12 @@ class ScriptedEnv:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def actor(tiny_model, task):
-    settings = ActorSettings(
+    settings = ActorSettings.defaults(
         update_mode="keep",
-        sampling=SamplingSettings(n=3, temperature=1.0, max_tokens=5),
-        engine=EngineSettings(enable_prefix_caching=True, extra={"block_size": KV_BLOCK}),
+        sampling=SamplingSettings.defaults(n=3, temperature=1.0, max_tokens=5),
+        engine=EngineSettings.defaults(enable_prefix_caching=True, extra={"block_size": KV_BLOCK}),
     )
-    env = EnvSettings(target=f"{__name__}.ScriptedEnv", max_turns=4, max_tokens=56)
+    env = EnvSettings.defaults(target=f"{__name__}.ScriptedEnv", max_turns=4, max_tokens=56)
     async with engine_actor(tiny_model, task, settings, "e0", env) as a:
         yield a
 

@@ -118,7 +118,7 @@ def test_a_busy_evaluator_skips_versions_and_training_does_not_wait(ray_local):
     actor = ray.remote(_GatedEval).options(num_cpus=0).remote()
     rank = ray.remote(_Rank).options(num_cpus=0).remote()
     ray.get(rank.weights_ref.remote())  # both up before the clock matters
-    ev = Evaluator(EvalSettings(every=2), actor, [rank])
+    ev = Evaluator(EvalSettings.defaults(every=2), actor, [rank])
     logged, slowest = {}, 0.0
 
     def step(v):

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import ray
 import torch
-from helpers import build_tiny_qwen, trajs
+from helpers import build_tiny_qwen, plain_optim, trajs
 
 from asyncrl.config import ConfigError
 from asyncrl.learner.batch import collate
-from asyncrl.learner.config import LearnerSettings, OptimSettings
+from asyncrl.learner.config import LearnerSettings
 from asyncrl.learner.group import LearnerGroup
 from asyncrl.learner.learner import Learner
 from asyncrl.losses.advantages import GroupNormalized
@@ -70,7 +70,7 @@ def test_two_ranks_match_one(ray_local, model_dir, norm, minibatches, target):
     """``target``: the off-policy brake on (the test's random behaviour log-probs are far
     off the model's, so it binds): the KL it scales by is summed over both ranks."""
     torch.set_num_threads(1)
-    optim = OptimSettings(lr=LR, grad_clip=1e9, mismatch_kl_target=target)
+    optim = plain_optim(lr=LR, grad_clip=1e9, mismatch_kl_target=target)
     kw = dict(normalisation=norm, num_threads=1, minibatches=minibatches, optim=optim)
     steps = [
         collate(trajs(24, seed=3, max_prompt=9, max_response=12)),
@@ -80,11 +80,11 @@ def test_two_ranks_match_one(ray_local, model_dir, norm, minibatches, target):
     ]
     one = Learner(
         str(model_dir), ClippedISLoss(), GroupNormalized(),
-        LearnerSettings(micro_batch_tokens=10_000, **kw),
+        LearnerSettings.defaults(micro_batch_tokens=10_000, **kw),
     )  # fmt: skip
     group = LearnerGroup(
         str(model_dir), ClippedISLoss(), GroupNormalized(),
-        LearnerSettings(world_size=2, micro_batch_tokens=30, **kw),
+        LearnerSettings.defaults(world_size=2, micro_batch_tokens=30, **kw),
     )  # fmt: skip
     try:
         before = one.full_state_dict()
@@ -127,7 +127,10 @@ def test_two_ranks_match_one(ray_local, model_dir, norm, minibatches, target):
 def test_world_size_beyond_the_cluster_fails_at_start(ray_local, model_dir):
     with pytest.raises(ConfigError, match=r"learner.world_size=64 .* need 64 CPUs .* has 4 CPUs"):
         LearnerGroup(
-            str(model_dir), ClippedISLoss(), GroupNormalized(), LearnerSettings(world_size=64)
+            str(model_dir),
+            ClippedISLoss(),
+            GroupNormalized(),
+            LearnerSettings.defaults(world_size=64),
         )
 
 
@@ -166,15 +169,15 @@ def test_each_rank_fetches_its_share_and_two_match_one(ray_local, model_dir, tmp
     assert torch.equal(layout.rewards, whole.rewards)
     assert torch.equal(layout.group_ids, whole.group_ids)
 
-    optim = OptimSettings(lr=LR, grad_clip=1e9)
+    optim = plain_optim(lr=LR, grad_clip=1e9)
     one = Learner(
         str(model_dir), ClippedISLoss(), GroupNormalized(),
-        LearnerSettings(optim=optim, num_threads=1, micro_batch_tokens=10_000),
+        LearnerSettings.defaults(optim=optim, num_threads=1, micro_batch_tokens=10_000),
     )  # fmt: skip
     log = tmp_path / "trajectories"
     group = LearnerGroup(
         str(model_dir), ClippedISLoss(), GroupNormalized(),
-        LearnerSettings(optim=optim, num_threads=1, world_size=2, micro_batch_tokens=30),
+        LearnerSettings.defaults(optim=optim, num_threads=1, world_size=2, micro_batch_tokens=30),
         trajectory_log=str(log),
     )  # fmt: skip
     try:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import build_tiny_qwen, trajs
+from helpers import build_tiny_qwen, plain_optim, trajs
 
 from asyncrl.learner.batch import collate
-from asyncrl.learner.config import LearnerSettings, OptimSettings
+from asyncrl.learner.config import LearnerSettings
 from asyncrl.learner.group import LearnerGroup
 from asyncrl.learner.learner import Learner
 from asyncrl.losses.advantages import GroupNormalized
@@ -21,7 +21,7 @@ from asyncrl.losses.vtrace import VTraceLoss
 pytestmark = pytest.mark.slow
 
 K, M = 2, 2
-OPTIM = OptimSettings(lr=1e-2, warmup_steps=1, schedule="cosine", total_steps=6, value_lr=2e-2)
+OPTIM = plain_optim(lr=1e-2, warmup_steps=1, schedule="cosine", total_steps=6, value_lr=2e-2)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory):
 
 
 def group(model_dir) -> LearnerGroup:
-    settings = LearnerSettings(
+    settings = LearnerSettings.defaults(
         optim=OPTIM, world_size=2, micro_batch_tokens=40, value_head=True, num_threads=1
     )
     return LearnerGroup(
@@ -70,7 +70,7 @@ def test_resume_on_two_ranks_is_bit_exact(ray_local, model_dir, tmp_path):
     # the same checkpoint, resharded onto one rank
     one = Learner(
         str(model_dir), VTraceLoss(use_value_head=True), GroupNormalized(),
-        LearnerSettings(optim=OPTIM, micro_batch_tokens=40, value_head=True),
+        LearnerSettings.defaults(optim=OPTIM, micro_batch_tokens=40, value_head=True),
     )  # fmt: skip
     assert one.load(ck)["version"] == K
     sd = one.full_state_dict()

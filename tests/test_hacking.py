@@ -67,7 +67,9 @@ def stream(hack: bool, seed: int = 0) -> list[dict[str, float]]:
 
 
 def monitor(rows, **hacking) -> tuple[HealthMonitor, list[dict[str, float]]]:
-    mon = HealthMonitor(MonitorSettings(warmup_steps=WARMUP), 0, HackingSettings(**hacking))
+    mon = HealthMonitor(
+        MonitorSettings.defaults(warmup_steps=WARMUP), 0, HackingSettings.defaults(**hacking)
+    )
     return mon, [mon.check(step, m) for step, m in enumerate(rows, start=1)]
 
 
@@ -101,7 +103,9 @@ def test_duplicates_climbing_fire_and_steady_duplicates_do_not():
 
 
 def test_bad_hacking_settings_name_their_key():
-    from asyncrl.config import ConfigError, settings_from
+    from asyncrl.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"reward.monitor.length_factor=1.0: must be > 1"):
-        settings_from(HackingSettings, {"length_factor": 1.0}, "reward.monitor")
+    with pytest.raises(
+        ConfigError, match=r"reward.monitor.length_factor=1.0: expected a number > 1"
+    ):
+        HackingSettings.defaults(length_factor=1.0)

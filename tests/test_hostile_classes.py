@@ -16,7 +16,7 @@ import pytest
 from asyncrl.sandbox import SandboxSettings, detect, grade_with
 from asyncrl.sandbox.hostile import CASES, CORRECT, check, leftovers, new_tag, program
 
-LIMITS = SandboxSettings(timeout_s=1.0, memory_mb=64)
+LIMITS = SandboxSettings.defaults(timeout_s=1.0, memory_mb=64)
 ERRORS = {  # what the first failing case says
     "sysv_shm": "shmget: Operation not permitted",
     "memfd_hog": "PermissionError: [Errno 1] Operation not permitted",

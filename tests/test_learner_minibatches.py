@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import build_tiny_qwen, trajs
+from helpers import build_tiny_qwen, plain_optim, trajs
 from omegaconf import OmegaConf
 
 from asyncrl.config import ConfigError
 from asyncrl.learner.batch import collate
-from asyncrl.learner.config import LearnerSettings, OptimSettings
+from asyncrl.learner.config import LearnerSettings
 from asyncrl.learner.learner import Learner
 from asyncrl.losses.advantages import GroupNormalized
 from asyncrl.losses.clipped import ClippedISLoss
@@ -26,8 +26,8 @@ def model_dir(tmp_path_factory):
 
 def learner(model_dir, loss, minibatches: int) -> Learner:
     torch.set_num_threads(1)
-    optim = OptimSettings(lr=1e-2, grad_clip=1e9)
-    settings = LearnerSettings(optim=optim, minibatches=minibatches)
+    optim = plain_optim(lr=1e-2, grad_clip=1e9)
+    settings = LearnerSettings.defaults(optim=optim, minibatches=minibatches)
     return Learner(str(model_dir), loss, GroupNormalized(), settings)
 
 
@@ -76,14 +76,14 @@ def test_the_proximal_policy_is_the_batchs_start_for_every_minibatch(model_dir):
 
 
 def test_minibatches_bad_values_and_a_short_batch(model_dir):
-    with pytest.raises(ValueError, match="learner.minibatches must be >= 1"):
+    with pytest.raises(ValueError, match="learner.minibatches=0: expected an integer >= 1"):
         learner(model_dir, ClippedISLoss(), 0)
     L = learner(model_dir, ClippedISLoss(), 5)  # a short batch: one step per trajectory
     assert L.step_on_batch(collate(trajs(4)), 0)["learner/optimizer_steps"] == 4
     assert L.version == 1
     lc = OmegaConf.load(CONF)
     lc.minibatches = 0
-    with pytest.raises(ConfigError, match="learner.minibatches must be >= 1"):
+    with pytest.raises(ConfigError, match="learner.minibatches=0: expected an integer >= 1"):
         LearnerSettings.from_config(lc, ClippedISLoss(), 10)
 
 

@@ -191,17 +191,17 @@ def test_a_dead_peer_rank_is_found_and_its_group_closed(ray_local, tmp_path):
     collective (gloo sees the peer's socket close) and the driver's check names rank 1;
     the group closes without raising and frees its placement group. No vLLM here."""
     import ray
-    from helpers import build_tiny_qwen, trajs
+    from helpers import build_tiny_qwen, plain_optim, trajs
 
     from asyncrl.fault.learner import close_dead_learner, learner_death
     from asyncrl.learner.batch import collate
-    from asyncrl.learner.config import LearnerSettings, OptimSettings
+    from asyncrl.learner.config import LearnerSettings
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.losses.advantages import GroupNormalized
     from asyncrl.losses.clipped import ClippedISLoss
 
-    settings = LearnerSettings(world_size=2, micro_batch_tokens=40, collective_timeout_s=120,
-                               optim=OptimSettings(lr=1e-2))  # fmt: skip
+    settings = LearnerSettings.defaults(world_size=2, micro_batch_tokens=40, collective_timeout_s=120,
+                               optim=plain_optim(lr=1e-2))  # fmt: skip
     g = LearnerGroup(str(build_tiny_qwen(tmp_path / "m")), ClippedISLoss(), GroupNormalized(),
                      settings, seed=1)  # fmt: skip
     batch = collate(trajs(8, seed=1))

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import build_tiny_qwen, trajs
+from helpers import build_tiny_qwen, plain_optim, trajs
 
 from asyncrl.learner.batch import collate, token_budget_chunks
-from asyncrl.learner.config import LearnerSettings, OptimSettings
+from asyncrl.learner.config import LearnerSettings
 from asyncrl.learner.learner import Learner
 from asyncrl.learner.logprobs import process_logits
 from asyncrl.losses.advantages import GroupNormalized
@@ -52,8 +52,8 @@ def test_micro_batching_does_not_change_the_step(model_dir, norm):
             str(model_dir),
             ClippedISLoss(),
             GroupNormalized(),
-            LearnerSettings(
-                optim=OptimSettings(lr=1e-2, grad_clip=1e9),
+            LearnerSettings.defaults(
+                optim=plain_optim(lr=1e-2, grad_clip=1e9),
                 micro_batch_tokens=budget,
                 normalisation=norm,
             ),
@@ -79,7 +79,7 @@ def test_bf16_autocast_step_keeps_fp32_weights_and_near_fp32_logprobs(model_dir)
     out = {}
     for mode in (None, "bfloat16"):
         L = Learner(str(model_dir), ClippedISLoss(), GroupNormalized(),
-                    LearnerSettings(optim=OptimSettings(lr=1e-2), autocast=mode))  # fmt: skip
+                    LearnerSettings.defaults(optim=plain_optim(lr=1e-2), autocast=mode))  # fmt: skip
         before = [p.detach().clone() for p in L.model.parameters()]
         lp = L.logprobs_of(ts)
         m = L.step_on_batch(collate(ts), 0)

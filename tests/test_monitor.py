@@ -46,12 +46,12 @@ BREAKS = {
     "response_length_explosion": {"response_length/mean": 20.0},
 }
 # steps a failure takes to show: the reward's recent mean and the pinned run need history
-DELAY = {"reward_collapse": 2, "staleness_pinned": MonitorSettings().pinned_steps - 1}
+DELAY = {"reward_collapse": 2, "staleness_pinned": MonitorSettings.defaults().pinned_steps - 1}
 
 
 def run(breaks: dict[str, float] | None, seed: int = 0) -> tuple[HealthMonitor, list[dict]]:
     rng = np.random.default_rng(seed)
-    mon = HealthMonitor(MonitorSettings(), max_staleness=BOUND)
+    mon = HealthMonitor(MonitorSettings.defaults(), max_staleness=BOUND)
     out = []
     for step in range(1, STEPS + 1):
         m = healthy(step, rng)
@@ -85,7 +85,7 @@ def test_each_alert_fires_on_its_failure(name, caplog):
     mine = [w for w in mon.warnings if w.startswith(f"alert {name} ")]
     at = [int(w.split(" at step ")[1].split(":")[0]) for w in mine]
     assert at[0] == first and all(
-        b - a >= MonitorSettings().cooldown_steps for a, b in zip(at, at[1:])
+        b - a >= MonitorSettings.defaults().cooldown_steps for a, b in zip(at, at[1:])
     )
     line = mine[0]
     assert f"at step {first}:" in line and "likely cause:" in line
@@ -95,16 +95,16 @@ def test_each_alert_fires_on_its_failure(name, caplog):
 
 
 def test_warmup_and_missing_series_stay_quiet():
-    mon = HealthMonitor(MonitorSettings(warmup_steps=5), max_staleness=BOUND)
+    mon = HealthMonitor(MonitorSettings.defaults(warmup_steps=5), max_staleness=BOUND)
     for step in range(1, 6):  # inside the warm-up: a broken value does not alarm yet
         assert mon.check(step, {"is/ess": 0.01})["alerts/ess_drop"] == 0
     assert mon.check(6, {"is/ess": 0.01})["alerts/ess_drop"] == 1
     assert mon.check(7, {})["alerts/firing"] == 0  # no series, no verdict
-    assert HealthMonitor(MonitorSettings(enabled=False)).check(1, {"is/ess": 0.0}) == {}
+    assert HealthMonitor(MonitorSettings.defaults(enabled=False)).check(1, {"is/ess": 0.0}) == {}
 
 
 def test_staleness_pinned_needs_a_bound():
-    mon = HealthMonitor(MonitorSettings(warmup_steps=1, pinned_steps=2), max_staleness=0)
+    mon = HealthMonitor(MonitorSettings.defaults(warmup_steps=1, pinned_steps=2), max_staleness=0)
     assert all(mon.check(s, {"staleness/mean": 0.0})["alerts/staleness_pinned"] == 0
                for s in range(1, 20))  # fmt: skip
 
@@ -122,7 +122,7 @@ def test_staleness_pinned_needs_a_bound():
 )
 def test_bad_thresholds_name_the_key(node, match):
     with pytest.raises(ConfigError, match=match):
-        MonitorSettings.from_config(node)
+        MonitorSettings.defaults(**node)
 
 
 @pytest.mark.parametrize(

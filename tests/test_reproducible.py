@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build_tiny_qwen, trajs
+from helpers import build_tiny_qwen, plain_optim, trajs
 from omegaconf import OmegaConf
 
 from asyncrl.models import shipped
@@ -139,7 +139,7 @@ def test_learner_step_on_a_fixed_batch_is_bit_identical(tmp_path):
     """The same weights, batch and settings give the same step, bit for bit (same
     thread count; the learner has no randomness of its own)."""
     from asyncrl.learner.batch import collate
-    from asyncrl.learner.config import LearnerSettings, OptimSettings
+    from asyncrl.learner.config import LearnerSettings
     from asyncrl.learner.learner import Learner
     from asyncrl.losses.advantages import GroupNormalized
     from asyncrl.losses.clipped import ClippedISLoss
@@ -150,7 +150,7 @@ def test_learner_step_on_a_fixed_batch_is_bit_identical(tmp_path):
     for _ in range(2):
         learner = Learner(
             str(model_dir), ClippedISLoss(), GroupNormalized(),
-            LearnerSettings(optim=OptimSettings(lr=1e-2)),
+            LearnerSettings.defaults(optim=plain_optim(lr=1e-2)),
         )  # fmt: skip
         metrics = [learner.step_on_batch(collate(batch), v) for v in range(2)]
         runs.append((metrics, [p.detach().clone() for p in learner.model.parameters()]))
@@ -222,7 +222,7 @@ def test_group_seeds_follow_the_run_seed_and_the_index():
     from asyncrl.actor.settings import SamplingSettings
     from asyncrl.engine.vllm_engine import GROUP_SEED_STRIDE, group_params, sampling_params
 
-    sampling = SamplingSettings(n=4, temperature=1.0, max_tokens=6)
+    sampling = SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=6)
     params = sampling_params(sampling)
     engine = SimpleNamespace(model_config=SimpleNamespace(seed=3))
     assert group_params(engine, params, 5).seed == 3 * GROUP_SEED_STRIDE + 5 * sampling.n

@@ -17,12 +17,12 @@ from asyncrl.tasks.base import TaskSampler
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 GROUPS = 12
-SAMPLING = SamplingSettings(n=4, temperature=1.0, max_tokens=6)
+SAMPLING = SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=6)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_model):
-    e = make_engine(str(tiny_model), EngineSettings(), seed=7)
+    e = make_engine(str(tiny_model), EngineSettings.defaults(), seed=7)
     await e.update_weight_version("0")  # tokens are labelled with it, as the actor does
     yield e
     e.shutdown()

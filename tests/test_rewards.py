@@ -105,7 +105,10 @@ def test_an_error_or_nan_the_component_reports_itself_takes_the_policy():
 
     out = run(Combiner([(Reports(), 1.0)], on_error=0.25), [inp(), inp()])
     assert [s.total for s in out] == [0.25, 0.25]
-    assert out[0].error == "rep: judge said 'eleven'" and out[1].error == "rep: value nan is not finite"
+    assert (
+        out[0].error == "rep: judge said 'eleven'"
+        and out[1].error == "rep: value nan is not finite"
+    )
 
 
 def traj(reward: float, err: str = "") -> Trajectory:
@@ -114,7 +117,7 @@ def traj(reward: float, err: str = "") -> Trajectory:
 
 
 def test_the_default_client_keeps_the_task_reward_and_writes_the_trajectories():
-    settings = RewardSettings()
+    settings = RewardSettings.defaults()
     assert settings.inline  # the default needs no worker
     client = RewardClient(settings)
     trajs = [traj(1.0), traj(0.0, "ValueError: no number")]

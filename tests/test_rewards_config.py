@@ -14,7 +14,7 @@ CONF = Path(__file__).parents[1] / "conf"
 TASK = "_target_: asyncrl.rewards.task.TaskReward"
 
 BAD = [
-    ("reward.workers=-1", "reward.workers=-1: must be >= 0"),
+    ("reward.workers=-1", "reward.workers=-1: expected an integer in [0, 1024]"),
     ("reward.on_error=abc", "reward.on_error='abc': expected a number"),
     ("+reward.bogus=1", "reward: unknown key(s) ['bogus']"),
     ("reward.components=[]", "reward.components is empty"),
@@ -26,7 +26,7 @@ BAD = [
      "reward.components[0]: asyncrl.rewards.task.TaskReward takes no argument(s) ['model']"),
     (f"reward.components=[{{{TASK}, weight: 1}}, {{{TASK}, weight: 2}}]",
      "reward.components[1]: name 'task' is taken by reward.components[0]"),
-    ("+reward.monitor.near_dup=2", "reward.monitor.near_dup=2.0: must be in [0, 1]"),
+    ("reward.monitor.near_dup=2", "reward.monitor.near_dup=2.0: expected a number in [0, 1]"),
 ]  # fmt: skip
 
 

@@ -218,7 +218,7 @@ def traj() -> Trajectory:
 
 
 def test_the_rollout_actors_in_process_client_survives_systemexit():
-    settings = RewardSettings(workers=0, on_error=-1.0, components=[
+    settings = RewardSettings.defaults(workers=0, on_error=-1.0, components=[
         {"_target_": "test_rewards_fence.Exits", "weight": 1.0},
         {"_target_": "asyncrl.rewards.task.TaskReward", "weight": 1.0}])  # fmt: skip
     settings.check()
@@ -241,7 +241,7 @@ def test_the_rollout_actors_in_process_client_survives_systemexit():
 def test_a_reward_worker_survives_systemexit_and_scores_the_next_call(ray_local):
     from asyncrl.rewards.pool import start_workers, stop_workers
 
-    settings = RewardSettings(workers=1, on_error=-1.0, components=[
+    settings = RewardSettings.defaults(workers=1, on_error=-1.0, components=[
         {"_target_": "tests.test_rewards_fence.Exits", "weight": 1.0}])  # fmt: skip
     workers = start_workers(settings)
     try:

@@ -28,7 +28,7 @@ def group(n: int, base: float) -> tuple[list[Trajectory], list[RewardInput]]:
 
 
 def settings(**component) -> RewardSettings:
-    return RewardSettings(workers=2, on_error=-1.0, components=[{"_target_": DELAYED,
+    return RewardSettings.defaults(workers=2, on_error=-1.0, components=[{"_target_": DELAYED,
                                                                  "weight": 2.0, **component}])  # fmt: skip
 
 
@@ -75,4 +75,4 @@ def test_a_timeout_and_a_dead_worker_are_recorded_not_raised(ray_local):
 
 
 def test_the_task_reward_alone_starts_no_worker(ray_local):
-    assert start_workers(RewardSettings()) == []
+    assert start_workers(RewardSettings.defaults()) == []

@@ -33,7 +33,7 @@ class _Queue:
 def _actor(queue, cls: type = ControlledRolloutActor, **kw) -> RolloutActor:
     """A ControlledRolloutActor (or ``cls``) on the addition task, not started;
     ``kw``: ActorSettings fields."""
-    return cls("t", "/nonexistent", AdditionTask(), queue, ActorSettings(**kw))
+    return cls("t", "/nonexistent", AdditionTask(), queue, ActorSettings.defaults(**kw))
 
 
 def test_a_group_cancelled_before_it_ran_frees_its_slot():
@@ -316,7 +316,7 @@ def test_logprobs_not_of_the_sampled_tokens_are_refused():
 def test_groups_ask_vllm_for_flat_logprobs():
     from asyncrl.engine.vllm_engine import sampling_params
 
-    params = sampling_params(SamplingSettings(top_k=0))
+    params = sampling_params(SamplingSettings.defaults(top_k=0))
     assert params.logprobs == 0 and params.flat_logprobs and params.detokenize is False
     assert params.top_k == -1  # off, in vLLM's terms
 
@@ -365,8 +365,10 @@ def test_engine_settings_reach_vllm(monkeypatch):
 
     got = []
     monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(lambda cls, a: got.append(a)))
-    make_engine("/some/model", EngineSettings())
-    make_engine("/some/model", EngineSettings(disable_log_stats=False, extra={"block_size": 32}))
+    make_engine("/some/model", EngineSettings.defaults())
+    make_engine(
+        "/some/model", EngineSettings.defaults(disable_log_stats=False, extra={"block_size": 32})
+    )
     assert got[0].disable_log_stats is True and got[1].disable_log_stats is False
     assert got[0].logprobs_mode == "processed_logprobs" and got[1].block_size == 32
 
@@ -536,7 +538,7 @@ def test_engine_cores_outside_the_actors_cores_are_refused():
     with pytest.raises(ValueError, match="actor.engine_cores"):
         place_engine({outside})
     with pytest.raises(ConfigError, match="actor.engine_cores='1-0': not a CPU list"):
-        ActorSettings(engine_cores="1-0")
+        ActorSettings.defaults(engine_cores="1-0")
 
 
 class _FakeEngine:
@@ -586,7 +588,7 @@ def test_a_single_turn_episode_is_one_generate_call_scored_per_completion():
     from asyncrl.tasks.base import Prompt
 
     engine = _FakeEngine(["19", "boom", "7"])
-    episodes = SingleTurnEpisodes(engine, _FussyTask(), SamplingSettings(n=3), lambda: 4)
+    episodes = SingleTurnEpisodes(engine, _FussyTask(), SamplingSettings.defaults(n=3), lambda: 4)
     group = asyncio.run(episodes.run_group(Prompt("12+7=", "19")))
     ts = group.trajectories
     assert [(p, n) for p, n, _ in engine.requests] == [({"prompt": "12+7="}, 3)]
@@ -623,7 +625,9 @@ def test_an_aborted_episode_is_run_again_and_counted():
     async def main():
         a = _actor(_Queue(), update_mode="abort")
         engine = _FakeEngine(["19", "boom"], aborts=2)
-        a.episodes = SingleTurnEpisodes(engine, _FussyTask(), SamplingSettings(n=2), lambda: 0)
+        a.episodes = SingleTurnEpisodes(
+            engine, _FussyTask(), SamplingSettings.defaults(n=2), lambda: 0
+        )
         a._outbox = _Outbox()
         a._start_groups(1)
         await asyncio.gather(*a._pending)

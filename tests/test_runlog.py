@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import build_tiny_qwen, trajs
+from helpers import build_tiny_qwen, plain_optim, trajs
 
 from asyncrl.config import ConfigError
 from asyncrl.utils.runlog import (
@@ -27,7 +27,7 @@ from asyncrl.utils.runlog import (
 
 
 def _spec(tmp_path, **kw):
-    return LogSettings(**kw).spec(tmp_path)
+    return LogSettings.defaults(**kw).spec(tmp_path)
 
 
 def test_parts_every_n_steps_read_as_one_table(tmp_path):
@@ -115,7 +115,7 @@ def test_legacy_single_file_still_reads(tmp_path):
 )
 def test_bad_settings_name_the_key(node, match):
     with pytest.raises(ConfigError, match=match):
-        LogSettings.from_config(node)
+        LogSettings.defaults(**node)
 
 
 def test_writer_killed_mid_run_leaves_finished_parts(tmp_path):
@@ -125,7 +125,7 @@ def test_writer_killed_mid_run_leaves_finished_parts(tmp_path):
         sys.path.insert(0, {str(os.path.dirname(__file__))!r})
         from helpers import trajs
         from asyncrl.utils.runlog import LogSettings, TrajectoryLog
-        log = TrajectoryLog(LogSettings(part_every=1).spec(__import__('pathlib').Path({str(tmp_path)!r})))
+        log = TrajectoryLog(LogSettings.defaults(part_every=1).spec(__import__('pathlib').Path({str(tmp_path)!r})))
         ts = trajs(16)
         for s in range(3):
             log.write(s + 1, ts[4 * s: 4 * s + 4], s + 1)
@@ -147,7 +147,7 @@ def test_learner_logs_what_the_loss_used(ray_local, tmp_path):
     the advantages the group-normalised rewards; rows in queue order."""
     from test_fsdp_learner import queue_items
 
-    from asyncrl.learner.config import LearnerSettings, OptimSettings
+    from asyncrl.learner.config import LearnerSettings
     from asyncrl.learner.learner import Learner
     from asyncrl.losses.advantages import GroupNormalized
     from asyncrl.losses.clipped import ClippedISLoss
@@ -157,8 +157,8 @@ def test_learner_logs_what_the_loss_used(ray_local, tmp_path):
     ts = trajs(12, seed=3, max_prompt=8, max_response=10)
     learner = Learner(
         str(model_dir), ClippedISLoss(), GroupNormalized(),
-        LearnerSettings(optim=OptimSettings(lr=1e-3), num_threads=1, micro_batch_tokens=40),
-        trajectory_log=LogSettings(part_every=1).spec(tmp_path),
+        LearnerSettings.defaults(optim=plain_optim(lr=1e-3), num_threads=1, micro_batch_tokens=40),
+        trajectory_log=LogSettings.defaults(part_every=1).spec(tmp_path),
     )  # fmt: skip
     before = learner.logprobs_of(ts)  # version 0: what the step's forward sees
     m = learner.train_step(queue_items(ts), 0)

@@ -22,7 +22,7 @@ from asyncrl.tasks.sampler import (
     with_sampler,
 )
 
-ADAPTIVE = SamplerSettings(kind=SamplerKind.ADAPTIVE)
+ADAPTIVE = SamplerSettings.defaults(kind=SamplerKind.ADAPTIVE)
 
 
 def solved(prompt) -> bool:
@@ -125,7 +125,9 @@ def run_with(sampler, n, rng):
 
 def test_memory_is_bounded_and_least_recent_goes_first():
     s = AdaptiveSampler(
-        AdditionTask(max_operand=19), 0, SamplerSettings(kind=SamplerKind.ADAPTIVE, max_prompts=10)
+        AdditionTask(max_operand=19),
+        0,
+        SamplerSettings.defaults(kind=SamplerKind.ADAPTIVE, max_prompts=10),
     )
     run(s, 200)
     assert len(s.recent) == 10
@@ -134,7 +136,7 @@ def test_memory_is_bounded_and_least_recent_goes_first():
 
 def test_the_actor_builds_what_the_config_names():
     task = AdditionTask(max_operand=19)
-    assert with_sampler(task, SamplerSettings()) is task
+    assert with_sampler(task, SamplerSettings.defaults()) is task
     wrapped = with_sampler(task, ADAPTIVE)
     assert isinstance(wrapped, Sampled) and wrapped.alphabet == task.alphabet
     assert isinstance(make_sampler(task, 0), UniformSampler)
@@ -152,7 +154,7 @@ def test_the_actor_builds_what_the_config_names():
 )  # fmt: skip
 def test_bad_settings_name_the_key(node, names):
     with pytest.raises(ConfigError, match=None) as e:
-        SamplerSettings.from_config(node)
+        SamplerSettings.defaults(**node)
     assert names in str(e.value)
 
 
@@ -176,8 +178,8 @@ def test_the_actor_checkpoints_and_restores_its_adaptive_stream():
     from asyncrl.actor.settings import ActorSettings
 
     task = with_sampler(AdditionTask(max_operand=19), ADAPTIVE)
-    a = RolloutActor("a", "unused", task, None, ActorSettings(), seed=1)
-    b = RolloutActor("b", "unused", task, None, ActorSettings(), seed=2)
+    a = RolloutActor("a", "unused", task, None, ActorSettings.defaults(), seed=1)
+    b = RolloutActor("b", "unused", task, None, ActorSettings.defaults(), seed=2)
     assert isinstance(a.sampler, AdaptiveSampler)
     run(a.sampler, 300)
     b.load_sampler_state(json.loads(json.dumps(a.sampler_state())))

@@ -141,7 +141,7 @@ def test_limits_from_arguments():
 
 
 def test_settings_from_config_name_the_key():
-    s = SandboxSettings.from_config({"workers": 3, "timeout_s": 2, "memory_mb": 256})
+    s = SandboxSettings.defaults(workers=3, timeout_s=2, memory_mb=256)
     assert (s.workers, s.timeout_s, s.memory_mb) == (3, 2.0, 256)
     for node, key in [
         ({"workers": 0}, "sandbox.workers"),
@@ -156,7 +156,7 @@ def test_settings_from_config_name_the_key():
         ({"wokers": 2}, "sandbox"),
     ]:
         with pytest.raises(ConfigError, match=key):
-            SandboxSettings.from_config(node)
+            SandboxSettings.defaults(**node)
 
 
 async def test_pool_grades_concurrently_without_blocking_the_loop():
@@ -169,7 +169,7 @@ async def test_pool_grades_concurrently_without_blocking_the_loop():
             ticks += 1
 
     slow = "import time\ndef add(a, b):\n    time.sleep(0.5)\n    return a + b\n"
-    async with SandboxPool(SandboxSettings(workers=2, timeout_s=5)) as pool:
+    async with SandboxPool(SandboxSettings.defaults(workers=2, timeout_s=5)) as pool:
         task = asyncio.create_task(ticker())
         t0 = time.monotonic()
         grades = await asyncio.gather(*(pool.grade(slow, CASES[:1]) for _ in range(4)))

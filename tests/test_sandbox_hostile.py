@@ -23,7 +23,7 @@ from asyncrl.sandbox.hostile import (
     program,
 )
 
-LIMITS = SandboxSettings(timeout_s=1.0)
+LIMITS = SandboxSettings.defaults(timeout_s=1.0)
 SECRET = "s3cr3t-" + new_tag()
 USES_TIME_LIMIT = {
     "infinite_loop",
@@ -108,7 +108,7 @@ WORLD_READABLE_PYTHON = "/usr/bin/python3"
 
 
 def _fallback_limits() -> SandboxSettings:
-    s = SandboxSettings(timeout_s=1.0, isolation="none", python=WORLD_READABLE_PYTHON)
+    s = SandboxSettings.defaults(timeout_s=1.0, isolation="none", python=WORLD_READABLE_PYTHON)
     if not os.path.exists(WORLD_READABLE_PYTHON) or detect("none", s.python).refusal:
         pytest.skip(f"no interpreter a sandbox uid can import from at {WORLD_READABLE_PYTHON}")
     return s
@@ -133,4 +133,4 @@ def test_refuses_root_without_namespaces_or_a_readable_stdlib():
     if not iso.refusal:
         pytest.skip("this interpreter's stdlib is readable by a sandbox uid, or not root")
     with pytest.raises(SandboxUnavailable, match="sandbox.python"):
-        grade_with(CORRECT, CASES, SandboxSettings(isolation="none"))
+        grade_with(CORRECT, CASES, SandboxSettings.defaults(isolation="none"))

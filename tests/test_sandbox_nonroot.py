@@ -26,7 +26,7 @@ from asyncrl.config import ConfigError
 from asyncrl.sandbox import SandboxSettings, grade_with
 from asyncrl.sandbox.hostile import CASES, CORRECT, check, new_tag, program
 from asyncrl.sandbox.isolation import require
-s = SandboxSettings(isolation=sys.argv[1], timeout_s=2.0, python=sys.executable)
+s = SandboxSettings.defaults(isolation=sys.argv[1], timeout_s=2.0, python=sys.executable)
 try:
     require(s)
 except ConfigError as e:

@@ -34,15 +34,15 @@ def no_bwrap(monkeypatch):
 
 def test_unavailable_isolation_is_refused_naming_the_key(no_bwrap):
     with pytest.raises(ConfigError, match=r"^sandbox\.isolation=bwrap: bubblewrap") as e:
-        require(SandboxSettings())
+        require(SandboxSettings.defaults())
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="sandbox.isolation"):
         CodeTask()
 
 
 def test_none_warns_and_says_so_for_the_summary():
-    assert unconfined_warning(SandboxSettings()) == ""
-    warning = unconfined_warning(SandboxSettings(isolation="none"))
+    assert unconfined_warning(SandboxSettings.defaults()) == ""
+    warning = unconfined_warning(SandboxSettings.defaults(isolation="none"))
     assert warning.startswith("sandbox.isolation=none:") and "unconfined" in warning
 
 

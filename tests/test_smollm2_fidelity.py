@@ -70,10 +70,10 @@ def smollm2_world(ray_local):
     model = resolve_model(cfg, task)  # converts the GGUF once (minutes), binds the chat form
     assert task.chat_form.on
     queue = remote_queue(max_staleness=1000, batch_groups=1, policy="drop", capacity_groups=4)
-    sampling = SamplingSettings(n=4, temperature=TEMPERATURE, max_tokens=12)
-    engine = EngineSettings(dtype="float32", max_model_len=128, max_num_seqs=16,
+    sampling = SamplingSettings.defaults(n=4, temperature=TEMPERATURE, max_tokens=12)
+    engine = EngineSettings.defaults(dtype="float32", max_model_len=128, max_num_seqs=16,
                             kv_cache_memory_mb=128)  # fmt: skip
-    settings = ActorSettings(max_inflight_groups=2, sampling=sampling, engine=engine)
+    settings = ActorSettings.defaults(max_inflight_groups=2, sampling=sampling, engine=engine)
     cls = ray.remote(ControlledRolloutActor).options(num_cpus=0, max_concurrency=1000)
     actor = cls.remote("actor0", model, task, queue, settings, 0)
     loss = ClippedISLoss()
@@ -86,7 +86,7 @@ def smollm2_world(ray_local):
     ray.get(actor.start.remote())
     print(f"engine start {time.monotonic() - t0:.0f} s")
     broker = start_weight_broker(
-        BrokerSettings(mode="full", timeout_s=600.0, join_timeout_s=600.0, verify=True),
+        BrokerSettings.defaults(mode="full", timeout_s=600.0, join_timeout_s=600.0, verify=True),
         {"actor0": actor}, learner.ranks,
     )  # fmt: skip
     yield {"actor": actor, "learner": learner, "broker": broker, "queue": queue, "task": task}

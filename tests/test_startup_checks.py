@@ -35,9 +35,9 @@ BAD = [
     ("loss", "+loss.clip_low=-1", "loss: building"),
     ("task", "task.max_operand=0", "task.max_operand must be >= 1"),
     ("model", "model.tiny.num_heads=8", "model.tiny"),
-    ("sandbox", "sandbox.workers=0", "sandbox.workers=0: must be >= 1"),
+    ("sandbox", "sandbox.workers=0", "sandbox.workers=0: expected an integer in [1, 256]"),
     ("checkpoint", "checkpoint.keep=-1", "checkpoint.keep=-1: must be an integer >= 0"),
-    ("fault", "fault.max_restarts=-1", "fault.max_restarts=-1: must be >= 0"),
+    ("fault", "fault.max_restarts=-1", "fault.max_restarts=-1: expected an integer >= 0"),
 ]
 
 

@@ -27,12 +27,12 @@ def test_nap_from_the_environment(monkeypatch, raw, nap):
 
 
 def test_spin_nap_setting_checked():
-    assert EngineSettings().spin_nap_s is None
-    assert EngineSettings(spin_nap_s=0).spin_nap_s == 0
+    assert EngineSettings.defaults().spin_nap_s is None
+    assert EngineSettings.defaults(spin_nap_s=0).spin_nap_s == 0
     with pytest.raises(ConfigError, match="actor.engine.spin_nap_s"):
-        EngineSettings(spin_nap_s=0.5)
+        EngineSettings.defaults(spin_nap_s=0.5)
     with pytest.raises(ConfigError, match="actor.engine.spin_nap_s"):
-        EngineSettings(spin_nap_s="fast")
+        EngineSettings.defaults(spin_nap_s="fast")
 
 
 def _reader(handle, nap: str, out) -> None:

@@ -49,7 +49,7 @@ def test_sync_loop_batch_follows_the_trajectory_contract(bf16):
     task = AdditionTask(max_operand=19)
     sampler = TaskSampler(task, 0)
     prompts = [sampler.next() for _ in range(3)]
-    sampling = SamplingSettings(n=4, temperature=0.7, max_tokens=6)
+    sampling = SamplingSettings.defaults(n=4, temperature=0.7, max_tokens=6)
     torch.manual_seed(0)
     trajs = generate_batch(model, tok, task, prompts, sampling, version=5, bf16=bf16)
     assert len(trajs) == 12

@@ -116,14 +116,14 @@ def world(ray_local, tiny_model, task):
     with initialize_config_dir(config_dir=conf, version_base=None):
         cfg = compose("config")
     queue = remote_queue(max_staleness=1000, batch_groups=1, policy="drop", capacity_groups=6)
-    sampling = SamplingSettings(n=4, temperature=1.0, max_tokens=8)
-    plain = EngineSettings(max_num_seqs=16, kv_cache_memory_mb=64)
-    cached = EngineSettings(
+    sampling = SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=8)
+    plain = EngineSettings.defaults(max_num_seqs=16, kv_cache_memory_mb=64)
+    cached = EngineSettings.defaults(
         max_num_seqs=16, kv_cache_memory_mb=64, enable_prefix_caching=True, extra={"block_size": 32}
     )
     cls = ray.remote(ControlledRolloutActor).options(num_cpus=0, max_concurrency=1000)
-    s0 = ActorSettings(max_inflight_groups=2, sampling=sampling, engine=plain)
-    s1 = ActorSettings(max_inflight_groups=2, sampling=sampling, engine=cached)
+    s0 = ActorSettings.defaults(max_inflight_groups=2, sampling=sampling, engine=plain)
+    s1 = ActorSettings.defaults(max_inflight_groups=2, sampling=sampling, engine=cached)
     actors = {
         "actor0": cls.remote("actor0", str(tiny_model), task, queue, s0, 0),
         "actor1": cls.remote("actor1", str(tiny_model), SharedPrefixTask(), queue, s1, 1),
@@ -135,7 +135,7 @@ def world(ray_local, tiny_model, task):
     )
     learner.ping()
     ray.get([a.start.remote() for a in actors.values()])  # the engines: minutes on 2 busy cores
-    settings = BrokerSettings(
+    settings = BrokerSettings.defaults(
         mode="full", bucket_mb=BUCKET_MB, timeout_s=TIMEOUT_S, join_timeout_s=120.0, verify=True
     )
     broker = start_weight_broker(settings, actors, learner.ranks)

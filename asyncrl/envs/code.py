@@ -54,7 +54,7 @@ class CodeTask:
 
     def __init__(self, sandbox: Mapping[str, object] | None = None):
         self.settings = (
-            SandboxSettings() if sandbox is None else SandboxSettings.from_config(sandbox)
+            SandboxSettings.defaults() if sandbox is None else SandboxSettings.from_config(sandbox)
         )
         require(self.settings)
         self._pool: SandboxPool | None = None

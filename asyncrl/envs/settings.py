@@ -21,11 +21,10 @@ pure data afterwards, so it pickles to the actors, which build one env per episo
 from __future__ import annotations
 
 import inspect
-import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Self
 
-from asyncrl.config import ConfigError, _locate, build
+from asyncrl.config import TIMEOUT_S, ConfigError, Settings, _locate, build, defaults, setting
 from asyncrl.sandbox.settings import SandboxSettings
 
 LIMIT_KEYS = ("max_turns", "max_tokens", "timeout_s")
@@ -33,28 +32,28 @@ SINGLE_TURN = "asyncrl.envs.base.SingleTurnEnv"
 
 
 @dataclass
-class EnvSettings:
-    target: str = SINGLE_TURN
-    kwargs: dict[str, Any] = field(default_factory=dict)  # the env class's arguments
-    max_turns: int = 1
-    max_tokens: int | None = None
-    timeout_s: float = 60.0
-    sandbox: SandboxSettings = field(default_factory=SandboxSettings)  # ``sandbox.*``
+class EnvSettings(Settings):
+    """``env`` (conf/env/*.yaml holds every value) and ``sandbox``."""
+
+    KEY = "env"
+
+    target: str = setting()  # the env class (``env._target_``)
+    kwargs: dict[str, Any] = setting()  # the env class's arguments (``env``'s other keys)
+    max_turns: int = setting(">= 1")
+    max_tokens: int | None = setting(">= 1")
+    timeout_s: float = setting(TIMEOUT_S)
+    sandbox: SandboxSettings = setting()  # ``sandbox.*``
 
     def __post_init__(self) -> None:
         if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int):
             raise ConfigError(f"env.max_turns={self.max_turns!r}: expected an integer >= 1")
-        if self.max_turns < 1:
-            raise ConfigError(f"env.max_turns={self.max_turns!r}: expected an integer >= 1")
         if self.max_tokens is not None and (
-            isinstance(self.max_tokens, bool)
-            or not isinstance(self.max_tokens, int)
-            or self.max_tokens < 1
+            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
         ):
             raise ConfigError(f"env.max_tokens={self.max_tokens!r}: expected null or >= 1")
-        ok = isinstance(self.timeout_s, int | float) and not isinstance(self.timeout_s, bool)
-        if not ok or not self.timeout_s > 0 or math.isnan(self.timeout_s):
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float):
             raise ConfigError(f"env.timeout_s={self.timeout_s!r}: expected a number > 0")
+        super().__post_init__()
         if self.single_turn and self.max_turns != 1:
             raise ConfigError(
                 f"env.max_turns={self.max_turns}: the single-turn env has one turn; "
@@ -69,14 +68,14 @@ class EnvSettings:
 
     @classmethod
     def from_config(cls, node: Any, sandbox: Any = None) -> EnvSettings:
-        """From the ``env`` node (DictConfig, dict or None: the single-turn env) and the
-        ``sandbox`` node (None: SandboxSettings' defaults). Builds one env to check the
+        """From the ``env`` node (DictConfig, dict or None: conf/'s env; limits it leaves
+        out: conf/'s) and the ``sandbox`` node (None: conf/'s). Builds one env to check the
         class and its arguments (ConfigError naming ``env.*`` or ``sandbox.*``)."""
         from omegaconf import DictConfig, OmegaConf
 
-        box = SandboxSettings() if sandbox is None else SandboxSettings.from_config(sandbox)
+        box = SandboxSettings.from_config(sandbox)
         if node is None:
-            return cls(sandbox=box)
+            return cls.defaults(sandbox=box)
         spec = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
         if not isinstance(spec, dict):
             raise ConfigError(f"env: expected a mapping with a _target_, got {spec!r}")
@@ -85,7 +84,9 @@ class EnvSettings:
             raise ConfigError(
                 "env.sandbox: the runner passes the actor's sandbox pool; set sandbox.* instead"
             )
-        limits = {k: spec.pop(k) for k in LIMIT_KEYS if k in spec}
+        if any(k not in spec for k in LIMIT_KEYS):  # a node written in Python: conf/'s env
+            spec = {**{k: v for k, v in defaults("env").items() if k in LIMIT_KEYS}, **spec}
+        limits = {k: spec.pop(k) for k in LIMIT_KEYS}
         out = cls(target=str(spec.get("_target_", "")), kwargs={}, sandbox=box, **limits)
         env = build("env", spec)  # names env._target_ / env.<arg> on a mistake
         for name in ("reset", "step"):
@@ -97,6 +98,23 @@ class EnvSettings:
         if takes_sandbox(type(env)):
             _check_isolation(box)
         return out
+
+    @classmethod
+    def defaults(cls, **values: Any) -> Self:
+        """The env settings of ``asyncrl-train`` with no overrides (conf/'s ``env`` and
+        ``sandbox``), fields in ``values`` replaced (``sandbox`` may be a mapping of
+        ``sandbox.*`` values). Builds no env (:meth:`from_config` checks one)."""
+        node = defaults("env")
+        box = values.pop("sandbox", None)
+        if not isinstance(box, SandboxSettings):
+            box = SandboxSettings.defaults(**dict(box or {}))
+        fields = {
+            "target": node.pop("_target_"),
+            **{k: node.pop(k) for k in LIMIT_KEYS},
+            "kwargs": node,
+            "sandbox": box,
+        }
+        return cls(**{**fields, **values})
 
     def make(self) -> Any:
         """A fresh env for one episode (with the sandbox pool if it takes one)."""

@@ -1,19 +1,28 @@
 """``learner.*`` as typed settings, checked once in the driver before Ray starts.
 
-conf/learner/default.yaml holds the run's values; :class:`LearnerSettings`' defaults are
-the same (tests/test_learner_config.py fails when they drift), so a learner built in
-Python (tests, benchmarks) trains as a run's does. :class:`OptimSettings`' defaults are
-the plain optimizer (constant LR, no brake); a run takes every ``learner.optim`` value
-from the YAML. Nothing here imports torch.
+conf/learner/default.yaml holds every value; :meth:`LearnerSettings.defaults` and
+:meth:`OptimSettings.defaults` build them as ``asyncrl-train`` does (``total_steps`` null
+becomes the run's optimizer steps), so a learner built in Python (tests, benchmarks)
+trains as a run's does. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Any
+import math
+from dataclasses import dataclass
+from typing import Any, Self
 
-from asyncrl.config import ConfigError, settings_from
+from asyncrl.config import (
+    TIMEOUT_S,
+    ConfigError,
+    Settings,
+    compose_config,
+    defaults,
+    merged,
+    setting,
+    settings_from,
+)
 
 
 class Schedule(enum.StrEnum):
@@ -31,19 +40,23 @@ class Normalisation(enum.StrEnum):
 
 
 @dataclass
-class OptimSettings:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0  # max global grad norm; <= 0 turns clipping off
-    warmup_steps: int = 0
-    schedule: Schedule = Schedule.CONSTANT
-    total_steps: int | None = None  # cosine horizon; None: the run's optimizer steps
-    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of the base LR
-    value_lr: float | None = None  # value head's base LR; None: ``lr``
-    mismatch_kl_target: float | None = None  # off-policy brake (learner/optim.py); None: off
+class OptimSettings(Settings):
+    KEY = "learner.optim"
+
+    lr: float = setting("> 0")
+    weight_decay: float = setting(">= 0")
+    betas: tuple[float, float] = setting()
+    grad_clip: float = setting()  # max global grad norm; <= 0 turns clipping off
+    warmup_steps: int = setting(">= 0")
+    schedule: Schedule = setting()
+    total_steps: int | None = setting(">= 1")  # cosine horizon; None: the run's optimizer steps
+    min_lr_ratio: float = setting("[0, 1]")  # cosine floor, as a fraction of the base LR
+    value_lr: float | None = setting("> 0")  # value head's base LR; None: ``lr``
+    mismatch_kl_target: float | None = setting("> 0")  # off-policy brake (learner/optim.py)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+
         def bad(key: str, why: str) -> None:
             raise ConfigError(f"learner.optim.{key} {why}, got {getattr(self, key)!r}")
 
@@ -51,49 +64,51 @@ class OptimSettings:
             self.schedule = Schedule(self.schedule)
         except ValueError:
             bad("schedule", f"must be one of {[x.value for x in Schedule]}")
-        if self.lr <= 0:
-            bad("lr", "must be > 0")
-        if self.warmup_steps < 0:
-            bad("warmup_steps", "must be >= 0")
         if self.schedule is Schedule.COSINE and not self.total_steps:
             bad("total_steps", "must be set for learner.optim.schedule=cosine")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            bad("min_lr_ratio", "must be in [0, 1]")
-        if self.mismatch_kl_target is not None and not self.mismatch_kl_target > 0:
-            bad("mismatch_kl_target", "must be > 0 or null")
         self.betas = tuple(self.betas)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            bad("betas", "must be two numbers in [0, 1)")
+
+    @classmethod
+    def defaults(cls, **values: Any) -> Self:
+        """conf/'s ``learner.optim`` (``total_steps`` null: the CLI run's optimizer
+        steps), ``values`` on top."""
+        learner = fold_total_steps(defaults("learner"), compose_config().max_steps)
+        return settings_from(cls, merged(cls, learner["optim"], values), cls.KEY)
 
 
 AUTOCAST = (None, "bfloat16")  # learner.autocast's values
 
 
 @dataclass
-class LearnerSettings:
-    world_size: int = 1  # ranks: Ray actors, one FSDP group
-    num_cpus: float = 1.0  # Ray CPUs per rank
-    num_gpus: float = 0.0  # GPUs per rank
-    num_threads: int = 1  # torch intra-op threads per rank (0: torch's default)
-    batch_groups: int = 16  # groups per batch (read by the driver's loop)
-    minibatches: int = 1  # optimizer steps per batch, one policy version
-    micro_batch_tokens: int = 4096  # token slots per micro-batch
-    pack_row_tokens: int | None = None  # packed row width; None: 8 x the longest sequence
-    normalisation: Normalisation = Normalisation.TOKEN
-    value_head: bool = False
-    attn_implementation: str = "sdpa"
-    autocast: str | None = None  # "bfloat16": forward passes under torch.autocast (fp32 weights)
-    collective_timeout_s: float = 300.0  # a rank stuck this long in a collective raises
-    checkpoint_every: int = 0  # read by the driver's loop
-    checkpoint_keep: int = 2  # newest RUN/checkpoints/step-V kept (0: all); read by the driver
+class LearnerSettings(Settings):
+    KEY = "learner"
+
+    world_size: int = setting(">= 1")  # ranks: Ray actors, one FSDP group
+    num_cpus: float = setting("> 0")  # Ray CPUs per rank
+    num_gpus: float = setting(">= 0")  # GPUs per rank
+    num_threads: int = setting(">= 0")  # torch intra-op threads per rank (0: torch's default)
+    batch_groups: int = setting(">= 1")  # groups per batch (read by the driver's loop)
+    minibatches: int = setting(">= 1")  # optimizer steps per batch, one policy version
+    micro_batch_tokens: int = setting(">= 1")  # token slots per micro-batch
+    pack_row_tokens: int | None = setting(">= 1")  # packed row width; None: 8 x the longest
+    normalisation: Normalisation = setting()
+    value_head: bool = setting()
+    attn_implementation: str = setting()
+    autocast: str | None = setting()  # "bfloat16": forward passes under torch.autocast
+    collective_timeout_s: float = setting(TIMEOUT_S)  # a rank stuck this long raises
+    checkpoint_every: int = setting(">= 0")  # read by the driver's loop
+    checkpoint_keep: int = setting(">= 0")  # newest step-V kept (0: all); read by the driver
     # Custom Ray resources each rank needs besides its CPUs/GPUs: places the ranks on the
     # nodes that offer them (`ray start --resources='{"node_b": 1}'`; docs/cluster.md).
-    resources: dict[str, float] | None = None
-    optim: OptimSettings = field(default_factory=OptimSettings)
-    advantage: dict[str, Any] = field(
-        default_factory=lambda: {"_target_": "asyncrl.losses.advantages.GroupNormalized"}
-    )  # built by the driver (asyncrl.config.build)
+    resources: dict[str, float] | None = setting()
+    optim: OptimSettings = setting()
+    advantage: dict[str, Any] = setting()  # built by the driver (asyncrl.config.build)
 
     def __post_init__(self) -> None:
         """ConfigError naming ``learner.<key>`` for a value no rank could run with."""
+        super().__post_init__()
         try:
             self.normalisation = Normalisation(self.normalisation)
         except ValueError:
@@ -101,24 +116,6 @@ class LearnerSettings:
                 f"learner.normalisation must be one of {[n.value for n in Normalisation]}, "
                 f"got {self.normalisation!r}"
             ) from None
-        for key in ("world_size", "batch_groups", "micro_batch_tokens", "minibatches"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"learner.{key} must be >= 1, got {getattr(self, key)}")
-        if self.num_cpus <= 0:
-            raise ConfigError(
-                f"learner.num_cpus must be > 0 (Ray CPUs per rank), got {self.num_cpus}"
-            )
-        for key in ("num_gpus", "num_threads", "checkpoint_every", "checkpoint_keep"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"learner.{key} must be >= 0, got {getattr(self, key)}")
-        if self.pack_row_tokens is not None and self.pack_row_tokens < 1:
-            raise ConfigError(
-                f"learner.pack_row_tokens must be >= 1 or null, got {self.pack_row_tokens}"
-            )
-        if self.collective_timeout_s <= 0:
-            raise ConfigError(
-                f"learner.collective_timeout_s must be > 0, got {self.collective_timeout_s}"
-            )
         if self.autocast not in AUTOCAST:
             raise ConfigError(
                 f"learner.autocast={self.autocast!r}: expected one of {list(AUTOCAST)} (null: off)"
@@ -127,21 +124,35 @@ class LearnerSettings:
         check_custom_resources("learner.resources", self.resources)
 
     @classmethod
+    def defaults(cls, **values: Any) -> Self:
+        """The learner settings of ``asyncrl-train`` with no overrides (conf/, ``total_steps``
+        from its ``max_steps``), ``values`` on top (``optim={"lr": 1e-2}`` merges)."""
+        raw = fold_total_steps(merged(cls, defaults("learner"), values), compose_config().max_steps)
+        return settings_from(cls, raw, "learner")
+
+    @classmethod
     def from_config(cls, node: Any, loss: Any, max_steps: int) -> LearnerSettings:
         """The ``learner`` config node, checked (keys, types, values, the loss's need for a
         value head); ``optim.total_steps`` null becomes the run's optimizer steps."""
         from omegaconf import DictConfig, OmegaConf
 
         raw = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
-        raw = dict(raw or {})
-        optim = dict(raw.get("optim") or {})
-        if optim.get("total_steps") is None:  # the schedule counts optimizer steps
-            mb = raw.get("minibatches", 1)
-            optim["total_steps"] = max_steps * (mb if isinstance(mb, int) and mb > 0 else 1)
-        raw["optim"] = optim
+        raw = fold_total_steps(dict(raw or {}), max_steps)
         s = settings_from(cls, raw, "learner")
         check_value_head(loss, s.value_head)
         return s
+
+
+def fold_total_steps(raw: dict[str, Any], max_steps: int) -> dict[str, Any]:
+    """``raw`` (a ``learner`` node) with ``optim.total_steps`` null set to the run's
+    optimizer steps, ``max_steps`` x ``minibatches`` (what the LR schedule counts)."""
+    if isinstance(raw.get("optim"), OptimSettings):
+        return raw
+    optim = dict(raw.get("optim") or {})
+    if optim.get("total_steps") is None:
+        mb = raw.get("minibatches", 1)
+        optim["total_steps"] = max_steps * (mb if isinstance(mb, int) and mb > 0 else 1)
+    return {**raw, "optim": optim}
 
 
 # Ray's own resources: asked for with num_cpus / num_gpus, never as custom ones.
@@ -156,7 +167,8 @@ def check_custom_resources(key: str, resources: Any) -> None:
                 f"{key}: {name!r} is not a custom resource name (CPUs and GPUs come from "
                 f"num_cpus / num_gpus)"
             )
-        if isinstance(amount, bool) or not isinstance(amount, int | float) or amount <= 0:
+        number = isinstance(amount, int | float) and not isinstance(amount, bool)
+        if not number or not 0 < amount < math.inf:
             raise ConfigError(f"{key}.{name}={amount!r}: expected a number > 0")
 
 

@@ -55,7 +55,7 @@ class HealthMonitor:
         max_staleness: int = 0,
         hacking: HackingSettings | None = None,  # reward.monitor: the hacking/* rules
     ):
-        self.s = settings or MonitorSettings()
+        self.s = settings or MonitorSettings.defaults()
         self.max_staleness = max_staleness
         self.h = _History()
         self.steps = 0
@@ -74,7 +74,7 @@ class HealthMonitor:
         }
         # the hacking/* rules (asyncrl/monitor/hacking.py), with the reward's settings
         # (train.py passes reward.monitor; None: off, as for a monitor of other streams)
-        self.hacking = HackingRules(hacking or HackingSettings(enabled=False))
+        self.hacking = HackingRules(hacking or HackingSettings.defaults(enabled=False))
         self.rules.update(self.hacking.rules())
 
     def check(self, step: int, metrics: dict) -> dict[str, float]:

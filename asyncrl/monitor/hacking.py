@@ -27,38 +27,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.config import ConfigError
+from asyncrl.config import Settings, setting
 
 
 @dataclass
-class HackingSettings:
-    """``reward.monitor`` in config."""
+class HackingSettings(Settings):
+    """``reward.monitor`` in config (conf/reward/default.yaml holds every value)."""
 
-    enabled: bool = True
-    window: int = 5  # steps whose mean is a series' baseline (its first steps)
-    recent_steps: int = 5  # steps whose mean is compared against the baseline
-    verifier: str = "strict"  # the second verifier's component name: reward/<verifier>
-    min_rise: float = 0.1  # reward/mean rise (recent - baseline) that counts as rising
-    verifier_frac: float = 0.25  # ... while the verifier rose less than this share of it
-    length_factor: float = 1.5  # response_length/mean above this x its baseline
-    dominance_max: float = 0.9  # one component's share of the total above this
-    dup_max: float = 0.5  # dup_frac above this ...
-    dup_rise: float = 0.2  # ... and this much above its baseline: climbing
-    dup_min_tokens: int = 8  # responses shorter than this are never duplicates
-    near_dup: float = 0.9  # Jaccard similarity of token 3-grams that counts as near-duplicate
+    KEY = "reward.monitor"
 
-    def check(self) -> None:
-        for key in ("window", "recent_steps", "dup_min_tokens"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"reward.monitor.{key}={getattr(self, key)}: must be >= 1")
-        for key in ("verifier_frac", "dominance_max", "dup_max", "near_dup"):
-            v = getattr(self, key)
-            if not 0.0 <= v <= 1.0:
-                raise ConfigError(f"reward.monitor.{key}={v}: must be in [0, 1]")
-        if self.length_factor <= 1.0:
-            raise ConfigError(f"reward.monitor.length_factor={self.length_factor}: must be > 1")
-        if self.min_rise <= 0 or self.dup_rise < 0:
-            raise ConfigError("reward.monitor.min_rise must be > 0 and dup_rise >= 0")
+    enabled: bool = setting()
+    window: int = setting(">= 1")  # steps whose mean is a series' baseline (its first steps)
+    recent_steps: int = setting(">= 1")  # steps whose mean is compared against the baseline
+    verifier: str = setting()  # the second verifier's component name: reward/<verifier>
+    min_rise: float = setting("> 0")  # reward/mean rise (recent - baseline) that counts as rising
+    verifier_frac: float = setting("[0, 1]")  # ... while the verifier rose less than this share
+    length_factor: float = setting("> 1")  # response_length/mean above this x its baseline
+    dominance_max: float = setting("[0, 1]")  # one component's share of the total above this
+    dup_max: float = setting("[0, 1]")  # dup_frac above this ...
+    dup_rise: float = setting(">= 0")  # ... and this much above its baseline: climbing
+    dup_min_tokens: int = setting(">= 1")  # responses shorter than this are never duplicates
+    near_dup: float = setting("[0, 1]")  # Jaccard similarity of token 3-grams: near-duplicate
 
 
 @dataclass
@@ -101,7 +90,7 @@ class HackingRules:
     SERIES = ("reward/mean", "response_length/mean", "reward/dominant_share", "reward/dup_frac")
 
     def __init__(self, settings: HackingSettings | None = None):
-        self.s = settings or HackingSettings()
+        self.s = settings or HackingSettings.defaults()
         keys = (*self.SERIES, f"reward/{self.s.verifier}")
         self.series = {k: _Series(self.s.window, self.s.recent_steps) for k in keys}
         self.last: dict[str, float] = {}

@@ -8,7 +8,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.config import ConfigError, settings_from
+from asyncrl.config import TIMEOUT_S, ConfigError, Settings, setting
 
 
 class ReplayPolicy(enum.StrEnum):
@@ -17,26 +17,18 @@ class ReplayPolicy(enum.StrEnum):
 
 
 @dataclass
-class ReplaySettings:
-    max_staleness: int
-    policy: ReplayPolicy
-    max_reuse: int
-    capacity_groups: int
-    delay_versions: int
-    wait_timeout_s: float
+class ReplaySettings(Settings):
+    KEY = "replay"
 
-    @classmethod
-    def from_config(cls, node: Any) -> ReplaySettings:
-        return settings_from(cls, node, "replay")
+    max_staleness: int = setting(">= 0")
+    policy: ReplayPolicy = setting()
+    max_reuse: int = setting(">= 1")
+    capacity_groups: int = setting(">= 0")
+    delay_versions: int = setting(">= 0")
+    wait_timeout_s: float = setting(TIMEOUT_S)
 
     def check(self) -> None:
-        for key in ("max_staleness", "capacity_groups", "delay_versions"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"replay.{key}={getattr(self, key)}: must be >= 0")
-        if self.max_reuse < 1:
-            raise ConfigError(f"replay.max_reuse={self.max_reuse}: must be >= 1")
-        if self.wait_timeout_s <= 0:
-            raise ConfigError(f"replay.wait_timeout_s={self.wait_timeout_s}: must be > 0")
+        super().check()
         if self.delay_versions > self.max_staleness:
             raise ConfigError(
                 f"replay.delay_versions={self.delay_versions} exceeds "

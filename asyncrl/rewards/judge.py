@@ -52,7 +52,8 @@ class JudgeServer:
     def __init__(self, model_dir: str, engine: dict[str, Any], seed: int):
         from asyncrl.actor.settings import EngineSettings
 
-        self.model_dir, self.settings, self.seed = model_dir, EngineSettings(**engine), seed
+        self.model_dir, self.seed = model_dir, seed
+        self.settings = EngineSettings.defaults(**engine)  # actor.engine's values, then these
         self.engine: Any = None
         self.requests = 0
 

@@ -80,7 +80,7 @@ class RewardClient:
     the batching state is built in the actor's process on first use)."""
 
     def __init__(self, settings: RewardSettings | None = None, workers: list[Any] | None = None):
-        self.settings = settings or RewardSettings()
+        self._settings = settings
         self.workers = list(workers or [])
         self._init_local()
 
@@ -92,11 +92,19 @@ class RewardClient:
         self.stats = {"calls": 0, "episodes": 0, "seconds": 0.0, "errors": 0}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"settings": self.settings, "workers": self.workers}
+        return {"settings": self._settings, "workers": self.workers}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.settings, self.workers = state["settings"], state["workers"]
+        self._settings, self.workers = state["settings"], state["workers"]
         self._init_local()
+
+    @property
+    def settings(self) -> RewardSettings:
+        """The run's (``set_rewards``); a client built without any (a rollout actor until
+        then, a test) scores with conf/'s, composed on first use."""
+        if self._settings is None:
+            self._settings = RewardSettings.defaults()
+        return self._settings
 
     @property
     def remote(self) -> bool:

@@ -10,31 +10,28 @@ workers build the components). A bad value names its key.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.config import ConfigError, _accepted, _locate
+from asyncrl.config import ConfigError, Settings, _accepted, _locate, check_finite, setting
 from asyncrl.monitor.hacking import HackingSettings
 
 TASK_REWARD = "asyncrl.rewards.task.TaskReward"
 
 
-def _default_components() -> list[dict[str, Any]]:
-    return [{"_target_": TASK_REWARD, "weight": 1.0}]
-
-
 @dataclass
-class RewardSettings:
-    workers: int = 2  # Ray actors scoring episodes off the generation path (0: in-process)
-    on_error: float = 0.0  # the value a failed / timed-out component scores
-    components: list = field(default_factory=_default_components)  # {_target_, weight, kwargs}
-    monitor: HackingSettings = field(default_factory=HackingSettings)  # hacking/* monitors
+class RewardSettings(Settings):
+    """``reward``: conf/reward/default.yaml holds every value."""
+
+    KEY = "reward"
+
+    workers: int = setting("[0, 1024]")  # Ray actors scoring episodes off the generation path
+    on_error: float = setting()  # the value a failed / timed-out component scores
+    components: list = setting()  # {_target_, weight, kwargs}
+    monitor: HackingSettings = setting()  # hacking/* monitors
 
     def check(self) -> None:
-        if self.workers < 0:
-            raise ConfigError(f"reward.workers={self.workers}: must be >= 0")
-        if not math.isfinite(self.on_error):
-            raise ConfigError(f"reward.on_error={self.on_error}: must be a finite number")
+        super().check()
         if not self.components:
             raise ConfigError("reward.components is empty: list at least one component")
         names: dict[str, str] = {}
@@ -62,12 +59,6 @@ class RewardSettings:
             for s in self.components
         ]
 
-    @classmethod
-    def from_config(cls, node: Any) -> RewardSettings:
-        from asyncrl.config import settings_from
-
-        return cls() if node is None else settings_from(cls, node, "reward")
-
 
 def _check_component(key: str, spec: Any) -> str:
     """The component's metric name, or a ConfigError naming ``key``."""
@@ -78,6 +69,7 @@ def _check_component(key: str, spec: Any) -> str:
     w = spec.get("weight")
     if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w):
         raise ConfigError(f"{key}.weight={w!r}: expected a finite number (total = sum w x value)")
+    check_finite(key, spec)
     from asyncrl.rewards.base import Reward
 
     cls = _locate(key, spec["_target_"])

@@ -51,7 +51,7 @@ def grade_python(
     a case passes when the call's value has exactly the type and value of its
     ``expected``. Never raises for anything the solution does; raises ValueError for
     malformed ``cases`` and SandboxUnavailable where the machine cannot isolate. Blocks for up to ``timeout_s`` plus a few seconds."""
-    limits = dataclasses.replace(SandboxSettings(), timeout_s=timeout_s, memory_mb=memory_mb)
+    limits = SandboxSettings.defaults(timeout_s=timeout_s, memory_mb=memory_mb)
     limits.check()
     return grade_with(solution, cases, limits)
 

@@ -24,7 +24,7 @@ class SandboxPool:
     ``stats()``. Use as a context manager or call ``close()``."""
 
     def __init__(self, settings: SandboxSettings | None = None) -> None:
-        self.settings = settings or SandboxSettings()
+        self.settings = settings or SandboxSettings.defaults()
         self.settings.check()
         iso = detect(self.settings.isolation, self.settings.python)  # probe once, up front
         if iso.refusal:

@@ -3,59 +3,48 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import Any
 
-from asyncrl.config import ConfigError, settings_from
+from asyncrl.config import Settings, setting
+
+MIN_MEMORY_MB = 64  # the harness's own mappings (interpreter, json, ctypes) are ~30 MB
+MAX_WORKERS = 256  # one sandbox uid per worker slot; see isolation.sandbox_uid
+# Upper bounds: a larger value could not be set, and every case would fail its set-up.
+MAX_TIMEOUT_S = 3600  # one execution's wall clock
+MAX_MB = 1 << 20  # 1 TiB: memory, file and tmpfs sizes (bytes stay far inside an rlim_t)
+# A case cannot raise RLIMIT_NOFILE above the grader's own hard limit (20000 measured
+# here: 20001 failed every case); 4096 is the smallest hard limit Linux hosts ship.
+MAX_OPEN_FILES = 4096
+MAX_PROCESSES = 1 << 15  # the kernel's default pid_max
+MAX_BYTES = 1 << 30  # output and result caps
+
+
+class Isolation(enum.StrEnum):
+    """``sandbox.isolation`` (asyncrl/sandbox/isolation.py)."""
+
+    BWRAP = "bwrap"  # bubblewrap namespaces + the seccomp filter
+    NONE = "none"  # unconfined: trusted code only
 
 
 @dataclass
-class SandboxSettings:
-    """Limits of one execution (one ``grade_python`` call: all of its cases)."""
+class SandboxSettings(Settings):
+    """Limits of one execution (one ``grade_python`` call: all of its cases); conf/sandbox/
+    default.yaml holds every value. Too small a value is refused at start-up (the harness
+    would fail every case) as is too large a one (the limit could not be set)."""
 
-    workers: int = 2  # executions at once; each is one sandboxed process tree
-    timeout_s: float = 5.0  # wall clock for all cases of one execution
-    memory_mb: int = 512  # address space of each case's process (RLIMIT_AS)
-    file_mb: int = 16  # largest file a case may write (RLIMIT_FSIZE)
-    disk_mb: int = 64  # size of the private tmpfs work dir (with namespaces)
-    open_files: int = 64  # RLIMIT_NOFILE
-    processes: int = 32  # processes + threads of the sandbox uid (RLIMIT_NPROC)
-    output_bytes: int = 65536  # stdout+stderr of the whole execution; more kills it
-    result_bytes: int = 1 << 20  # one case's serialized return value; more fails the case
-    isolation: str = "bwrap"  # bwrap (namespaces + seccomp; refused where unavailable) | none
-    python: str = ""  # interpreter the programs run under; "" = the grader's own
+    KEY = "sandbox"
 
-    @classmethod
-    def from_config(cls, node: Any) -> SandboxSettings:
-        return settings_from(cls, node, "sandbox")
-
-    def check(self) -> None:
-        for key in ("workers", "memory_mb", "file_mb", "disk_mb", "open_files", "processes"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"sandbox.{key}={getattr(self, key)}: must be >= 1")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"sandbox.timeout_s={self.timeout_s}: must be > 0")
-        if self.memory_mb < MIN_MEMORY_MB:
-            raise ConfigError(
-                f"sandbox.memory_mb={self.memory_mb}: must be >= {MIN_MEMORY_MB} "
-                "(a forked Python needs that much address space to start a case)"
-            )
-        if self.workers > MAX_WORKERS:
-            raise ConfigError(f"sandbox.workers={self.workers}: must be <= {MAX_WORKERS}")
-        for key in ("output_bytes", "result_bytes"):
-            if getattr(self, key) < 1024:
-                raise ConfigError(f"sandbox.{key}={getattr(self, key)}: must be >= 1024")
-        for key, top in MAXIMA.items():
-            if not getattr(self, key) <= top:  # NaN fails this too
-                raise ConfigError(f"sandbox.{key}={getattr(self, key)}: must be <= {top}")
-        if self.isolation not in ISOLATIONS:
-            raise ConfigError(f"sandbox.isolation={self.isolation!r}: one of {ISOLATIONS}")
-
-
-MIN_MEMORY_MB = 64  # the harness's own mappings (interpreter, json, ctypes) are ~30 MB
-MAX_WORKERS = 256  # one sandbox uid per worker slot; see isolation.UidSlots
-ISOLATIONS = ("bwrap", "none")
-# beyond these a limit cannot be set (RLIMIT overflow, a hard limit) or is no limit at all
-MAXIMA = {"timeout_s": 3600.0, "memory_mb": 1 << 20, "file_mb": 1 << 20, "disk_mb": 1 << 20,
-          "open_files": 1 << 20, "processes": 1 << 16, "output_bytes": 1 << 30,
-          "result_bytes": 1 << 22}  # fmt: skip
+    workers: int = setting(f"[1, {MAX_WORKERS}]")  # executions at once; one process tree each
+    timeout_s: float = setting(f"(0, {MAX_TIMEOUT_S}]")  # wall clock for all cases of one run
+    # address space of each case's process (RLIMIT_AS); a forked Python needs MIN_MEMORY_MB
+    memory_mb: int = setting(f"[{MIN_MEMORY_MB}, {MAX_MB}]")
+    file_mb: int = setting(f"[1, {MAX_MB}]")  # largest file a case may write (RLIMIT_FSIZE)
+    disk_mb: int = setting(f"[1, {MAX_MB}]")  # size of the private tmpfs work dir (namespaces)
+    open_files: int = setting(f"[1, {MAX_OPEN_FILES}]")  # RLIMIT_NOFILE
+    processes: int = setting(f"[1, {MAX_PROCESSES}]")  # processes + threads of the uid (NPROC)
+    output_bytes: int = setting(f"[1024, {MAX_BYTES}]")  # stdout+stderr of an execution
+    result_bytes: int = setting(f"[1024, {MAX_BYTES}]")  # one case's serialized return value
+    # bwrap: namespaces + seccomp, refused where unavailable | none: unconfined (warns)
+    isolation: Isolation = setting()
+    python: str = setting()  # interpreter the programs run under; "" = the grader's own

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from asyncrl.config import ConfigError, settings_from
+from asyncrl.config import Settings, setting
 from asyncrl.tasks.base import Prompt, Task, TaskSampler
 
 
@@ -36,28 +36,18 @@ class SamplerKind(enum.StrEnum):
 
 
 @dataclass
-class SamplerSettings:
-    kind: SamplerKind = SamplerKind.UNIFORM
-    window: int = 2  # groups remembered per prompt
-    skip_prob: float = 0.75  # chance a draw of an all-zero-variance prompt is redrawn
-    max_redraws: int = 8  # redraws per slot at most (then the last draw is taken)
+class SamplerSettings(Settings):
+    """``sampler``: conf/sampler/uniform.yaml holds every value."""
+
+    KEY = "sampler"
+
+    kind: SamplerKind = setting()
+    window: int = setting(">= 1")  # groups remembered per prompt
+    skip_prob: float = setting("[0, 1]")  # chance a draw of an all-zero-variance prompt is redrawn
+    max_redraws: int = setting(">= 0")  # redraws per slot at most (then the last draw is taken)
     # prompts remembered at most (least recently seen forgotten first): bounds the
     # memory and the checkpoint on a task with an unbounded prompt space
-    max_prompts: int = 100_000
-
-    @classmethod
-    def from_config(cls, node: Any) -> SamplerSettings:
-        return settings_from(cls, node if node is not None else {}, "sampler")
-
-    def check(self) -> None:
-        if self.window < 1:
-            raise ConfigError(f"sampler.window={self.window}: must be >= 1")
-        if not 0 <= self.skip_prob <= 1:
-            raise ConfigError(f"sampler.skip_prob={self.skip_prob}: must be in [0, 1]")
-        if self.max_redraws < 0:
-            raise ConfigError(f"sampler.max_redraws={self.max_redraws}: must be >= 0")
-        if self.max_prompts < 1:
-            raise ConfigError(f"sampler.max_prompts={self.max_prompts}: must be >= 1")
+    max_prompts: int = setting(">= 1")
 
 
 class UniformSampler(TaskSampler):
@@ -70,7 +60,7 @@ class UniformSampler(TaskSampler):
 class AdaptiveSampler(TaskSampler):
     def __init__(self, task: Task, seed: int = 0, settings: SamplerSettings | None = None):
         super().__init__(task, seed)
-        self.settings = settings or SamplerSettings(kind=SamplerKind.ADAPTIVE)
+        self.settings = settings or SamplerSettings.defaults(kind=SamplerKind.ADAPTIVE)
         # prompt text -> its last `window` groups, 1 = zero variance (oldest first)
         self.recent: OrderedDict[str, list[int]] = OrderedDict()
         self.skipped = 0  # draws redrawn so far

@@ -89,6 +89,7 @@ def replay(run_dir: str | Path, from_step: int, steps: int) -> list[dict[str, An
     """Per replayed step: the replayed and the logged loss and grad norm."""
     from omegaconf import OmegaConf
 
+    from asyncrl.config import compose_config
     from asyncrl.learner.batch import collate
     from asyncrl.learner.learner import Learner
     from asyncrl.wiring import prepare
@@ -100,7 +101,8 @@ def replay(run_dir: str | Path, from_step: int, steps: int) -> list[dict[str, An
     if absent:
         raise ReplayError(f"steps {absent} are not in {run_dir}/trajectories/batches.jsonl")
     ckpt = checkpoint_at(run_dir, from_step)
-    setup = prepare(OmegaConf.load(run_dir / "config.yaml"))
+    # a run saved before a key existed: conf/'s value fills it (as the CLI would)
+    setup = prepare(OmegaConf.merge(compose_config(), OmegaConf.load(run_dir / "config.yaml")))
     cols = [
         "step",
         "traj_id",

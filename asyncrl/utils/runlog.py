@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from asyncrl.config import ConfigError
+from asyncrl.config import Settings, setting
 from asyncrl.storage.remote import call, remote_sink, staging, upload_file
 from asyncrl.storage.sink import allow_run_dir
 from asyncrl.trajectory import Trajectory
@@ -69,33 +69,22 @@ _SCHEMA = pa.schema(
 
 
 @dataclass
-class LogSettings:
-    """``log`` in config: the trajectory log's parts and its size for long runs."""
+class LogSettings(Settings):
+    """``log`` in config: the trajectory log's parts and its size for long runs
+    (conf/log/default.yaml holds every value)."""
 
-    part_every: int = 10  # learner steps per part file (what a crash can lose at most)
-    sample_frac: float = 1.0  # fraction of trajectories logged (chosen by a hash of the id)
-    max_rows: int | None = None  # stop logging after this many rows in all (null: no cap)
+    KEY = "log"
+
+    part_every: int = setting(">= 1")  # learner steps per part file (what a crash can lose)
+    sample_frac: float = setting("(0, 1]")  # fraction of trajectories logged (by id hash)
+    max_rows: int | None = setting(">= 0")  # stop logging after this many rows (null: no cap)
     # Per-step trajectory ids, in the order the learner trained on them, with the step's
     # loss and grad norm (``batches.jsonl``, what ``asyncrl-replay`` feeds the learner
     # again and compares with); small, so never sampled.
-    batch_ids: bool = True
+    batch_ids: bool = setting()
     # Keep every periodic checkpoint (learner.checkpoint_every) as checkpoints/step-V, not
     # only the latest: what ``asyncrl-replay --from-step V`` starts from.
-    keep_checkpoints: bool = False
-
-    def check(self) -> None:
-        if self.part_every < 1:
-            raise ConfigError(f"log.part_every={self.part_every}: must be >= 1")
-        if not 0.0 < self.sample_frac <= 1.0:
-            raise ConfigError(f"log.sample_frac={self.sample_frac}: must be in (0, 1]")
-        if self.max_rows is not None and self.max_rows < 0:
-            raise ConfigError(f"log.max_rows={self.max_rows}: must be >= 0 or null")
-
-    @classmethod
-    def from_config(cls, node: Any) -> LogSettings:
-        from asyncrl.config import settings_from
-
-        return cls() if node is None else settings_from(cls, node, "log")
+    keep_checkpoints: bool = setting()
 
     def spec(self, out_dir: Path) -> dict[str, Any]:
         """What the learner's rank 0 needs to write the log (plain data, for Ray). On a
@@ -120,7 +109,8 @@ class TrajectoryLog:
         if self._sink is None:
             self.dir.mkdir(parents=True, exist_ok=True)
         known = {k: v for k, v in spec.items() if k in LogSettings.__dataclass_fields__}
-        self.settings = LogSettings(**known)
+        whole = len(known) == len(LogSettings.__dataclass_fields__)  # a run's spec() is whole
+        self.settings = LogSettings(**known) if whole else LogSettings.defaults(**known)
         self.settings.check()
         self._rows: dict[str, list[Any]] = {f.name: [] for f in _SCHEMA}
         self._steps = 0
