@@ -40,8 +40,8 @@ def build(key: str, node: Any) -> Any:
     target = spec.get("_target_") if isinstance(spec, dict) else None
     if not target:
         raise ConfigError(f"{key}._target_ is missing: set it to a class path like my_pkg.MyClass")
-    cls = _locate(key, target)
-    accepted = _accepted(cls)
+    cls = locate_target(key, target)
+    accepted = accepted_kwargs(cls)
     given = [k for k in spec if k != "_target_"]
     for k in given:
         check_finite(f"{key}.{k}", spec[k])
@@ -74,7 +74,7 @@ def check_finite(key: str, value: Any) -> None:
             check_finite(f"{key}[{i}]", v)
 
 
-def _locate(key: str, target: str) -> Any:
+def locate_target(key: str, target: str) -> Any:
     mod_name, _, attr = target.rpartition(".")
     if not mod_name:
         raise ConfigError(f"{key}._target_={target!r} is not a dotted path like my_pkg.MyClass")
@@ -89,7 +89,7 @@ def _locate(key: str, target: str) -> Any:
     return getattr(mod, attr)
 
 
-def _accepted(cls: Any) -> set[str] | None:
+def accepted_kwargs(cls: Any) -> set[str] | None:
     """Keyword names the constructor takes; None when it takes **kwargs."""
     try:
         sig = inspect.signature(cls)

@@ -25,6 +25,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 from asyncrl.envs.base import StepResult
 from asyncrl.sandbox import Grade, SandboxPool, SandboxSettings
 from asyncrl.sandbox.isolation import require
@@ -43,8 +45,8 @@ PROBLEMS = [
 
 class CodeTask:
     """One of :data:`PROBLEMS` per prompt; ``meta["cases"]`` are the hidden cases.
-    ``sandbox``: the ``sandbox.*`` settings (conf/task/code.yaml passes them; None: their
-    defaults). Building the task checks that their isolation is available (ConfigError
+    ``sandbox``: the ``sandbox.*`` settings (conf/task/code.yaml passes them all); keys
+    left out take conf/'s values. Building the task checks that their isolation is available (ConfigError
     naming ``sandbox.isolation``: the driver exits 2 before Ray starts).
 
     Grading always goes through this process's :class:`asyncrl.sandbox.SandboxPool`:
@@ -53,9 +55,8 @@ class CodeTask:
     thread it raises instead of grading inline (which would stall every episode)."""
 
     def __init__(self, sandbox: Mapping[str, object] | None = None):
-        self.settings = (
-            SandboxSettings.defaults() if sandbox is None else SandboxSettings.from_config(sandbox)
-        )
+        given = OmegaConf.to_container(sandbox) if isinstance(sandbox, DictConfig) else sandbox
+        self.settings = SandboxSettings.defaults(**(given or {}))
         require(self.settings)
         self._pool: SandboxPool | None = None
         self._lock = threading.Lock()

@@ -24,7 +24,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Self
 
-from asyncrl.config import TIMEOUT_S, ConfigError, Settings, _locate, build, defaults, setting
+from asyncrl.config import TIMEOUT_S, ConfigError, Settings, build, defaults, locate_target, setting
 from asyncrl.sandbox.settings import SandboxSettings
 
 LIMIT_KEYS = ("max_turns", "max_tokens", "timeout_s")
@@ -69,11 +69,12 @@ class EnvSettings(Settings):
     @classmethod
     def from_config(cls, node: Any, sandbox: Any = None) -> EnvSettings:
         """From the ``env`` node (DictConfig, dict or None: conf/'s env; limits it leaves
-        out: conf/'s) and the ``sandbox`` node (None: conf/'s). Builds one env to check the
+        out: conf/'s) and the ``sandbox`` node (None, or keys it leaves out: conf/'s). Builds one env to check the
         class and its arguments (ConfigError naming ``env.*`` or ``sandbox.*``)."""
         from omegaconf import DictConfig, OmegaConf
 
-        box = SandboxSettings.from_config(sandbox)
+        given = OmegaConf.to_container(sandbox) if isinstance(sandbox, DictConfig) else sandbox
+        box = SandboxSettings.defaults(**(given or {}))  # keys left out: conf/'s
         if node is None:
             return cls.defaults(sandbox=box)
         spec = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
@@ -119,7 +120,7 @@ class EnvSettings(Settings):
     def make(self) -> Any:
         """A fresh env for one episode (with the sandbox pool if it takes one)."""
         if self._cls is None:
-            self._cls = _locate("env", self.target)
+            self._cls = locate_target("env", self.target)
         if takes_sandbox(self._cls):
             return self._cls(**self.kwargs, sandbox=self.pool())
         return self._cls(**self.kwargs)
@@ -129,7 +130,7 @@ class EnvSettings(Settings):
         when the actor starts): the sandbox pool, whose set-up probes the kernel once, a
         blocking call that must not stall the first episodes' event loop."""
         if self._cls is None:
-            self._cls = _locate("env", self.target)
+            self._cls = locate_target("env", self.target)
         if takes_sandbox(self._cls):
             self.pool()
 

@@ -13,7 +13,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.config import ConfigError, Settings, _accepted, _locate, check_finite, setting
+from asyncrl.config import (
+    ConfigError,
+    Settings,
+    accepted_kwargs,
+    check_finite,
+    locate_target,
+    setting,
+)
 from asyncrl.monitor.hacking import HackingSettings
 
 TASK_REWARD = "asyncrl.rewards.task.TaskReward"
@@ -72,12 +79,12 @@ def _check_component(key: str, spec: Any) -> str:
     check_finite(key, spec)
     from asyncrl.rewards.base import Reward
 
-    cls = _locate(key, spec["_target_"])
+    cls = locate_target(key, spec["_target_"])
     if not (isinstance(cls, type) and issubclass(cls, Reward)):
         raise ConfigError(
             f"{key}._target_={spec['_target_']}: not a subclass of asyncrl.rewards.base.Reward"
         )
-    accepted = _accepted(cls)
+    accepted = accepted_kwargs(cls)
     given = [k for k in spec if k not in ("_target_", "weight")]
     unknown = [k for k in given if accepted is not None and k not in accepted]
     if unknown:
