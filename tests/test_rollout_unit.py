@@ -7,8 +7,8 @@ import asyncio
 import functools
 
 import pytest
+from controlled_actor import ControlledRolloutActor
 
-from asyncrl.actor.controlled import ControlledRolloutActor
 from asyncrl.actor.episode import SingleTurnEpisodes
 from asyncrl.actor.rollout import RolloutActor
 from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
