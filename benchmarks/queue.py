@@ -91,9 +91,9 @@ class Producer:
         )
         return TrajectoryGroup(gid, self.trajs), meta
 
-    def take_bundle(self, key: int) -> tuple[int, list]:
+    async def take_bundle(self, key: int) -> tuple[int, list]:
         """The queue takes a hand-off's bundle, as from a RolloutActor."""
-        return self.outbox.take(key)
+        return await self.outbox.take(key)
 
     async def feed_queue(self, queue: Any, num_groups: int, chunk: int) -> None:
         from asyncrl.replay.outbox import Outbox

@@ -24,12 +24,20 @@ class FakeSource:
         return self
 
     def remote(self, key: int):
-        async def count() -> int:
-            if self.dead:
-                raise ConnectionError("actor died")
-            return 1
+        return _Count(self.dead), f"bundle-{key}"
 
-        return count(), f"bundle-{key}"
+
+class _Count:
+    """A group count to await (never awaited when the queue asked ahead for it)."""
+
+    def __init__(self, dead: bool):
+        self.dead = dead
+
+    def __await__(self):
+        if self.dead:
+            raise ConnectionError("actor died")
+        return 1
+        yield  # a generator: awaitable
 
 
 def hand_off(

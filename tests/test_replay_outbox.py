@@ -209,8 +209,8 @@ class _Producer:
     def __init__(self, queue):
         self.box = Outbox(queue)
 
-    def take_bundle(self, key: int):
-        return self.box.take(key)
+    async def take_bundle(self, key: int):
+        return await self.box.take(key)
 
     async def hand_over(self, n: int) -> tuple[int, int, str, int]:
         """``n`` groups: the first goes alone, the rest are made while it travels. The

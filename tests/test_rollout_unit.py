@@ -121,8 +121,8 @@ class _Host:
 
     actor = None
 
-    def take_bundle(self, key: int):
-        return self.actor.take_bundle(key)
+    async def take_bundle(self, key: int):
+        return await self.actor.take_bundle(key)
 
     async def run(self, queue, seconds, settings: dict, scenario):
         """``scenario(actor, queue)`` on a fresh :func:`_no_engine_actor`."""

@@ -222,10 +222,10 @@ class RolloutActor:
     def ping(self) -> str:
         return self.name
 
-    def take_bundle(self, key: int) -> tuple[int, list[tuple[str, bytes]]]:
+    async def take_bundle(self, key: int) -> tuple[int, list[tuple[str, bytes]]]:
         """The queue takes hand-off ``key``'s bundle (replay/outbox.py ``Outbox.take``):
         returned to the queue's call, so the queue owns the object Ray stores."""
-        return self._outbox.take(key)
+        return await self._outbox.take(key)
 
     def set_rewards(self, rewards: RewardClient) -> None:
         """Score with ``rewards`` (asyncrl/rewards/pool.py); called before ``start``."""

@@ -5,7 +5,8 @@
         ─▶ bundle = [(group_id, msgpack bytes)] of every group put meanwhile, kept here
         ─▶ queue.hand_over(HandOff(metas, key, source, asked))
              queue ─▶ source.take_bundle(key) ─▶ Outbox.take(key): Ray writes the bundle
-                      into the object store once, owned by the queue
+                      into the object store once, owned by the queue (the take of
+                      key + 1 is asked for at once, answered once that bundle exists)
         ◀─ (refused, granted): the granted slots go to the actor (SlotAsker.answered)
 
 One Outbox per actor and queue; the actor's host answers the queue's
@@ -15,6 +16,7 @@ One Outbox per actor and queue; the actor's host answers the queue's
 from __future__ import annotations
 
 import asyncio
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -35,6 +37,7 @@ class HandOff:
     source: ActorHandle  # the Ray actor holding the bundle: take_bundle(key) -> (n, bundle)
     asked: int = 0  # free slots to grant with the answer (never waited for)
     actor: str | None = None  # whose slots: the throttle window counts from its weights
+    outbox: str = ""  # which Outbox (its bundle keys count up from 0)
     kind: str = "hand_off"
 
 
@@ -96,6 +99,8 @@ class Outbox:
         self._items: list[tuple[TrajectoryGroup, GroupMeta]] = []
         self._bundles: dict[int, list[tuple[str, bytes]]] = {}  # handed over, not yet taken
         self._next_key = 0
+        self._stored = asyncio.Event()  # a bundle was stored: a waiting take looks again
+        self.id = uuid.uuid4().hex
         self._task: asyncio.Task | None = None
         self.error: str = ""
         self.sent_groups = 0
@@ -109,9 +114,15 @@ class Outbox:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._flush())
 
-    def take(self, key: int) -> tuple[int, list[tuple[str, bytes]]]:
+    async def take(self, key: int) -> tuple[int, list[tuple[str, bytes]]]:
         """The bundle of hand-off ``key`` and its group count, given up: the queue's
-        call that returns it owns the object Ray makes of it."""
+        call that returns it owns the object Ray makes of it. The queue asks for the
+        next key ahead of its hand-off: that waits until its bundle is stored."""
+        while key not in self._bundles:
+            if key < self._next_key:
+                raise KeyError(f"bundle {key} is gone: taken, or its hand-off failed")
+            self._stored.clear()
+            await self._stored.wait()
         bundle = self._bundles.pop(key)
         return len(bundle), bundle
 
@@ -139,9 +150,11 @@ class Outbox:
             asked = got = 0
             try:
                 self._bundles[key] = [(g.group_id, to_bytes(g.trajectories)) for g, _ in batch]
+                self._stored.set()
                 asked = self.slots.ask() if self.slots is not None else 0
                 name = self.slots.name if self.slots is not None else None
-                h = HandOff([meta for _, meta in batch], key, self._source(), asked, name)
+                metas = [meta for _, meta in batch]
+                h = HandOff(metas, key, self._source(), asked, name, self.id)
                 refused, got = await self.queue.hand_over.remote(h)
             except Exception as e:  # noqa: BLE001 - recorded; the owner reports it
                 self._failed(e, len(batch))

@@ -47,6 +47,8 @@ class ReplayQueueCore:
         self._changed = asyncio.Condition()
         self._closed = False
         self._weights: dict[str, int] = {}  # actor name -> policy version it holds
+        # (outbox, bundle key) -> (actor, the take asked for before its hand-off came)
+        self._ahead: dict[tuple[str, int], tuple[str | None, Any]] = {}
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -113,6 +115,8 @@ class ReplayQueueCore:
         (``set_weights_version``) it gets no slot. Returns the groups lost."""
         n = self.buf.actor_lost(actor)
         self._weights[actor] = UNPRIMED
+        for k in [k for k, (name, _) in self._ahead.items() if name == actor]:
+            del self._ahead[k]  # its take fails, or waits on a dead actor
         await self._notify()
         return n
 
@@ -122,20 +126,31 @@ class ReplayQueueCore:
         actor's hand-off asks for the slots its finished groups freed in the same call.
         The bundle is taken from ``h.source`` first, so the queue owns its object; if
         that fails (the actor died meanwhile) no group goes in and their slots are
-        freed. Returns (refused, granted): one message per group that did not go in."""
+        freed. Returns (refused, granted): one message per group that did not go in.
+
+        The take of the outbox's next bundle is asked for right away: the actor answers
+        it the moment that bundle exists, just before its hand-off leaves, so a steady
+        hand-off finds its bundle here instead of waiting a round trip for it."""
+        _, take = self._ahead.pop((h.outbox, h.bundle), (None, None))
         try:
-            count, ref = h.source.take_bundle.options(num_returns=2).remote(h.bundle)
+            count, ref = take or self._take(h.source, h.bundle)
             await count  # the bundle is in the object store once its count is back
         except Exception as e:  # noqa: BLE001 - reported to the caller, if it still lives
             self._release(h.metas)
             await self._notify()
             why = f"bundle {h.bundle} not taken: {type(e).__name__}: {e}"
             return [f"group {m.group_id}: {why}" for m in h.metas], 0
+        self._ahead[(h.outbox, h.bundle + 1)] = (h.actor, self._take(h.source, h.bundle + 1))
         items = [(ref, dataclasses.replace(m, bundle_index=i)) for i, m in enumerate(h.metas)]
         errors = self._put_items(items)
         granted = self._grant(h.asked, h.actor) if h.asked > 0 else 0
         await self._notify()
         return errors, granted
+
+    @staticmethod
+    def _take(source: Any, key: int) -> Any:
+        """(the bundle's group count, the bundle): two refs this queue owns."""
+        return source.take_bundle.options(num_returns=2).remote(key)
 
     def _release(self, metas: list[GroupMeta]) -> None:
         """Free the slots of groups that will never be put; an actor whose death was
