@@ -17,7 +17,7 @@ its lost work counted. It lives in the driver; nothing here blocks for an engine
            queue ends the recovery (recovery_seconds: detected -> that group)
 
 Groups the dead actor had already handed to the queue stay trainable: the queue owns
-their objects (replay/queue.py Outbox). Their tokens carry the versions that made
+their objects (replay/queue.py ``hand_over``). Their tokens carry the versions that made
 them, so staleness stays honest; a fresh engine holds version 0 and is held back by
 the queue until it is synced.
 """
