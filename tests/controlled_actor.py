@@ -42,6 +42,7 @@ class ControlledRolloutActor(RolloutActor):
         ``seed``, counters and errors reset (the loaded weights and version stay)."""
         if self.slots.running:
             raise RuntimeError("rebind() needs a halted actor: call halt() first")
+        self._outbox.close()  # the old queue's take asked ahead fails instead of waiting
         self._bind(queue, seed)
         queue.set_weights_version.remote(self.name, self.version)
         self.stats = ActorStats()

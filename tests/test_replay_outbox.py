@@ -199,6 +199,52 @@ def test_outbox_lingers_only_while_the_actor_finds_it_worth_it():
     assert (box.calls, box.sent_groups, box.error) == (2, 3, "")
 
 
+class _TakingQueue:
+    """A queue actor handle that takes each bundle as ReplayQueueCore.hand_over does:
+    the first when its hand-off comes, each next one asked for ahead of it."""
+
+    def __init__(self, box_of):
+        self.box_of, self.ahead, self.got = box_of, None, []
+        outer = self
+
+        class _HandOver:
+            def remote(self, h):
+                return asyncio.ensure_future(outer._hand_over(h))
+
+        self.hand_over = _HandOver()
+
+    async def _hand_over(self, h):
+        box = self.box_of()
+        _, bundle = await (self.ahead or box.take(h.bundle))
+        self.got += [gid for gid, _ in bundle]
+        self.ahead = asyncio.ensure_future(box.take(h.bundle + 1))
+        return [], 0
+
+
+def test_a_take_asked_ahead_waits_for_its_bundle_and_fails_once_closed():
+    async def main():
+        q = _TakingQueue(lambda: box)
+        box = Outbox(q, source=object())
+        box.put(*_group("g0"))
+        await box.drain()
+        await asyncio.sleep(0.01)
+        assert q.got == ["g0"] and not q.ahead.done()  # bundle 1 does not exist yet
+        for i in (1, 2, 3):
+            box.put(*_group(f"g{i}"))
+        await box.drain()
+        assert q.got == ["g0", "g1", "g2", "g3"] and box._bundles == {}
+        waiting = q.ahead
+        box.close()  # the actor goes to another queue
+        try:
+            await waiting
+        except KeyError as e:
+            return box, str(e)
+        return box, ""
+
+    box, why = asyncio.run(main())
+    assert "is gone" in why and box.error == ""
+
+
 # ---- real Ray: a producer actor, the queue actor, the learner's resolve -------------------
 BIG = 50_000  # response tokens: a group of ~1 MB, stored in the object store's shared memory
 

@@ -100,6 +100,7 @@ class Outbox:
         self._bundles: dict[int, list[tuple[str, bytes]]] = {}  # handed over, not yet taken
         self._next_key = 0
         self._stored = asyncio.Event()  # a bundle was stored: a waiting take looks again
+        self._closed = False
         self.id = uuid.uuid4().hex
         self._task: asyncio.Task | None = None
         self.error: str = ""
@@ -119,12 +120,17 @@ class Outbox:
         call that returns it owns the object Ray makes of it. The queue asks for the
         next key ahead of its hand-off: that waits until its bundle is stored."""
         while key not in self._bundles:
-            if key < self._next_key:
+            if key < self._next_key or self._closed:
                 raise KeyError(f"bundle {key} is gone: taken, or its hand-off failed")
             self._stored.clear()
             await self._stored.wait()
         bundle = self._bundles.pop(key)
         return len(bundle), bundle
+
+    def close(self) -> None:
+        """No more hand-offs (the actor goes to another queue): takes that wait fail."""
+        self._closed = True
+        self._stored.set()
 
     @property
     def busy(self) -> bool:
