@@ -141,8 +141,7 @@ class ActorSupervisor:
             "actor_restarts_by_actor": {n: i.restarts for n, i in self.actors.items()},
             "actors_dead": sorted(n for n, i in self.actors.items() if i.state == "dead"),
             "groups_lost": (queue_stats or {}).get("groups_lost", self.groups_lost),
-            "recovery_seconds": [e["recovery_seconds"] for e in events
-                                 if "recovery_seconds" in e],  # fmt: skip
+            "recovery_seconds": [e["recovery_seconds"] for e in events if "recovery_seconds" in e],
             "actor_events": events,
         }
 
