@@ -58,7 +58,6 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
-from asyncrl.actor.controlled import ControlledRolloutActor  # noqa: E402
 from asyncrl.actor.placement import pin_engine_io  # noqa: E402
 from asyncrl.engine.vllm_engine import sampling_params  # noqa: E402
 from benchmarks.common import (  # noqa: E402
@@ -75,6 +74,7 @@ from benchmarks.common import (  # noqa: E402
     start_ray,
     write_csv,
 )
+from tests.controlled_actor import ControlledRolloutActor  # noqa: E402
 
 SIDES = ("asyncrl", "vllm", "vllm_capped")
 IO_SIDE = "vllm_io_on_engine"  # --io-threads-ab

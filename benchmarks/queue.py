@@ -1,10 +1,11 @@
 """Replay-queue throughput: trajectories of ~1k tokens per second through the
 ReplayQueue, against raw ``ray.put`` / ``ray.get`` of the same objects, same run.
 
-    queue mode:  producers ── acquire_many(c) ─ Outbox: ray.put(c groups) ─ queue.put_many
-                              ──▶ ReplayQueue   (the RolloutActor's hand-off, which also
-                                                 asks for slots: queue.hand_over)
-                 consumer ── queue.get_batch(bg, V) ──▶ resolve_groups (ray.get)    (staleness checks, accounting)
+    queue mode:  producers ── acquire_many(c) ─ Outbox: queue.hand_over(c groups' metas)
+                              ◀─ take_bundle: the bundle into the object store once, owned
+                                 by the queue (the RolloutActor's hand-off, replay/outbox.py)
+                 consumer ── queue.get_batch(bg, V) ──▶ resolve_groups (ray.get)
+                              (staleness checks, accounting)
     raw mode:    producers ── ray.put(group) x c ─ consumer.push_many(refs) ──▶ a plain FIFO
                  consumer ── ray.get(refs)
 
@@ -60,6 +61,7 @@ class Producer:
 
         rng = np.random.default_rng(seed)
         self.name = name
+        self.outbox = None  # the current queue round's (replay/outbox.py)
         self.trajs = [
             Trajectory(
                 traj_id=f"{name}-{i}",
@@ -89,11 +91,15 @@ class Producer:
         )
         return TrajectoryGroup(gid, self.trajs), meta
 
+    async def take_bundle(self, key: int) -> tuple[int, list]:
+        """The queue takes a hand-off's bundle, as from a RolloutActor."""
+        return await self.outbox.take(key)
+
     async def feed_queue(self, queue: Any, num_groups: int, chunk: int) -> None:
+        from asyncrl.replay.outbox import Outbox
 
-        from asyncrl.replay.queue import Outbox
-
-        outbox, left = Outbox(queue), num_groups
+        self.outbox = outbox = Outbox(queue)
+        left = num_groups
         while left:
             granted = await queue.acquire_many.remote(min(chunk, left), 1.0)
             for _ in range(granted):

@@ -225,9 +225,9 @@ class Runner:
         (batch_groups=0: no slot ever) until a run rebinds it."""
         import ray
 
-        from asyncrl.actor.controlled import ControlledRolloutActor
         from asyncrl.actor.launch import new_actor
         from asyncrl.replay.queue import remote_queue
+        from tests.controlled_actor import ControlledRolloutActor
 
         self.parking = remote_queue(max_staleness=0, batch_groups=0)
         actor = new_actor(

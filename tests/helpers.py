@@ -41,15 +41,17 @@ def trajs(n: int, seed: int = 0, max_prompt: int = 6, max_response: int = 7) -> 
 
 @contextlib.asynccontextmanager
 async def engine_actor(model, task, settings, name: str = "t0", env=None):
-    """A RolloutActor with a real vLLM-CPU engine started in-process (no Ray, no queue,
+    """A RolloutActor with a real vLLM-CPU engine started in-process (no Ray, a NoQueue,
     no generate loop) and its episode runner (``env``: the multi-turn one, None: the
     single-turn one), its weights labelled version 0 as the actor does. The engine is
     shut down on exit. The vLLM tests share one per module (a start costs ~25-60 s)."""
+    from controlled_actor import NoQueue
+
     from asyncrl.actor.env_runner import make_runner
     from asyncrl.actor.rollout import RolloutActor
     from asyncrl.engine.vllm_engine import make_engine
 
-    a = RolloutActor(name, str(model), task, None, settings, seed=0, env=env)
+    a = RolloutActor(name, str(model), task, NoQueue(), settings, seed=0, env=env)
     a.engine = make_engine(str(model), settings.engine, 0)
     try:
         a.episodes = make_runner(a.engine, task, settings, env, lambda: a.version)

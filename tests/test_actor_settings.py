@@ -77,7 +77,8 @@ def test_cpu_lists_arrive_as_one_string():
 def test_the_production_actor_has_only_the_production_remote_methods():
     """Test and benchmark controls (halt, rebind, fault injection, ...) live on
     ControlledRolloutActor, not on the actor training starts."""
-    from asyncrl.actor.controlled import ControlledRolloutActor
+    from controlled_actor import ControlledRolloutActor
+
     from asyncrl.actor.rollout import RolloutActor
 
     def remote_methods(cls):
@@ -87,6 +88,7 @@ def test_the_production_actor_has_only_the_production_remote_methods():
         "start", "stop", "get_stats", "ping", "sampler_state", "load_sampler_state",
         "update_weights", "receive_weights", "weight_state", "close_weight_groups", "set_rewards",
         "pids",  # the engine processes it started: the supervisor kills their orphans
+        "take_bundle",  # the queue takes each hand-off's bundle: it then owns the object
     }  # fmt: skip
     assert remote_methods(ControlledRolloutActor) - remote_methods(RolloutActor) == {
         "halt", "rebind", "resume", "set_update_mode", "inject_weight_fault",
@@ -95,7 +97,8 @@ def test_the_production_actor_has_only_the_production_remote_methods():
 
 
 def test_set_update_mode_names_the_modes():
-    from asyncrl.actor.controlled import ControlledRolloutActor
+    from controlled_actor import ControlledRolloutActor
+
     from asyncrl.tasks.arithmetic import AdditionTask
 
     a = ControlledRolloutActor("t", "m", AdditionTask(), None, ActorSettings.defaults())
@@ -107,7 +110,8 @@ def test_set_update_mode_names_the_modes():
 
 def test_new_actor_starts_the_given_class_as_a_ray_actor(ray_local):
     """Not started (no engine): the actor answers, with its settings and seed."""
-    from asyncrl.actor.controlled import ControlledRolloutActor
+    from controlled_actor import ControlledRolloutActor
+
     from asyncrl.actor.launch import new_actor
     from asyncrl.tasks.arithmetic import AdditionTask
 

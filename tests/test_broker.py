@@ -393,15 +393,15 @@ class FakeLearner(WeightsOut):
 def fake_world(ray_local, task):
     """Three RolloutActors (fake engines) and a fake learner rank, as Ray actors."""
     ray = ray_local
+    from controlled_actor import ControlledRolloutActor, NoQueue
     from ray import cloudpickle
 
-    from asyncrl.actor.controlled import ControlledRolloutActor
     from asyncrl.actor.settings import ActorSettings
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cls = ray.remote(ControlledRolloutActor).options(num_cpus=0, max_concurrency=100)
     actors = {
-        f"actor{i}": cls.remote(f"actor{i}", "unused", task, None, ActorSettings.defaults(), 0)
+        f"actor{i}": cls.remote(f"actor{i}", "unused", task, NoQueue(), ActorSettings.defaults(), 0)
         for i in range(3)
     }
     ray.get([a.__ray_call__.remote(_install_fake_engine) for a in actors.values()])
@@ -541,13 +541,14 @@ def test_replaced_actor_is_primed_with_the_published_version_not_live_weights(
     stepped on. It gets the version last published, bit-exact from that snapshot (the
     learner's live weights are no longer that version), and later syncs include it."""
     ray = ray_local
-    from asyncrl.actor.controlled import ControlledRolloutActor
+    from controlled_actor import ControlledRolloutActor, NoQueue
+
     from asyncrl.actor.settings import ActorSettings
 
     actors, learner = fake_world
     broker = _start(actors, learner, mode="sparse_delta")
     cls = ray.remote(ControlledRolloutActor).options(num_cpus=0, max_concurrency=100)
-    new = cls.remote("actor2", "unused", task, None, ActorSettings.defaults(), 0)
+    new = cls.remote("actor2", "unused", task, NoQueue(), ActorSettings.defaults(), 0)
     ray.get(new.__ray_call__.remote(_install_fake_engine))
     try:
         broker.supervise()

@@ -7,8 +7,8 @@ import asyncio
 import functools
 
 import pytest
+from controlled_actor import ControlledRolloutActor
 
-from asyncrl.actor.controlled import ControlledRolloutActor
 from asyncrl.actor.episode import SingleTurnEpisodes
 from asyncrl.actor.rollout import RolloutActor
 from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
@@ -50,7 +50,7 @@ def test_a_group_cancelled_before_it_ran_frees_its_slot():
 
         tasks = []
         for _ in range(3):
-            a._n_inflight += 1
+            a.slots.inflight += 1
             t = asyncio.create_task(group())
             t.add_done_callback(functools.partial(a._group_done, q))
             tasks.append(t)
@@ -61,7 +61,7 @@ def test_a_group_cancelled_before_it_ran_frees_its_slot():
 
     a, q, ran = asyncio.run(main())
     assert len(ran) == 2  # the cancelled one never started
-    assert a._n_inflight == 0 and q.abandoned == 1
+    assert a.slots.inflight == 0 and q.abandoned == 1
 
 
 class _FakeEpisodes:
@@ -79,7 +79,7 @@ class _FakeEpisodes:
 
         from asyncrl.trajectory import Trajectory, TrajectoryGroup
 
-        self.peak = max(self.peak, self.actor._n_inflight)
+        self.peak = max(self.peak, self.actor.slots.inflight)
         await asyncio.sleep(self.seconds[0] + self.seconds[1] * (hash(prompt.text) % 3))
         gid = f"g{self.runs}-{id(prompt)}"
         self.runs += 1
@@ -114,102 +114,129 @@ class _SlowToHearQueue(ReplayQueueCore):
         return self.abandoned
 
 
-def test_hand_offs_ask_for_the_freed_slots(ray_local):
-    """A steady actor gets its slots back with its hand-offs (one queue call per
-    hand-off, not two); never more than max_inflight_groups generate; once halt
-    returns, every granted slot was either put or given back, and the queue heard it."""
+class _Host:
+    """A Ray actor running one no-engine rollout actor at a time: the queue takes each
+    hand-off's bundle from the actor it runs in (``take_bundle``), so the rollout
+    actor must live in one, not in the test's process."""
+
+    actor = None
+
+    async def take_bundle(self, key: int):
+        return await self.actor.take_bundle(key)
+
+    async def run(self, queue, seconds, settings: dict, scenario):
+        """``scenario(actor, queue)`` on a fresh :func:`_no_engine_actor`."""
+        self.actor = _no_engine_actor(queue, seconds, **settings)
+        return await scenario(self.actor, queue)
+
+
+@pytest.fixture(scope="module")
+def host(ray_local):
     import sys
 
-    import ray
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    h = ray_local.remote(_Host).options(num_cpus=0, max_concurrency=1000).remote()
+    yield h
+    ray_local.kill(h)
+
+
+async def _run_300_groups(a, q):
+    await a.resume()
+    while a.stats.groups < 300:
+        await asyncio.sleep(0.01)
+    await a.halt()
+    return a.get_stats(), a.episodes.peak, a.stats.groups
+
+
+def test_hand_offs_ask_for_the_freed_slots(host):
+    """A steady actor gets its slots back with its hand-offs (one queue call per
+    hand-off, not two); never more than max_inflight_groups generate; once halt
+    returns, every granted slot was either put or given back, and the queue heard it."""
+    import ray
+
     cls = ray.remote(num_cpus=0, max_concurrency=1000)(_SlowToHearQueue)
     q = cls.remote(max_staleness=10**6, batch_groups=1, policy="drop", capacity_groups=10**6)
-
-    async def main():
-        a = _no_engine_actor(q, max_inflight_groups=8, handoff_linger_ms=5)
-        await a.resume()
-        while a.stats.groups < 300:
-            await asyncio.sleep(0.01)
-        await a.halt()
-        return a
-
+    settings = {"max_inflight_groups": 8, "handoff_linger_ms": 5}
     try:
-        a = asyncio.run(main())
-        st, qs = a.get_stats(), ray.get(q.stats.remote())
-        assert st["fatal"] == "" and a.episodes.peak <= 8
+        st, peak, groups = ray.get(host.run.remote(q, (0.002, 0.004), settings, _run_300_groups))
+        qs = ray.get(q.stats.remote())
+        assert st["fatal"] == "" and peak <= 8
         assert st["handoff_granted"] > 0.8 * st["handoff_groups"], st
         assert st["acquire_calls"] < st["handoff_calls"] / 4, st
         assert qs["groups_running"] == 0, qs  # nothing granted is left unaccounted
         assert ray.get(q.abandoned_slots.remote()) > 0  # halt did cancel groups
-        assert qs["produced"] == 2 * st["handoff_groups"] == 2 * a.stats.groups
+        assert qs["produced"] == 2 * st["handoff_groups"] == 2 * groups
     finally:
         ray.kill(q)
 
 
-def test_the_last_groups_before_a_shut_window_do_not_wait_out_the_linger(ray_local):
+async def _until_8_produced(a, q):
+    import time
+
+    t0 = time.monotonic()
+    await a.resume()
+    while (await q.stats.remote())["produced"] < 8 and time.monotonic() - t0 < 10:
+        await asyncio.sleep(0.01)
+    took = time.monotonic() - t0
+    await a.halt()
+    return a.stats.groups, a.get_stats()["handoff_groups"], took
+
+
+def test_the_last_groups_before_a_shut_window_do_not_wait_out_the_linger(host):
     """Once the actor has nothing generating (the queue grants no more slots: the
     staleness window is shut, or the run's end), its finished groups go at once, not
     after actor.handoff_linger_ms: the learner may be waiting for exactly these."""
-    import time
-
     import ray
 
     from asyncrl.replay.queue import remote_queue
 
     q = remote_queue(max_staleness=10**6, batch_groups=1, policy="drop", capacity_groups=4)
     ray.get(q.stats.remote())  # the queue's process is up: its start-up is not timed
-
-    async def main():
-        a = _no_engine_actor(q, max_inflight_groups=8, handoff_linger_ms=5000)
-        t0 = time.monotonic()
-        await a.resume()
-        while (await q.stats.remote())["produced"] < 8 and time.monotonic() - t0 < 10:
-            await asyncio.sleep(0.01)
-        took = time.monotonic() - t0
-        await a.halt()
-        return a, took
-
+    settings = {"max_inflight_groups": 8, "handoff_linger_ms": 5000}
     try:
-        a, took = asyncio.run(main())
-        assert a.stats.groups == 4 and a.get_stats()["handoff_groups"] == 4
+        groups, handed, took = ray.get(
+            host.run.remote(q, (0.002, 0.004), settings, _until_8_produced)
+        )
+        assert groups == 4 and handed == 4
         assert took < 2.5, took  # the linger is 5 s
     finally:
         ray.kill(q)
 
 
-def test_a_hand_off_stops_lingering_once_a_quarter_of_the_slots_wait_for_it(ray_local):
+async def _sample_100_groups(a, q):
+    import time
+
+    generating = []  # the engine's groups, every millisecond from the first grant
+    t0 = time.monotonic()
+    await a.resume()
+    while a.stats.groups < 100 and time.monotonic() - t0 < 10:
+        if generating or a.slots.inflight:
+            generating.append(a.slots.inflight)
+        await asyncio.sleep(0.001)
+    took = time.monotonic() - t0
+    await a.halt()
+    return a.get_stats(), took, generating
+
+
+def test_a_hand_off_stops_lingering_once_a_quarter_of_the_slots_wait_for_it(host):
     """Finished groups' slots are asked for again with their hand-off, so while it
     lingers the engine has that many groups fewer queued: once a quarter of the slots
     wait, it goes (a fast engine with short answers otherwise ran with about half
     its groups generating). Groups still travel together, not one by one."""
-    import time
-
     import ray
 
     from asyncrl.replay.queue import remote_queue
 
     q = remote_queue(max_staleness=10**6, batch_groups=1, policy="drop", capacity_groups=10**6)
     ray.get(q.stats.remote())  # the queue's process is up: its start-up is not timed
-
-    async def main():
-        # a group takes 10-90 ms: much longer than a queue call
-        a = _no_engine_actor(q, (0.01, 0.04), max_inflight_groups=8, handoff_linger_ms=5000)
-        generating = []  # the engine's groups, every millisecond from the first grant
-        t0 = time.monotonic()
-        await a.resume()
-        while a.stats.groups < 100 and time.monotonic() - t0 < 10:
-            if generating or a._n_inflight:
-                generating.append(a._n_inflight)
-            await asyncio.sleep(0.001)
-        took = time.monotonic() - t0
-        await a.halt()
-        return a, took, generating
-
+    # a group takes 10-90 ms: much longer than a queue call
+    settings = {"max_inflight_groups": 8, "handoff_linger_ms": 5000}
     try:
-        a, took, generating = asyncio.run(main())
-        st = a.get_stats()
+        st, took, generating = ray.get(
+            host.run.remote(q, (0.01, 0.04), settings, _sample_100_groups)
+        )
         assert st["fatal"] == ""
         assert took < 5.0, took  # the linger was never waited out
         # the engine kept most of its 8 groups (about 7; 4.5 when each hand-off waited
@@ -352,7 +379,7 @@ def test_idle_seconds_count_only_time_with_nothing_generating(monkeypatch):
         return a
 
     a = asyncio.run(main())
-    assert a._n_inflight == 0
+    assert a.slots.inflight == 0
     assert a.get_stats()["idle_seconds"] == 5.0
 
 

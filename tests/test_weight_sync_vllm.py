@@ -98,10 +98,10 @@ def _trajectory(p: dict):
 @pytest.fixture(scope="module")
 def world(ray_local, tiny_model, task):
     ray = ray_local
+    from controlled_actor import ControlledRolloutActor
     from hydra import compose, initialize_config_dir
     from ray import cloudpickle
 
-    from asyncrl.actor.controlled import ControlledRolloutActor
     from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
     from asyncrl.broker.client import start_weight_broker
     from asyncrl.broker.settings import BrokerSettings

@@ -25,7 +25,7 @@ def new_actor(
     cls: type[RolloutActor] | None = None,
     env: EnvSettings | None = None,
 ) -> Any:
-    """A :class:`RolloutActor` (or subclass ``cls``, e.g. ``ControlledRolloutActor``)
+    """A :class:`RolloutActor` (or a subclass ``cls``: the tests add controls to it)
     as a Ray actor, ``settings.num_cpus`` CPUs reserved. Not started: the caller calls
     ``start.remote()`` (the engine takes ~25 s to start on a CPU). ``env``: the episodes'
     environment (None: single-turn)."""
@@ -33,7 +33,8 @@ def new_actor(
 
     return (
         ray.remote(cls or RolloutActor)
-        .options(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
-                 max_concurrency=MAX_CONCURRENCY)
+        .options(
+            num_cpus=settings.num_cpus, num_gpus=settings.num_gpus, max_concurrency=MAX_CONCURRENCY
+        )
         .remote(name, model_path, task, queue, settings, seed, env)
     )

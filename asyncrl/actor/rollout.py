@@ -5,9 +5,9 @@
              │                           then grants up to `free` slots at once
            per slot: prompt = sampler.next()
            task: episodes.run_group(prompt) ─▶ outbox   (actor/episode.py)
-           outbox: one ray.put + one queue.hand_over at a time, carrying every group
-                   finished meanwhile and asking for the slots free by then
-                   (replay/queue.py Outbox)
+           outbox: one queue.hand_over at a time, carrying every group finished
+                   meanwhile and asking for the slots free by then; the queue takes
+                   the bundle back through take_bundle (replay/outbox.py)
     update_weights() / receive_weights(): pause(mode) ─▶ reload in place ─▶ label
                    version ─▶ resume (actor/weights.py; generation is never left paused)
 
@@ -23,8 +23,8 @@ window is shut). Under ``abort`` an episode that lost requests to a weight updat
 runs again from its prompt: every trajectory comes from complete generation.
 
 Beside it: one episode (episode.py, env_runner.py; its rewards, asyncrl/rewards/),
-the hand-off's answers (handoff.py), placement.py, weights.py, settings.py, and the
-test and benchmark controls (controlled.py).
+the slots and what a hand-off tells the queue (handoff.py), placement.py, weights.py,
+settings.py.
 """
 
 from __future__ import annotations
@@ -39,20 +39,17 @@ from typing import Any
 from asyncrl.actor import placement, weights
 from asyncrl.actor.env_runner import make_runner
 from asyncrl.actor.episode import EpisodeAborted, EpisodeRunner
-from asyncrl.actor.handoff import HandOffSlots, group_meta
+from asyncrl.actor.handoff import Slots, group_meta
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.engine.vllm_engine import make_engine
 from asyncrl.envs.settings import EnvSettings
-from asyncrl.replay.queue import Outbox
+from asyncrl.replay.outbox import Outbox
 from asyncrl.rewards.pool import RewardClient
 from asyncrl.tasks.base import Prompt, Task
 from asyncrl.tasks.sampler import make_sampler
 from asyncrl.trajectory import TrajectoryGroup
 from asyncrl.utils.affinity import parse_cpu_list
 
-# The loop asks the queue for slots once 1/REFILL_SHARE of them are free, not one by
-# one: each ask is a Ray call, and a steady actor gets its slots back with its hand-offs.
-REFILL_SHARE = 4
 # Unanswered give-backs kept before the answered ones are let go (a long run of
 # failing groups must not grow a list for the whole run).
 MAX_GIVING_BACK = 64
@@ -77,7 +74,7 @@ class RolloutActor:
     """A Ray actor (asyncrl/actor/launch.py ``new_actor``). Its remote methods: start,
     stop, get_stats, ping, sampler_state, load_sampler_state, update_weights (the
     object-store path), receive_weights (the broker's process group), weight_state,
-    close_weight_groups, set_rewards."""
+    close_weight_groups, set_rewards, take_bundle (the queue's, at each hand-off)."""
 
     def __init__(
         self,
@@ -97,23 +94,20 @@ class RolloutActor:
         self.version = 0
         self.stats = ActorStats()
         self._model_path, self._seed = model_path, seed
-        self._max_inflight = settings.max_inflight_groups
-        self._refill = max(1, self._max_inflight // REFILL_SHARE)
         # CPU placement (None: the OS's and vLLM's own): the engine's processes on
         # these cores, this process on the others it may use (actor/placement.py)
         cores = settings.engine_cores
         self._engine_cores = None if cores is None else parse_cpu_list(cores)
-        self._n_inflight = 0  # groups generating (started, not yet handed to the outbox)
+        # groups generating (started, not yet handed to the outbox), slots asked for
+        self.slots = Slots(name, settings.max_inflight_groups, self._granted)
         self._idle_since: float | None = time.time()  # since when none is generating
-        self._asking = 0  # slots asked for in queue calls not yet answered
         self._acquire_calls = 0  # the loop's own (waiting) asks; hand-offs ask too
         self._pending: set[asyncio.Task] = set()  # the group tasks
         # Slots given back to the queue and not yet confirmed: _halt() waits for them
         # (the queue is an async Ray actor, so a later call may run before them).
         self._giving_back: list[Any] = []
-        self._slot_freed = asyncio.Event()
         self._bind(queue, seed)
-        self._running, self._loop_task = False, None  # the loop: asyncio.Task once started
+        self._loop_task: asyncio.Task | None = None  # the loop, once started
         self._weights = weights.WeightUpdates(
             name, settings.engine.enable_prefix_caching, self._labelled
         )
@@ -127,7 +121,7 @@ class RolloutActor:
         """Generate into ``queue``, prompts drawn from ``seed``."""
         self.queue = queue
         self.sampler = make_sampler(self.task, seed)  # uniform or adaptive (tasks/sampler.py)
-        self._outbox = Outbox(queue, self.settings.handoff_linger_s, slots=HandOffSlots(self))
+        self._outbox = Outbox(queue, self.settings.handoff_linger_s, slots=self.slots)
 
     # ---- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -144,7 +138,7 @@ class RolloutActor:
         self._start_loop()
 
     def _start_loop(self) -> None:
-        self._running = True
+        self.slots.running = True
         self._loop_task = asyncio.create_task(self._generate_forever())
 
     async def stop(self) -> dict[str, Any]:
@@ -157,8 +151,8 @@ class RolloutActor:
     async def _halt(self) -> None:
         """Stop the generation loop, keeping the engine up: groups still generating are
         cancelled (their slots freed), groups already generated are handed over."""
-        self._running = False
-        self._slot_freed.set()
+        self.slots.running = False
+        self.slots.freed.set()
         if self._loop_task is not None:
             done, _ = await asyncio.wait({self._loop_task}, timeout=HALT_TIMEOUT_S)
             if not done:  # stuck on a queue that does not answer: do not wait forever
@@ -198,7 +192,7 @@ class RolloutActor:
         s.update(
             name=self.name,
             version=self.version,
-            inflight=self._n_inflight,
+            inflight=self.slots.inflight,
             fatal=self.fatal,
             handoff_calls=self._outbox.calls,
             handoff_groups=self._outbox.sent_groups,
@@ -228,6 +222,11 @@ class RolloutActor:
     def ping(self) -> str:
         return self.name
 
+    async def take_bundle(self, key: int) -> tuple[int, list[tuple[str, bytes]]]:
+        """The queue takes hand-off ``key``'s bundle (replay/outbox.py ``Outbox.take``):
+        returned to the queue's call, so the queue owns the object Ray stores."""
+        return await self._outbox.take(key)
+
     def set_rewards(self, rewards: RewardClient) -> None:
         """Score with ``rewards`` (asyncrl/rewards/pool.py); called before ``start``."""
         self.rewards = rewards
@@ -243,22 +242,21 @@ class RolloutActor:
     # ---- the slot loop ---------------------------------------------------------------
     async def _generate_forever(self) -> None:
         try:
-            while self._running:
+            slots = self.slots
+            while slots.running:
                 # Slots freed by finished groups are asked for by their hand-off; the
                 # loop asks only when that is not about to happen.
-                while self._running and (self._free() < self._refill or self._outbox.busy):
-                    self._slot_freed.clear()
-                    await self._slot_freed.wait()
-                if not self._running:
+                while slots.running and (slots.free() < slots.refill or self._outbox.busy):
+                    slots.freed.clear()
+                    await slots.freed.wait()
+                if not slots.running:
                     break
-                asked = self._ask()
+                asked, granted = slots.ask(), 0
                 self._acquire_calls += 1
                 try:
                     granted = await self.queue.acquire_many.remote(asked, 1.0, self.name)
                 finally:
-                    self._asking -= asked
-                self._start_groups(granted)  # even if a halt came meanwhile: the
-                # cancellation below frees their slots
+                    slots.answered(asked, granted)  # starts them, or gives them back
         except Exception as e:  # the loop itself must not die silently
             self.fatal = f"{type(e).__name__}: {e}"
             raise
@@ -270,48 +268,28 @@ class RolloutActor:
             # is freed later on a queue bound after this loop ended.
             await asyncio.gather(*pending, return_exceptions=True)
 
-    def _free(self) -> int:
-        """Slots neither generating nor asked for."""
-        return self._max_inflight - self._n_inflight - self._asking
-
-    def _worth_lingering(self) -> bool:
-        """Whether a hand-off may wait for more groups: some are still generating, and
-        fewer than a quarter of the slots wait to be asked for again. The slots of
-        finished groups are asked for with their hand-off, so each group that lingers
-        is one the engine does not have queued (with 2-3-token answers a fast CPU
-        engine finished about 30 groups in one 100 ms linger)."""
-        return self._n_inflight > 0 and self._free() < self._refill
-
     def _start_groups(self, n: int) -> None:
         if n and self._idle_since is not None:
             self.stats.idle_seconds += time.time() - self._idle_since
             self._idle_since = None
         for _ in range(n):
-            self._n_inflight += 1
+            self.slots.inflight += 1
             t = asyncio.create_task(self._one_group(self.sampler.next()))
             self._pending.add(t)
             t.add_done_callback(functools.partial(self._group_done, self.queue))
             t.add_done_callback(self._pending.discard)
 
-    def _ask(self) -> int:
-        """Reserve every free slot for one queue call (0 once halted)."""
-        k = max(0, self._free()) if self._running else 0
-        self._asking += k
-        return k
-
-    def _answered(self, asked: int, granted: int) -> None:
-        """A hand-off's answer: start the granted groups (or give the slots back if
-        the loop was halted meanwhile) and let the loop look again."""
-        self._asking -= asked
-        if granted and self._running and self._loop_task is not None:
-            self._start_groups(granted)
-        elif granted:
-            self._give_back(self._outbox.queue, granted)
-        self._slot_freed.set()
+    def _granted(self, n: int) -> None:
+        """``n`` slots a queue call granted: start their groups, or give the slots back
+        if the loop was halted meanwhile."""
+        if self.slots.running and self._loop_task is not None:
+            self._start_groups(n)
+        else:
+            self._give_back(self._outbox.queue, n)
 
     async def _one_group(self, prompt: Prompt) -> None:
-        """Run one group's episodes and hand the group to the outbox (``_n_inflight``
-        was counted up by the loop when it started this task)."""
+        """Run one group's episodes and hand the group to the outbox (``slots.inflight``
+        was counted up when this task started)."""
         try:
             while True:
                 try:
@@ -339,12 +317,12 @@ class RolloutActor:
     def _group_done(self, queue: Any, task: asyncio.Task) -> None:
         """Bookkeeping of a finished group task, here and not in the task, because a
         task cancelled before it first ran never executes its own ``finally``."""
-        self._n_inflight -= 1
-        if self._n_inflight == 0:
+        self.slots.inflight -= 1
+        if self.slots.inflight == 0:
             self._idle_since = time.time()
-        if not self._worth_lingering():
+        if not self.slots.worth_lingering():
             self._outbox.look_again()  # the hand-off goes now
-        self._slot_freed.set()
+        self.slots.freed.set()
         if task.cancelled():
             self._give_back(queue)  # its slot was granted and will never be put
 
@@ -374,8 +352,7 @@ class RolloutActor:
         """From now on the engine generates with ``version``: tell the queue, whose
         staleness window counts from the weights each actor holds (not awaited)."""
         self.version = version
-        if self.queue is not None:  # None: an engine driven directly (tests)
-            self.queue.set_weights_version.remote(self.name, version)
+        self.queue.set_weights_version.remote(self.name, version)
 
     async def weight_state(self) -> dict[str, Any]:
         """Loaded version, held version (min over workers) and worker count."""

@@ -17,7 +17,7 @@ its lost work counted. It lives in the driver; nothing here blocks for an engine
            queue ends the recovery (recovery_seconds: detected -> that group)
 
 Groups the dead actor had already handed to the queue stay trainable: the queue owns
-their objects (replay/queue.py Outbox). Their tokens carry the versions that made
+their objects (replay/queue.py ``hand_over``). Their tokens carry the versions that made
 them, so staleness stays honest; a fresh engine holds version 0 and is held back by
 the queue until it is synced.
 """
@@ -141,8 +141,7 @@ class ActorSupervisor:
             "actor_restarts_by_actor": {n: i.restarts for n, i in self.actors.items()},
             "actors_dead": sorted(n for n, i in self.actors.items() if i.state == "dead"),
             "groups_lost": (queue_stats or {}).get("groups_lost", self.groups_lost),
-            "recovery_seconds": [e["recovery_seconds"] for e in events
-                                 if "recovery_seconds" in e],  # fmt: skip
+            "recovery_seconds": [e["recovery_seconds"] for e in events if "recovery_seconds" in e],
             "actor_events": events,
         }
 

@@ -2,42 +2,53 @@
 
     actors ──acquire_many(k)──▶ waits while the buffer says no (backpressure / staleness
                                 window), then grants up to k slots at once
-    actors ──put_many([([ref], meta), ...])──▶ buffer ──▶ wakes get_batch waiters
-             (Outbox: one bundle per hand-off, put by the queue, which so owns it and
-             keeps it past its actor's death; meta.bundle_index says where)
+    actor's Outbox ──hand_over(HandOff: metas, bundle key, its actor handle)──▶ queue
+         queue ──actor.take_bundle(key)──▶ the actor serialises the bundle into the object
+              store once, as the return value of the queue's call: the queue owns it
+         queue ──▶ buffer (one ref per bundle; meta.bundle_index says where) ──▶ wakes
+              get_batch waiters; up to `asked` free slots go back with the answer
     learner ──get_batch(n, V, timeout)──▶ evicts stale, waits for n ready groups or timeout
+            ──resolve_groups(items)──▶ one ray.get of the bundles, from the object store
 
-Only ObjectRefs and small metadata live here; the trajectories stay in the object
-store where the actor put them. Refs are passed wrapped in a list so Ray hands the
-reference through instead of resolving it.
+Only ObjectRefs and small metadata live here; the queue never reads or copies
+trajectory bytes. The bytes of a bundle are written once, by the actor that made them,
+and the queue owns the object (Ray's owner is the caller of the call that returned it):
+a bundle outlives the actor that made it, so groups a dead actor handed over stay
+trainable (asyncrl/fault/actors.py). A bundle enters the buffer only once the actor's
+return has arrived, so no queued ref points at an object that never came. Bundles under
+Ray's inline limit (100 KiB) travel inside the reply and are kept in this process's
+memory store, still unread.
 
 Every Ray call costs about a millisecond of CPU on each side on a small machine, more
 than generating a short group, so actors take slots and hand groups over in batches
-(``acquire_many``, and :class:`Outbox` for ``put_many``); ``acquire``/``put`` remain
-for one at a time. A ``ray.put`` costs as much again, so the Outbox puts the groups of
-one hand-off as one bundle (each group msgpack-encoded on its own, so a learner that
-takes one group of a bundle decodes only that one): :func:`resolve_groups` reads
-either kind of ref.
+(``acquire_many``, and :class:`Outbox`, whose hand-off also asks for slots). Each group
+of a bundle is msgpack-encoded on its own, so a learner that takes one group of a
+bundle decodes only that one: :func:`resolve_groups` reads bundles and plain
+one-group refs alike.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Protocol
+from typing import Any
 
 from asyncrl.replay.buffer import UNPRIMED, BatchItem, GroupMeta, ReplayBuffer
-from asyncrl.trajectory import TrajectoryGroup, from_bytes, to_bytes
+from asyncrl.replay.outbox import HandOff
+from asyncrl.trajectory import TrajectoryGroup, from_bytes
 
 
 class ReplayQueueCore:
-    """Async wrapper, usable in-process (tests) or as a Ray actor (``ReplayQueue``)."""
+    """The buffer behind one event loop: waiters wake when it changes. Run as a Ray
+    actor by :func:`remote_queue` (its methods never race: one loop, no threads)."""
 
     def __init__(self, **buffer_kwargs: Any):
         self.buf = ReplayBuffer(**buffer_kwargs)
         self._changed = asyncio.Condition()
         self._closed = False
         self._weights: dict[str, int] = {}  # actor name -> policy version it holds
+        # (outbox, bundle key) -> (actor, the take asked for before its hand-off came)
+        self._ahead: dict[tuple[str, int], tuple[str | None, Any]] = {}
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -104,51 +115,57 @@ class ReplayQueueCore:
         (``set_weights_version``) it gets no slot. Returns the groups lost."""
         n = self.buf.actor_lost(actor)
         self._weights[actor] = UNPRIMED
+        for k in [k for k, (name, _) in self._ahead.items() if name == actor]:
+            del self._ahead[k]  # its take fails, or waits on a dead actor
         await self._notify()
         return n
 
-    async def put(self, ref_list: list, meta: GroupMeta) -> None:
-        self.buf.put(ref_list[0], meta)
-        await self._notify()
+    async def hand_over(self, h: HandOff) -> tuple[list[str], int]:
+        """The groups of one bundle go in (``h.metas``, in bundle order), then up to
+        ``h.asked`` slots that are free right now (never waits: 0 when none is): an
+        actor's hand-off asks for the slots its finished groups freed in the same call.
+        The bundle is taken from ``h.source`` first, so the queue owns its object; if
+        that fails (the actor died meanwhile) no group goes in and their slots are
+        freed. Returns (refused, granted): one message per group that did not go in.
 
-    async def put_many(self, items: list[tuple[list, GroupMeta]]) -> list[str]:
-        """Several ``(ref_list, meta)`` at once, in order. A group that cannot be put
-        (e.g. its id was put before) frees its slot and the rest still go in; returns
-        one message per group that was refused (empty when all went in)."""
+        The take of the outbox's next bundle is asked for right away: the actor answers
+        it the moment that bundle exists, just before its hand-off leaves, so a steady
+        hand-off finds its bundle here instead of waiting a round trip for it."""
+        _, take = self._ahead.pop((h.outbox, h.bundle), (None, None))
+        try:
+            count, ref = take or self._take(h.source, h.bundle)
+            await count  # the bundle is in the object store once its count is back
+        except Exception as e:  # noqa: BLE001 - reported to the caller, if it still lives
+            self._release(h.metas)
+            await self._notify()
+            why = f"bundle {h.bundle} not taken: {type(e).__name__}: {e}"
+            return [f"group {m.group_id}: {why}" for m in h.metas], 0
+        self._ahead[(h.outbox, h.bundle + 1)] = (h.actor, self._take(h.source, h.bundle + 1))
+        items = [(ref, dataclasses.replace(m, bundle_index=i)) for i, m in enumerate(h.metas)]
         errors = self._put_items(items)
-        await self._notify()
-        return errors
-
-    async def hand_over(
-        self, items: list[tuple[list, GroupMeta]], max_groups: int = 0, actor: str | None = None
-    ) -> tuple[list[str], int]:
-        """:meth:`put_many`, then up to ``max_groups`` slots that are free right now
-        (never waits: 0 when none is): an actor's hand-off asks for the slots its
-        finished groups freed in the same call. Returns (refused, granted)."""
-        errors = self._put_items(items)
-        granted = self._grant(max_groups, actor) if max_groups > 0 else 0
+        granted = self._grant(h.asked, h.actor) if h.asked > 0 else 0
         await self._notify()
         return errors, granted
 
-    async def hand_over_bundle(
-        self, bundle: list, metas: list[GroupMeta], max_groups: int = 0, actor: str | None = None
-    ) -> tuple[list[str], int]:
-        """:meth:`hand_over` of the groups of one bundle (``[(group_id, bytes)]``, in
-        the order of ``metas``), put into the object store HERE: the queue owns the
-        object, so queued groups outlive the actor that made them (an object dies with
-        its owner, and Ray 2.56 removed ``ray.put(_owner=)``). The cost: the bundle is
-        decoded and encoded once more here (bytes, not arrays)."""
-        import ray
+    @staticmethod
+    def _take(source: Any, key: int) -> Any:
+        """(the bundle's group count, the bundle): two refs this queue owns."""
+        return source.take_bundle.options(num_returns=2).remote(key)
 
-        ref = ray.put(bundle)
-        items = [([ref], dataclasses.replace(m, bundle_index=i)) for i, m in enumerate(metas)]
-        return await self.hand_over(items, max_groups, actor)
+    def _release(self, metas: list[GroupMeta]) -> None:
+        """Free the slots of groups that will never be put; an actor whose death was
+        already reported (:meth:`actor_lost`) has none left to free."""
+        for m in metas:
+            if not m.actor or self.buf.running_by_actor.get(m.actor, 0) > 0:
+                self.buf.abandon(m.actor)
 
-    def _put_items(self, items: list[tuple[list, GroupMeta]]) -> list[str]:
+    def _put_items(self, items: list[tuple[Any, GroupMeta]]) -> list[str]:
+        """Each ``(ref, meta)`` in order; a group that cannot be put (its id was put
+        before) frees its slot and the rest still go in. One message per refusal."""
         errors = []
-        for ref_list, meta in items:
+        for ref, meta in items:
             try:
-                self.buf.put(ref_list[0], meta)
+                self.buf.put(ref, meta)
             except Exception as e:  # noqa: BLE001 - reported to the caller
                 self.buf.abandon(meta.actor)
                 errors.append(f"group {meta.group_id}: {type(e).__name__}: {e}")
@@ -197,149 +214,6 @@ class ReplayQueueCore:
         stats = self.buf.resume_from(state)
         await self._notify()
         return stats
-
-
-class SlotAsker(Protocol):
-    """What an :class:`Outbox` asks its actor around a hand-off."""
-
-    name: str  # the actor's name (the queue's throttle window counts from its weights)
-
-    def ask(self) -> int:
-        """How many slots to ask for now (reserved until :meth:`answered`)."""
-        ...
-
-    def answered(self, asked: int, granted: int) -> None:
-        """The queue granted ``granted`` of ``asked`` (0 of them if the call failed)."""
-        ...
-
-    def outbox_idle(self) -> None:
-        """The outbox has handed everything over and has no call in flight."""
-        ...
-
-    def worth_lingering(self) -> bool:
-        """Whether a hand-off may still wait for more groups: some are generating, and
-        the slots that wait for this hand-off to be asked for again are still few
-        enough that the engine stays fed."""
-        ...
-
-
-class Outbox:
-    """An actor's side of ``put_many``: :meth:`put` returns at once; one call at a time
-    carries everything that completed since the last one left (after waiting
-    ``linger_s`` for more), so groups that finish one by one still travel together.
-    The groups of one hand-off go into the object store together, in one ``ray.put``
-    the queue makes (:meth:`ReplayQueueCore.hand_over_bundle`: the queue owns them).
-
-    With ``slots`` (an actor's :class:`SlotAsker`), each hand-off is a
-    :meth:`ReplayQueueCore.hand_over` that also asks for the slots the actor has free,
-    so a steady actor needs one queue call per hand-off, not two. The linger ends as
-    soon as the actor says it is no longer worth it (:meth:`look_again`,
-    ``SlotAsker.worth_lingering``): when nothing is left generating, nothing more can
-    come along and the learner may be waiting for these groups (the staleness window
-    is shut, or the run's last groups); when many slots wait for this hand-off, the
-    engine is running out of work.
-
-    A failed call is not retried (the queue actor is gone, or it refused a group): the
-    first error is kept in :attr:`error` and the groups' slots are freed where possible.
-    """
-
-    def __init__(self, queue: Any, linger_s: float = 0.0, slots: SlotAsker | None = None):
-        self.queue = queue
-        self.linger_s = linger_s
-        self.slots = slots
-        self._items: list[tuple[list, GroupMeta]] = []
-        self._task: asyncio.Task | None = None
-        self.error: str = ""
-        self.sent_groups = 0
-        self.calls = 0
-        self.granted = 0  # slots granted along with hand-offs
-        self._flushing = False
-        self._looked = asyncio.Event()  # the actor's groups changed: the linger looks again
-
-    def put(self, group: TrajectoryGroup, meta: GroupMeta) -> None:
-        self._items.append((group, meta))
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._flush())
-
-    @property
-    def busy(self) -> bool:
-        """Groups waiting to go, or a hand-off in flight (which will ask for slots)."""
-        return self._flushing or bool(self._items)
-
-    async def _flush(self) -> None:
-        self._flushing = True
-        try:
-            await self._flush_all()
-        finally:
-            self._flushing = False
-            if self.slots is not None:
-                self.slots.outbox_idle()
-
-    async def _flush_all(self) -> None:
-        while self._items:
-            if self.linger_s > 0:  # let the groups finishing right now come along
-                await self._linger()
-            batch, self._items = self._items, []
-            self.calls += 1
-            asked = got = 0
-            call = "hand_over_bundle"
-            try:
-                bundle = [(g.group_id, to_bytes(g.trajectories)) for g, _ in batch]
-                metas = [meta for _, meta in batch]
-                asked = self.slots.ask() if self.slots is not None else 0
-                name = self.slots.name if self.slots is not None else None
-                refused, got = await self.queue.hand_over_bundle.remote(bundle, metas, asked, name)
-            except Exception as e:  # noqa: BLE001 - recorded; the owner reports it
-                # Nothing went in (the call never ran, or the queue is gone): free the
-                # slots if the queue can still hear it.
-                self.error = self.error or f"queue.{call} failed: {type(e).__name__}: {e}"
-                try:
-                    self.queue.abandon.remote(len(batch), self.slots and self.slots.name)
-                except Exception:  # noqa: BLE001 - the queue itself is gone
-                    pass
-                continue
-            finally:
-                if self.slots is not None:
-                    self.slots.answered(asked, got)
-            self.granted += got
-            self.sent_groups += len(batch) - len(refused)
-            if refused:
-                self.error = (
-                    self.error or f"the queue refused {len(refused)} group(s): {refused[0]}"
-                )
-
-    def look_again(self) -> None:
-        """The actor's groups changed: a linger asks ``slots.worth_lingering`` again."""
-        self._looked.set()
-
-    async def _linger(self) -> None:
-        """``linger_s``, or (with ``slots``) until lingering is no longer worth it."""
-        if self.slots is None:
-            await asyncio.sleep(self.linger_s)
-            return
-        loop = asyncio.get_running_loop()
-        end = loop.time() + self.linger_s
-        while self.slots.worth_lingering():
-            self._looked.clear()
-            left = end - loop.time()
-            if left <= 0:
-                return
-            try:
-                await asyncio.wait_for(self._looked.wait(), left)
-            except TimeoutError:
-                return
-
-    @property
-    def pending(self) -> int:
-        return len(self._items)
-
-    async def drain(self) -> None:
-        """Until everything put so far has been handed over (or failed)."""
-        while self._task is not None and not self._task.done():
-            await asyncio.shield(self._task)
-        if self._items:  # put after the last flush ended
-            self._task = asyncio.create_task(self._flush())
-            await asyncio.shield(self._task)
 
 
 def resolve_groups(items: list[BatchItem]) -> list[TrajectoryGroup]:

@@ -1,5 +1,8 @@
 """ControlledRolloutActor: the RolloutActor plus the remote controls that tests and
 benchmarks drive it with; training never starts one (``new_actor(..., cls=...)``).
+Import it as ``from controlled_actor import ...`` in tests (pytest puts tests/ on
+``sys.path``) and as ``from tests.controlled_actor import ...`` in benchmarks; Ray's
+workers get the class by value (registered below), so they need not import tests/.
 
     halt()                 stop the loop, engine kept up: groups generating are
                            cancelled (slots given back), generated ones handed over
@@ -16,12 +19,17 @@ tests check what the engines loaded and how the broker handles failing receivers
 
 from __future__ import annotations
 
+import sys
 from typing import Any
+
+from ray import cloudpickle
 
 from asyncrl.actor import weights
 from asyncrl.actor.rollout import ActorStats, RolloutActor
 from asyncrl.actor.settings import UpdateMode
 from asyncrl.config import ConfigError
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 class ControlledRolloutActor(RolloutActor):
@@ -32,8 +40,9 @@ class ControlledRolloutActor(RolloutActor):
     async def rebind(self, queue: Any, seed: int) -> None:
         """While halted: generate into ``queue`` from now on, prompts drawn afresh from
         ``seed``, counters and errors reset (the loaded weights and version stay)."""
-        if self._running:
+        if self.slots.running:
             raise RuntimeError("rebind() needs a halted actor: call halt() first")
+        self._outbox.close()  # the old queue's take asked ahead fails instead of waiting
         self._bind(queue, seed)
         queue.set_weights_version.remote(self.name, self.version)
         self.stats = ActorStats()
@@ -46,7 +55,7 @@ class ControlledRolloutActor(RolloutActor):
         """Start the generation loop again after :meth:`halt`."""
         if self.engine is None:
             raise RuntimeError("resume() needs a started actor")
-        if not self._running:
+        if not self.slots.running:
             self._start_loop()
 
     def set_update_mode(self, mode: str) -> None:
@@ -69,3 +78,16 @@ class ControlledRolloutActor(RolloutActor):
 
     async def checksums(self) -> dict[str, str]:
         return (await self.engine.collective_rpc("asyncrl_checksums"))[0]
+
+
+class _Dropped:
+    def remote(self, *args: Any) -> None:
+        return None
+
+
+class NoQueue:
+    """The queue handle of an actor whose engine a test drives directly (no generation
+    loop): the weight path's ``set_weights_version`` calls are heard and dropped, as a
+    queue that is never asked for a slot would."""
+
+    set_weights_version = _Dropped()
