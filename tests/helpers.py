@@ -4,6 +4,7 @@ puts ``tests/`` on ``sys.path``, the folder has no ``__init__.py``)."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import numpy as np
 
@@ -87,6 +88,17 @@ def perturbed_state(learner, seed: int) -> dict:
     sd = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
     sd.pop("lm_head.weight", None)
     return sd
+
+
+CONF = Path(__file__).parents[1] / "conf"
+
+
+def composed(*overrides: str):
+    """The run's config as the CLI composes it from conf/ with ``overrides``."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose("config", overrides=list(overrides))
 
 
 def refused_before_ray(cfg, tmp_path, capsys, monkeypatch) -> str:

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import composed, refused_before_ray
 
 pytestmark = pytest.mark.slow
 
@@ -73,26 +74,16 @@ def test_user_loss_through_cli(tmp_path, tiny_model):
     assert len(values) == 4 and all(abs(v - 0.3) < 1e-6 for v in values)
 
 
-def test_user_loss_wrong_argument_fails_at_startup(tmp_path):
+def test_user_loss_wrong_argument_fails_at_startup(tmp_path, capsys, monkeypatch):
+    """What the CLI runs after composing (exit 2, one line, before Ray);
+    tests/test_startup_checks.py holds the command line's own part."""
     pkg = tmp_path / "userlib" / "my_losses"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "scaled.py").write_text(USER_LOSS)
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / "userlib"))
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.train",
-            f"hydra.run.dir={tmp_path / 'run'}",
-            "loss._target_=my_losses.scaled.ScaledPG",
-            "+loss.beta=0.3",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 2
-    assert "ScaledPG takes no argument(s) ['beta']; it accepts ['alpha']" in r.stderr
+    monkeypatch.syspath_prepend(str(tmp_path / "userlib"))
+    for name in ("my_losses", "my_losses.scaled"):  # a fresh import from this tmp_path
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    overrides = ("loss._target_=my_losses.scaled.ScaledPG", "+loss.beta=0.3", "progress=false")
+    line = refused_before_ray(composed(*overrides), tmp_path, capsys, monkeypatch)
+    assert "ScaledPG takes no argument(s) ['beta']; it accepts ['alpha']" in line
