@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny model (built once, cached), a local Ray on loopback."""
+"""Shared fixtures: the tiny model (built once, cached), a local Ray on loopback, and one
+short real CLI run that several feature tests read."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers import SHORT_RUN_EVAL, SHORT_RUN_STEPS, run_cli, write_user_loss
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -60,3 +62,21 @@ def ray_local():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def short_cli_run(tmp_path_factory, tiny_model) -> Path:
+    """One short real ``python -m asyncrl.train`` (an engine start and SHORT_RUN_STEPS
+    steps) shared by the tests that each check one feature through the CLI: evaluation
+    on (tests/test_eval.py) and a researcher's loss class from their own module, found
+    through PYTHONPATH, with ``+loss.alpha=0.3`` (tests/test_user_loss.py)."""
+    base = tmp_path_factory.mktemp("short_cli_run")
+    userlib = write_user_loss(base)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(userlib), os.environ.get("PYTHONPATH", "")])
+    )
+    out = base / "run"
+    r = run_cli(out, f"max_steps={SHORT_RUN_STEPS}", *SHORT_RUN_EVAL,
+                "loss._target_=my_losses.scaled.ScaledPG", "+loss.alpha=0.3", env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    return out
