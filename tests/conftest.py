@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import SHORT_RUN_EVAL, SHORT_RUN_STEPS, run_cli, write_user_loss
+import pytest_asyncio
+from helpers import SHORT_RUN_EVAL, SHORT_RUN_STEPS, engine_actor, run_cli, write_user_loss
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -62,6 +63,22 @@ def ray_local():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_actor(tiny_model, task):
+    """One RolloutActor with a started vLLM-CPU engine for the whole session
+    (helpers.engine_actor: the tiny model, default EngineSettings, seed 0, groups of 4 at
+    temperature 1 and 6 tokens, update_mode keep), for test files that need a started
+    engine but not a fresh one (a start costs ~25-60 s). Its tests run in the session's
+    event loop (``pytest.mark.asyncio(loop_scope="session")``). Its weights are whatever
+    version the last test loaded: a test that needs the model's own weights loads them."""
+    from asyncrl.actor.settings import ActorSettings, SamplingSettings
+
+    sampling = SamplingSettings(n=4, temperature=1.0, max_tokens=6)
+    settings = ActorSettings(update_mode="keep", sampling=sampling)
+    async with engine_actor(tiny_model, task, settings) as a:
+        yield a
 
 
 @pytest.fixture(scope="session")
