@@ -24,12 +24,28 @@ def _has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    users = [i for i in items if "vllm_actor" in getattr(i, "fixturenames", ())]
+    config.stash[LAST_VLLM_USER] = users[-1].nodeid if users else ""
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+LAST_VLLM_USER = pytest.StashKey[str]()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """The session's vLLM engine (``vllm_actor``) shut down after its last test, not at
+    the end of the session: the files in between get its memory and cores back."""
+    if item.nodeid != item.config.stash.get(LAST_VLLM_USER, ""):
+        return
+    actor = getattr(item, "funcargs", {}).get("vllm_actor")
+    if actor is not None and actor.engine is not None:
+        actor.engine.shutdown()
+        actor.engine = None
 
 
 @pytest.fixture(scope="session")

@@ -61,7 +61,8 @@ async def engine_actor(model, task, settings, name: str = "t0", env=None):
         await a.engine.update_weight_version("0")
         yield a
     finally:
-        a.engine.shutdown()
+        if a.engine is not None:  # None: shut down already (conftest's early release)
+            a.engine.shutdown()
         a.engine = None
 
 
