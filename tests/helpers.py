@@ -4,6 +4,11 @@ puts ``tests/`` on ``sys.path``, the folder has no ``__init__.py``)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 
@@ -58,7 +63,8 @@ async def engine_actor(model, task, settings, name: str = "t0", env=None):
         await a.engine.update_weight_version("0")
         yield a
     finally:
-        a.engine.shutdown()
+        if a.engine is not None:  # None: shut down already (conftest's early release)
+            a.engine.shutdown()
         a.engine = None
 
 
@@ -99,6 +105,17 @@ def perturbed_state(learner, seed: int) -> dict:
     return sd
 
 
+CONF = Path(__file__).parents[1] / "conf"
+
+
+def composed(*overrides: str):
+    """The run's config as the CLI composes it from conf/ with ``overrides``."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
 def refused_before_ray(cfg, tmp_path, capsys, monkeypatch) -> str:
     """The one line ``asyncrl.train.execute`` prints when it refuses ``cfg``: exit 2, one
     ``asyncrl: config error:`` line, Ray never started, nothing written."""
@@ -114,3 +131,52 @@ def refused_before_ray(cfg, tmp_path, capsys, monkeypatch) -> str:
     assert len(err) == 1 and err[0].startswith("asyncrl: config error: "), err
     assert not (tmp_path / "out").exists()  # and before anything was written
     return err[0]
+
+
+ROOT = Path(__file__).parents[1]
+# the length and evaluation settings of the suite's shared short run (conftest.short_cli_run)
+SHORT_RUN_STEPS, SHORT_RUN_EVAL = 8, ("eval.every=4", "eval.k=3", "eval.num_prompts=16")
+
+
+def run_cli(
+    out: Path, *overrides: str, timeout: int = 900, env=None
+) -> subprocess.CompletedProcess:
+    """``python -m asyncrl.train`` from the repository root into ``out`` (no progress bar)."""
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl.train", f"hydra.run.dir={out}", "progress=false",
+         *overrides],
+        cwd=ROOT, env={**(env or os.environ), "PYTHONUNBUFFERED": "1"}, capture_output=True,
+        text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+USER_LOSS = textwrap.dedent("""
+    import torch
+
+    from asyncrl.losses import LossOutput, masked_mean, weighted_sum
+    from asyncrl.losses.diagnostics import is_diagnostics
+
+
+    class ScaledPG:
+        needs_proximal = False
+        needs_values = False
+
+        def __init__(self, alpha: float = 1.0):
+            self.alpha = alpha
+
+        def __call__(self, batch, outputs):
+            pg = -self.alpha * batch.advantages * outputs.logprobs
+            metrics = is_diagnostics(batch, outputs)
+            metrics["user/alpha_times_mask_mean"] = self.alpha * float(masked_mean(batch.mask.float(), batch.mask))
+            return LossOutput(loss=weighted_sum(pg, batch), metrics=metrics)
+""")
+
+
+def write_user_loss(root: Path) -> Path:
+    """A researcher's own package ``my_losses`` (``my_losses.scaled.ScaledPG``, outside
+    asyncrl) under ``root``; returns the folder to put on PYTHONPATH."""
+    pkg = root / "userlib" / "my_losses"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "scaled.py").write_text(USER_LOSS)
+    return root / "userlib"

@@ -7,6 +7,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from helpers import refused_before_ray
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -116,24 +117,11 @@ def test_dead_ray_address_fails_fast():
         check_ray_address(f"127.0.0.1:{port}", timeout_s=2)
 
 
-def test_cli_config_error_exit_code(tmp_path):
-    import subprocess
-    import sys
-
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.train",
-            f"model.path={tmp_path}/nope",
-            f"hydra.run.dir={tmp_path}/out",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 2
-    assert "config error: model.path=" in r.stderr and "no such directory" in r.stderr
+def test_a_missing_model_path_ends_the_run_with_exit_2(tmp_path, capsys, monkeypatch):
+    """What the CLI runs after composing; tests/test_startup_checks.py holds the command
+    line's own part (its exit code and its one line)."""
+    line = refused_before_ray(cfg(f"model.path={tmp_path}/nope"), tmp_path, capsys, monkeypatch)
+    assert "config error: model.path=" in line and "no such directory" in line
 
 
 def test_delay_mode_is_refused_by_the_training_loop(tmp_path):

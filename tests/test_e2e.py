@@ -8,35 +8,11 @@ trajectory is accounted for.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import run_cli
 
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).parents[1]
-
-
-def run_cli(out: Path, *overrides: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.train",
-            f"hydra.run.dir={out}",
-            "progress=false",
-            *overrides,
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 @pytest.fixture(scope="module")

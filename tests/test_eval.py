@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import SHORT_RUN_EVAL, SHORT_RUN_STEPS
 from hydra import compose, initialize_config_dir
 
 from asyncrl.eval.driver import Evaluator
@@ -151,16 +152,14 @@ def test_a_busy_evaluator_skips_versions_and_training_does_not_wait(ray_local):
 
 
 @pytest.mark.slow
-def test_a_short_run_with_evaluation_on(tmp_path, tiny_model):
-    """The real thing: the CLI with eval.every=4 for 8 steps; eval/* in TensorBoard and
-    summary.json, pass rates are rates, the versions evaluated are the ones asked for."""
+def test_a_short_run_with_evaluation_on(short_cli_run):
+    """The real thing: the shared short CLI run (tests/conftest.py: eval.every=4, eval.k=3,
+    eval.num_prompts=16 for 8 steps); eval/* in TensorBoard and summary.json, pass rates
+    are rates, the versions evaluated are the ones asked for."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from tests.test_e2e import run_cli
-
-    out = tmp_path / "run"
-    r = run_cli(out, "max_steps=8", "eval.every=4", "eval.k=3", "eval.num_prompts=16")
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert SHORT_RUN_STEPS == 8 and SHORT_RUN_EVAL[0] == "eval.every=4"
+    out = short_cli_run
     s = json.loads((out / "summary.json").read_text())
     e = s["eval"]["heldout"]
     assert (

@@ -4,6 +4,8 @@ the filters, one trajectory token by token, and the HTML report with its plots."
 from __future__ import annotations
 
 import base64
+import contextlib
+import io
 import json
 import os
 import re
@@ -46,10 +48,24 @@ def run_dir(tmp_path_factory, tiny_model):
 
 
 def inspect(*args: str) -> subprocess.CompletedProcess:
+    """``python -m asyncrl.tools.inspect_run`` (what ``asyncrl-inspect`` runs) as a process."""
     return subprocess.run(
         [sys.executable, "-m", "asyncrl.tools.inspect_run", *map(str, args)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
+
+
+def inspect_here(*args) -> subprocess.CompletedProcess:
+    """The same tool's ``main`` in this process (its exit code is what ``main`` returns:
+    the process above exits with it), without a process's start-up and imports."""
+    from asyncrl.tools.inspect_run import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(
+        ["asyncrl-inspect", *args], code, out.getvalue(), err.getvalue()
+    )
 
 
 def test_summary_and_tables(run_dir):
@@ -95,12 +111,12 @@ def test_filters(run_dir):
     want = [
         x for x in rows if 3 <= x["step"] <= 5 and x["reward"] >= 0.5 and x["response_tokens"] <= 6
     ]
-    r = inspect(run_dir, "--step", "3:5", "--reward", "0.5:", "--length", ":6", "--top", 1000)
+    r = inspect_here(run_dir, "--step", "3:5", "--reward", "0.5:", "--length", ":6", "--top", 1000)
     assert r.returncode == 0, r.stderr
     assert f"{len(want)} of {len(rows)} logged trajectories match" in r.stdout
     steps = [int(ln.split()[0]) for ln in section(r.stdout, "best")]
     assert len(steps) == len(want) and all(3 <= s <= 5 for s in steps)
-    bad = inspect(run_dir, "--step", "x")
+    bad = inspect_here(run_dir, "--step", "x")
     assert bad.returncode == 2 and "asyncrl-inspect:" in bad.stderr
 
 
@@ -108,7 +124,7 @@ def test_one_trajectory_token_by_token(run_dir):
     from asyncrl.utils.runlog import read_trajectories
 
     row = read_trajectories(run_dir).to_pylist()[7]
-    r = inspect(run_dir, "--traj", row["traj_id"])
+    r = inspect_here(run_dir, "--traj", row["traj_id"])
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert row["traj_id"] in lines[0] and f"step {row['step']}" in lines[0]
@@ -120,12 +136,12 @@ def test_one_trajectory_token_by_token(run_dir):
         assert float(lp) == pytest.approx(row["learner_logprobs"][i], abs=1e-4)
         assert float(w) == pytest.approx(row["is_weights"][i], abs=1e-4)
         assert float(a) == pytest.approx(row["advantages"][i], abs=1e-4)
-    assert inspect(run_dir, "--traj", "nope").returncode == 2
+    assert inspect_here(run_dir, "--traj", "nope").returncode == 2
 
 
 def test_html_report_has_its_plots(run_dir, tmp_path):
     out = tmp_path / "report.html"
-    r = inspect(run_dir, "--html", out)
+    r = inspect_here(run_dir, "--html", out)
     assert r.returncode == 0, r.stderr
     page = out.read_text()
     captions = re.findall(r"<figcaption>([^<]+)</figcaption>", page)

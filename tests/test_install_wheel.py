@@ -78,7 +78,10 @@ def test_installed_asyncrl_is_the_wheel_not_the_checkout(installed):
 def test_cfg_job_from_outside_the_checkout(installed):
     r = _run([str(installed["venv"] / "bin" / "asyncrl-train"), "--cfg", "job"],
              installed["cwd"], installed["env"], 300)  # fmt: skip
-    assert "max_steps: 300" in r.stdout and "_target_: asyncrl.tasks.arithmetic.AdditionTask" in r.stdout
+    assert (
+        "max_steps: 300" in r.stdout
+        and "_target_: asyncrl.tasks.arithmetic.AdditionTask" in r.stdout
+    )
 
 
 def test_a_short_run_from_outside_the_checkout(installed, tmp_path):

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import composed, refused_before_ray
 from torch import nn
 
 from asyncrl.config import ConfigError
@@ -41,21 +40,19 @@ def test_offline_hub_id_fails_in_the_driver(monkeypatch, tmp_path):
         local_or_hub(HUB_ID)
 
 
-def test_cli_offline_hub_id_is_one_line_exit_2_before_ray(tmp_path):
-    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    r = subprocess.run(
-        [sys.executable, "-m", "asyncrl.train", f"model.path={HUB_ID}",
-         f"hydra.run.dir={tmp_path}/out"],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
-    assert r.returncode == 2, r.stderr[-2000:]
-    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("asyncrl: config error:")]
-    assert errors == [
+def test_an_offline_hub_id_ends_the_run_with_one_line_exit_2_before_ray(
+    monkeypatch, tmp_path, capsys
+):
+    """What the CLI runs after composing; tests/test_startup_checks.py holds the command
+    line's own part."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty HF cache
+    line = refused_before_ray(composed(f"model.path={HUB_ID}"), tmp_path, capsys, monkeypatch)
+    assert line == (
         f"asyncrl: config error: model.path={HUB_ID}: a hub id, but the hub is offline "
         "(HF_HUB_OFFLINE=1) and the model is not in the local HF cache; download it where a "
         "hub is reachable, or give a local model directory"
-    ]
-    assert not (tmp_path / "out" / "summary.json").exists()
+    )
 
 
 def test_a_cached_hub_id_resolves_offline(monkeypatch, tmp_path, tiny_model):

@@ -8,6 +8,7 @@ import logging
 
 import numpy as np
 import pytest
+from helpers import composed, refused_before_ray
 
 from asyncrl.config import ConfigError
 from asyncrl.monitor import HealthMonitor, MonitorSettings
@@ -129,16 +130,10 @@ def test_bad_thresholds_name_the_key(node, match):
     "override,key",
     [("++monitor.ess_min=2", "monitor.ess_min=2"), ("++log.part_every=0", "log.part_every=0")],
 )
-def test_cli_rejects_bad_thresholds_before_ray(override, key, tmp_path, tiny_model):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    r = subprocess.run(
-        [sys.executable, "-m", "asyncrl.train", f"hydra.run.dir={tmp_path}", override],
-        cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 2, r.stderr[-2000:]
-    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("asyncrl: config error")]
-    assert len(errors) == 1 and key in errors[0], r.stderr[-2000:]
-    assert not (tmp_path / "tb").exists()  # stopped before anything started
+def test_a_run_with_bad_thresholds_is_refused_before_ray(
+    override, key, tmp_path, tiny_model, capsys, monkeypatch
+):
+    """What the CLI runs after composing (exit 2, one line, before Ray and before anything
+    is written); tests/test_startup_checks.py holds the command line's own part."""
+    line = refused_before_ray(composed(override, "progress=false"), tmp_path, capsys, monkeypatch)
+    assert key in line, line

