@@ -286,7 +286,7 @@ async def main():
     task = BrowserTask(["click_button"])
     await env.reset(task.sample(random.Random(0)), task)
     print(" ".join(map(str, env.pool.browser_pids())), flush=True)
-    time.sleep(600)
+    await asyncio.sleep(600)
 asyncio.run(main())
 """
 

@@ -171,6 +171,10 @@ class BrowserEnv:
             raise
         except Exception as e:  # noqa: BLE001 - a failed action is the policy's error
             error = f"{action.kind} failed: {str(e).splitlines()[0][:120]}"
+        await pool.guard(s, s.page.wait_for_load_state("load"))
+        if not s.page.url.startswith(pool.server.prefix(s.token)):  # a refused navigation
+            error = error or "navigation refused: only the task's pages are reachable"
+            await pool.guard(s, s.page.go_back(wait_until="load"))
         recs = await self._read(s)
         png = await pool.guard(s, s.page.screenshot(type="png")) if self.screenshots_on else None
         return error, recs, png

@@ -246,7 +246,7 @@ class BrowserPool:
 
     async def _route(self, s: Session, route: Any) -> None:
         url = route.request.url
-        if url.startswith(f"http://127.0.0.1:{self.server.port}/s/{s.token}/"):
+        if url.startswith(self.server.prefix(s.token)):
             await route.continue_()
         else:
             s.refused.append(url)

@@ -47,7 +47,11 @@ class TaskServer:
         self._thread.start()
 
     def url(self, token: str, page: str) -> str:
-        return f"http://127.0.0.1:{self.port}/s/{token}/p/{page}"
+        return f"{self.prefix(token)}p/{page}"
+
+    def prefix(self, token: str) -> str:
+        """Every URL of the site of ``token`` starts with this."""
+        return f"http://127.0.0.1:{self.port}/s/{token}/"
 
     def add(self, token: str, site: Site) -> None:
         with self._lock:
