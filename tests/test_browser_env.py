@@ -7,6 +7,7 @@ installs both); they skip without them.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -247,6 +248,12 @@ async def test_killed_browser_and_hung_page_are_env_errors_and_the_next_episode_
     assert time.monotonic() - t0 < SETTINGS["action_timeout_s"] + 10
     reward, _ = await _play(_env(), p, p.meta["site"]["solution"])
     assert reward == 1.0
+    env = _env()
+    await env.reset(p, task)
+    env.session.deadline = 0.0  # as if env.episode_timeout_s had passed: the pool reaps it
+    await asyncio.sleep(3)
+    with pytest.raises(BrowserError, match="episode_timeout_s"):
+        await env.step(p.meta["site"]["solution"][0], [])
 
 
 @pytest.mark.slow
@@ -327,3 +334,53 @@ def _cmd(pid: int) -> str:
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["sigkill", "sigint"])
 def test_no_chromium_outlives_its_holder(sig):
     assert _tree_after(sig) == []
+
+
+@pytest.mark.slow
+@needs_browser
+def test_runner_episodes_and_a_browser_killed_mid_run(pool):
+    """Through the actor's multi-turn runner (a scripted engine, no vLLM): the scripted
+    policy's episodes score 1 with the trees masked out of the loss; a browser killed
+    mid-group scores that group's episodes env_error, and the next group scores 1."""
+    import string
+
+    from test_envs import ScriptedEngine
+
+    from asyncrl.actor.env_runner import MultiTurnEpisodes
+    from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
+    from asyncrl.envs.browser.env import BrowserTask
+    from asyncrl.envs.settings import EnvSettings
+    from asyncrl.models.tiny import build_tokenizer
+
+    tok = build_tokenizer(string.printable)
+    task = BrowserTask(["fill_form"])
+    prompt = task.sample(random.Random(2))
+    solution, kill = prompt.meta["site"]["solution"], []
+
+    def policy(ids: list[int]) -> str:
+        turn = tok.decode(ids, skip_special_tokens=True).count("[1] ") - 1
+        if kill and turn == 1:
+            for pid in pool.browser_pids():
+                os.killpg(pid, signal.SIGKILL)
+        return solution[turn]
+
+    env = EnvSettings(target="asyncrl.envs.browser.BrowserEnv", kwargs=dict(SETTINGS),
+                      max_turns=6, timeout_s=120)  # fmt: skip
+    settings = ActorSettings(
+        sampling=SamplingSettings(n=2, max_tokens=32),
+        engine=EngineSettings(max_model_len=1024),
+    )
+    engine = ScriptedEngine(policy, tok=tok)
+    run = MultiTurnEpisodes(engine, task, settings, env, lambda: 0)
+    group = asyncio.run(run.run_group(prompt))
+    for t in group.trajectories:
+        assert (t.reward, t.finish_reason, t.reward_breakdown["success"]) == (1.0, "done", 1.0)
+        trained = tok.decode(t.response_ids[t.loss_mask].tolist(), skip_special_tokens=True)
+        assert trained == "".join(solution)  # the actions only: trees are not trained
+    kill.append(True)
+    group = asyncio.run(run.run_group(prompt))
+    assert [t.finish_reason for t in group.trajectories] == ["env_error"] * 2
+    assert all(t.reward == 0.0 and "BrowserError" in t.error for t in group.trajectories)
+    kill.clear()
+    group = asyncio.run(run.run_group(prompt))
+    assert [t.reward for t in group.trajectories] == [1.0, 1.0]
