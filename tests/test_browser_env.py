@@ -213,7 +213,9 @@ async def test_malformed_action_gets_an_error_and_the_episode_goes_on(pool):
     from asyncrl.envs.browser.env import BrowserTask
 
     p = BrowserTask(["click_button"]).sample(random.Random(5))
-    env = _env()
+    from asyncrl.envs.browser.env import BrowserEnv
+
+    env = BrowserEnv(**SETTINGS, screenshots=True)
     await env.reset(p, BrowserTask())
     for bad in ("clik(1)", "click(99)", 'press("F13")'):
         step = await env.step(bad, [])
@@ -221,6 +223,8 @@ async def test_malformed_action_gets_an_error_and_the_episode_goes_on(pool):
     step = await env.step(p.meta["site"]["solution"][0], [])
     assert step.done and step.reward == 1.0
     assert step.info["action_errors"] == 3.0
+    # a PNG after each action the browser ran: click(99) and the solution's click
+    assert len(env.screenshots) == 2 and all(b.startswith(b"\x89PNG") for b in env.screenshots)
 
 
 @pytest.mark.slow
@@ -275,6 +279,22 @@ async def test_the_browser_reaches_only_its_task_server(pool):
     await env.reset(Prompt(text="", meta={"site": site}), BrowserTask())
     for i in (1, 2):
         await env.step(f"click({i})", [])
+    context = env.session.context
+
+    async def unrouted(url: str) -> str:
+        """The launch flags alone (a context without the routing): loopback only."""
+        ctx = await context.browser.new_context()
+        try:
+            page = await ctx.new_page()
+            try:
+                await page.goto(url, timeout=5000)
+                return page.url
+            except Exception as e:  # noqa: BLE001 - the refusal is the outcome
+                return str(e)
+        finally:
+            await ctx.close()
+
+    assert "ERR_PROXY_CONNECTION_FAILED" in await pool.run(unrouted(urls[0]))
     try:
         with pytest.raises(BlockingIOError):
             other.accept()  # nothing connected
