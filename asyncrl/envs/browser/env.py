@@ -16,6 +16,7 @@ the episode ``env_error`` and the pool relaunches what it killed.
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import string
 import weakref
@@ -102,6 +103,11 @@ class BrowserEnv:
             browsers, contexts_per_browser, action_timeout_s, episode_timeout_s, executable
         )
         find_chromium(executable)  # a missing browser names env.executable at start-up
+        if importlib.util.find_spec("playwright") is None:
+            raise ValueError(
+                "env._target_=asyncrl.envs.browser.BrowserEnv needs Playwright: "
+                "pip install 'asyncrl[browser]' (scripts/setup.sh does)"
+            )
         self.screenshots_on = bool(screenshots)
         self.screenshot_dir = screenshot_dir
         self.screenshots: list[bytes] = []

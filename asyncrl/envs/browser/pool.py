@@ -107,6 +107,7 @@ class Session:
     token: str
     site: Site
     slot: _Slot
+    browser: Any = None  # the Chromium it runs in (its slot may have relaunched since)
     context: Any = None
     page: Any = None
     deadline: float = 0.0
@@ -232,7 +233,7 @@ class BrowserPool:
         self._sessions.add(s)
         self.server.add(s.token, site)
         try:
-            browser = await self._ensure(slot)
+            s.browser = browser = await self._ensure(slot)
             s.context = await browser.new_context(service_workers="block", java_script_enabled=True)
             s.context.set_default_timeout(self.settings.action_timeout_s * 1000 / 2)
             await s.context.route("**/*", lambda route: self._route(s, route))
@@ -262,12 +263,12 @@ class BrowserPool:
         try:
             return await asyncio.wait_for(coro, self.settings.action_timeout_s)
         except TimeoutError:
-            await self._close(s, hung=True)
+            await self._close(s)
             raise BrowserError(
                 f"page hung: no answer within env.action_timeout_s={self.settings.action_timeout_s}"
             ) from None
         except Exception as e:
-            if s.page is None or s.page.is_closed() or not s.slot.browser.is_connected():
+            if s.page is None or s.page.is_closed() or not s.browser.is_connected():
                 await self._close(s)
                 raise BrowserError(f"browser gone: {type(e).__name__}: {e}") from None
             raise
@@ -284,7 +285,7 @@ class BrowserPool:
     async def close_session(self, s: Session) -> None:
         await self.run(self._close(s))
 
-    async def _close(self, s: Session, hung: bool = False) -> None:
+    async def _close(self, s: Session) -> None:
         if s.closed:
             return
         s.closed = True
@@ -297,9 +298,8 @@ class BrowserPool:
         try:
             await asyncio.wait_for(s.context.close(), CLOSE_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - a context that will not close: kill its browser
-            self._kill_slot(s.slot)
-        if hung and s.slot.browser is not None and not s.slot.browser.is_connected():
-            self._kill_slot(s.slot)
+            if s.slot.browser is s.browser:  # not one relaunched since
+                self._kill_slot(s.slot)
 
     async def _reap(self) -> None:
         while True:
