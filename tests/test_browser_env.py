@@ -125,6 +125,16 @@ def test_config_composes():
         cfg = compose(config_name="config", overrides=["env=browser"])
     assert cfg.task._target_ == "asyncrl.envs.browser.BrowserTask"
     assert cfg.env._target_ == "asyncrl.envs.browser.BrowserEnv"
+    if not _have_browser():
+        return
+    from asyncrl.config import ConfigError
+    from asyncrl.envs.browser.env import BrowserEnv
+    from asyncrl.envs.settings import EnvSettings
+
+    env = EnvSettings.from_config(cfg.env)  # builds one env: no browser starts
+    assert env.max_turns == 6 and isinstance(env.make(), BrowserEnv)
+    with pytest.raises(ConfigError, match="env.browsers"):
+        EnvSettings.from_config({**dict(cfg.env), "browsers": 0})
 
 
 # -- a real Chromium ----------------------------------------------------------------
