@@ -89,10 +89,10 @@ async def vllm_actor(tiny_model, task):
     engine but not a fresh one (a start costs ~25-60 s). Its tests run in the session's
     event loop (``pytest.mark.asyncio(loop_scope="session")``). Its weights are whatever
     version the last test loaded: a test that needs the model's own weights loads them."""
-    from asyncrl.actor.settings import ActorSettings, SamplingSettings
+    from asyncrl.actor.settings import ActorSettings
 
-    sampling = SamplingSettings(n=4, temperature=1.0, max_tokens=6)
-    settings = ActorSettings(update_mode="keep", sampling=sampling)
+    sampling = {"n": 4, "temperature": 1.0, "max_tokens": 6}
+    settings = ActorSettings.defaults(update_mode="keep", sampling=sampling)
     async with engine_actor(tiny_model, task, settings) as a:
         yield a
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings, UpdateMode
+from asyncrl.actor.settings import ActorSettings, UpdateMode
 from asyncrl.config import ConfigError
+from asyncrl.engine.settings import EngineSettings, SamplingSettings
 
 YAML = Path(__file__).parents[1] / "conf" / "actor" / "default.yaml"
 

@@ -14,7 +14,8 @@ from helpers import engine_actor, fp32_learner, perturbed_state
 
 from asyncrl.actor.episode import SingleTurnEpisodes
 from asyncrl.actor.rollout import RolloutActor
-from asyncrl.actor.settings import ActorSettings, SamplingSettings
+from asyncrl.actor.settings import ActorSettings
+from asyncrl.engine.settings import SamplingSettings
 from asyncrl.learner.learner import Learner
 from asyncrl.tasks.base import Prompt
 

@@ -377,7 +377,7 @@ def test_runner_episodes_and_a_browser_killed_mid_run(pool):
     from test_envs import ScriptedEngine
 
     from asyncrl.actor.env_runner import MultiTurnEpisodes
-    from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
+    from asyncrl.actor.settings import ActorSettings
     from asyncrl.envs.browser.env import BrowserTask
     from asyncrl.envs.settings import EnvSettings
     from asyncrl.models.tiny import build_tokenizer
@@ -394,11 +394,10 @@ def test_runner_episodes_and_a_browser_killed_mid_run(pool):
                 os.killpg(pid, signal.SIGKILL)
         return solution[turn]
 
-    env = EnvSettings(target="asyncrl.envs.browser.BrowserEnv", kwargs=dict(SETTINGS),
-                      max_turns=6, timeout_s=120)  # fmt: skip
-    settings = ActorSettings(
-        sampling=SamplingSettings(n=2, max_tokens=32),
-        engine=EngineSettings(max_model_len=1024),
+    env = EnvSettings.defaults(target="asyncrl.envs.browser.BrowserEnv", kwargs=dict(SETTINGS),
+                               max_turns=6, timeout_s=120)  # fmt: skip
+    settings = ActorSettings.defaults(
+        sampling={"n": 2, "max_tokens": 32}, engine={"max_model_len": 1024}
     )
     engine = ScriptedEngine(policy, tok=tok)
     run = MultiTurnEpisodes(engine, task, settings, env, lambda: 0)

@@ -12,8 +12,9 @@ import pytest
 
 from asyncrl.actor.env_runner import MultiTurnEpisodes, make_runner
 from asyncrl.actor.episode import EpisodeAborted, SingleTurnEpisodes, turn_seed
-from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
+from asyncrl.actor.settings import ActorSettings
 from asyncrl.config import ConfigError
+from asyncrl.engine.settings import EngineSettings, SamplingSettings
 from asyncrl.envs.base import StepResult
 from asyncrl.envs.calculator import ALPHABET, CalculatorEnv, CalculatorTask, evaluate
 from asyncrl.envs.settings import EnvSettings

@@ -16,8 +16,9 @@ from test_envs import ScriptedEngine
 
 import asyncrl.sandbox.pool as pool_module
 from asyncrl.actor.env_runner import MultiTurnEpisodes
-from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
+from asyncrl.actor.settings import ActorSettings
 from asyncrl.config import ConfigError
+from asyncrl.engine.settings import EngineSettings, SamplingSettings
 from asyncrl.envs.code import CodeEnv, CodeTask
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.models.tiny import build_tokenizer

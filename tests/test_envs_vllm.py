@@ -13,7 +13,8 @@ import torch
 from helpers import engine_actor, fp32_learner, perturbed_state
 
 from asyncrl.actor.env_runner import MultiTurnEpisodes
-from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
+from asyncrl.actor.settings import ActorSettings
+from asyncrl.engine.settings import EngineSettings, SamplingSettings
 from asyncrl.envs.base import StepResult
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.learner.learner import Learner

@@ -219,7 +219,7 @@ def test_cpu_model_reads_the_first_processor(tmp_path):
 def test_group_seeds_follow_the_run_seed_and_the_index():
     from types import SimpleNamespace
 
-    from asyncrl.actor.settings import SamplingSettings
+    from asyncrl.engine.settings import SamplingSettings
     from asyncrl.engine.vllm_engine import GROUP_SEED_STRIDE, group_params, sampling_params
 
     sampling = SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=6)

@@ -10,7 +10,7 @@ import pytest
 import pytest_asyncio
 
 from asyncrl.actor.episode import SingleTurnEpisodes
-from asyncrl.actor.settings import EngineSettings, SamplingSettings
+from asyncrl.engine.settings import EngineSettings, SamplingSettings
 from asyncrl.engine.vllm_engine import make_engine
 from asyncrl.tasks.base import TaskSampler
 

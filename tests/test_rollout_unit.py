@@ -11,7 +11,8 @@ from controlled_actor import ControlledRolloutActor
 
 from asyncrl.actor.episode import SingleTurnEpisodes
 from asyncrl.actor.rollout import RolloutActor
-from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
+from asyncrl.actor.settings import ActorSettings
+from asyncrl.engine.settings import EngineSettings, SamplingSettings
 from asyncrl.replay.queue import ReplayQueueCore
 from asyncrl.tasks.arithmetic import AdditionTask
 

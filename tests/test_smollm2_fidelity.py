@@ -51,10 +51,11 @@ def smollm2_world(ray_local):
     from hydra import compose, initialize_config_dir
     from ray import cloudpickle
 
-    from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
+    from asyncrl.actor.settings import ActorSettings
     from asyncrl.broker.client import start_weight_broker
     from asyncrl.broker.settings import BrokerSettings
     from asyncrl.confdir import conf_dir
+    from asyncrl.engine.settings import EngineSettings, SamplingSettings
     from asyncrl.learner.config import LearnerSettings
     from asyncrl.learner.group import start_learner
     from asyncrl.losses.advantages import GroupNormalized

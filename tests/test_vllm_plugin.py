@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from asyncrl.actor.settings import EngineSettings
 from asyncrl.config import ConfigError
 from asyncrl.engine import vllm_plugin
+from asyncrl.engine.settings import EngineSettings
 
 N_MESSAGES = 20
 

@@ -32,7 +32,7 @@ def test_sync_loop_batch_follows_the_trajectory_contract(bf16):
     precision, and really differ from them."""
     import torch
 
-    from asyncrl.actor.settings import SamplingSettings
+    from asyncrl.engine.settings import SamplingSettings
     from asyncrl.learner.batch import collate
     from asyncrl.learner.logprobs import response_logprobs
     from asyncrl.tasks.arithmetic import AdditionTask

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from asyncrl.actor.settings import SamplingSettings
+from asyncrl.engine.settings import SamplingSettings
 from asyncrl.engine.vllm_engine import (
     completion_arrays,
     group_params,

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.actor.settings import EngineSettings, SamplingSettings
+from asyncrl.engine.settings import EngineSettings, SamplingSettings
 from asyncrl.engine.vllm_plugin import ENV as NAP_ENV
 
 

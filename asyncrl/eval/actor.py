@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any
 
-from asyncrl.actor.settings import EngineSettings
+from asyncrl.engine.settings import EngineSettings
 from asyncrl.eval.settings import EvalSettings
 from asyncrl.tasks.base import Prompt, Task, ascore
 

@@ -50,7 +50,7 @@ class JudgeServer:
     """The Ray actor holding the judge's vLLM engine (async: calls overlap in it)."""
 
     def __init__(self, model_dir: str, engine: dict[str, Any], seed: int):
-        from asyncrl.actor.settings import EngineSettings
+        from asyncrl.engine.settings import EngineSettings
 
         self.model_dir, self.seed = model_dir, seed
         self.settings = EngineSettings.defaults(**engine)  # actor.engine's values, then these
