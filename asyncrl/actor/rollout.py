@@ -41,7 +41,7 @@ from asyncrl.actor.env_runner import make_runner
 from asyncrl.actor.episode import EpisodeAborted, EpisodeRunner
 from asyncrl.actor.handoff import HandOffSlots, group_meta
 from asyncrl.actor.settings import ActorSettings
-from asyncrl.broker.messages import CloseGroups, ReceiveOrder, Reloaded, WeightState
+from asyncrl.broker.messages import CloseGroups, Loaded, ReceiveOrder, Reloaded, WeightState
 from asyncrl.engine.vllm_engine import make_engine
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.replay.queue import Outbox
@@ -350,13 +350,13 @@ class RolloutActor:
             self._give_back(queue)  # its slot was granted and will never be put
 
     # ---- weights (actor/weights.py) ---------------------------------------------------
-    async def update_weights(self, ref_list: list, version: int) -> dict[str, float]:
+    async def update_weights(self, ref_list: list, version: int) -> Loaded:
         """Load the state dict behind ``ref_list[0]`` (name -> tensor) as ``version``."""
         state = await ref_list[0]
         out = await self._weights.load_state_dict(
             self.engine, self.update_mode.value, state, version
         )
-        self._count_update(out["seconds"])
+        self._count_update(out.seconds)
         return out
 
     async def receive_weights(self, order: ReceiveOrder) -> Reloaded:

@@ -33,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from asyncrl.broker.messages import ReceiveOrder, Reloaded
+from asyncrl.broker.messages import Loaded, ReceiveOrder, Reloaded
 from asyncrl.transport.endpoint import JoinSpec, ReceiveReport
 
 # Bound on one small control RPC (state, clock, resume); a live engine answers in ms.
@@ -127,10 +127,9 @@ async def paused_update(
     The engine core reads its input in order, and under ``keep`` it runs no step from
     the moment it reads the pause: the load's call follows the pause's without waiting
     for its reply, and after the load the label, the prefix-cache reset and the resume
-    go out together. Two round trips to the engine core instead of five. What the
-    caller sees also holds the end of the engine step in progress when the pause was
-    sent (the engine still generates) and the resume's answer coming back (it
-    generates again)."""
+    go out together: two round trips to the engine core. What the caller sees also
+    holds the engine step in progress when the pause was sent and the resume's answer
+    coming back (both while the engine generates)."""
     t0 = time.monotonic()
     marks = {"start": t0}
     clock = _clock_call(engine) if mode == "keep" else None
@@ -249,9 +248,7 @@ class WeightUpdates:
             hops,
         )  # fmt: skip
 
-    async def load_state_dict(
-        self, engine: Any, mode: str, state: dict, version: int
-    ) -> dict[str, float]:
+    async def load_state_dict(self, engine: Any, mode: str, state: dict, version: int) -> Loaded:
         """Load ``state`` (name -> tensor) as ``version``: written once to a
         safetensors file the workers reload from (tensors cannot travel as RPC
         arguments)."""
@@ -273,7 +270,7 @@ class WeightUpdates:
                 )
             finally:
                 os.unlink(path)
-            return {"seconds": time.time() - t0, "version": version}
+            return Loaded(version, time.time() - t0)
 
     async def receive(self, engine: Any, mode: str, order: ReceiveOrder) -> Reloaded:
         """Take part in one process-group sync: pause generation (per ``mode``), one call

@@ -6,6 +6,7 @@ each sent straight to the party that acts on it (a Ray call's argument or its an
                     (a new group first: rank 0 ── Listening ──▶ WeightBroker)
     WeightBroker ── ReceiveOrder ───▶ each actor of the set ─▶ Reloaded
     WeightBroker ── CloseGroups ────▶ rank 0 and the actors (a group left the cache)
+    (object store) ── update_weights([ref], V) ──▶ each actor ─▶ Loaded
 
 The worker side (inside vLLM) speaks transport's ``JoinSpec`` / ``ReceiveReport``.
 """
@@ -151,6 +152,15 @@ class Reloaded:
     t_enter: float = 0.0
     t_exit: float = 0.0
     kind: str = "reloaded"
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """An actor's end of one object-store update: ``version`` loaded in ``seconds``."""
+
+    version: int
+    seconds: float
+    kind: str = "loaded"
 
 
 @dataclass(frozen=True)
