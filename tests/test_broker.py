@@ -50,6 +50,19 @@ def test_plan_groups_by_held_version_and_rolls_most_stale_first():
     assert plan_waves({"e": views["e"]}, 4, rolling_k=0) == []
 
 
+def test_rank0_waits_the_pause_timeout_only_for_a_set_with_a_draining_member():
+    """Members pause before they enter a sync; only ``wait`` (requests finish first) may
+    take the pause timeout, so a dead member of any other set is named within timeout_s."""
+    from asyncrl.broker.membership import Roster
+    from asyncrl.broker.sync_run import SyncRun
+
+    roster = Roster({})
+    roster.views = {"a": ActorView(0), "b": ActorView(0, update_mode="wait")}
+    run = SyncRun(BrokerSettings(timeout_s=5.0, pause_timeout_s=100.0), roster, None, None)
+    assert run._arrive_timeout_s(("a",)) == 5.0
+    assert run._arrive_timeout_s(("a", "b")) == 105.0
+
+
 def test_settings_name_the_key_to_fix():
     assert PAYLOAD_MODES == tuple(m.value for m in Mode)
     ok = BrokerSettings.from_config({"kind": "gloo", "mode": "changed_buckets", "rolling_k": 2})

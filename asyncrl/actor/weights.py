@@ -277,7 +277,7 @@ class WeightUpdates:
         that has every worker receive and reload in place, label, resume. Never raises:
         the answer says ``ok``, or the error and whether the engine is ``dead``."""
         # wall clock (the broker's is the same on one machine): its order's trip here
-        out = Reloaded(self.name, order.version, t_enter=time.time())
+        out = Reloaded(self.name, order.version, t_enter=time.time(), update_mode=mode)
         async with self._lock:
             t0 = time.monotonic()
             try:

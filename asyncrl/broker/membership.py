@@ -36,7 +36,7 @@ class Roster:
     def admit(self, name: str, handle: Any, st: WeightState) -> None:
         self.actors[name] = handle
         self.dead.pop(name, None)
-        self.views[name] = ActorView(st.version, st.held, st.workers)
+        self.views[name] = ActorView(st.version, st.held, st.workers, update_mode=st.update_mode)
 
     def error(self, msg: str) -> None:
         log.error("%s", msg)

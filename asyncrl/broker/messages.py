@@ -151,6 +151,7 @@ class Reloaded:
     digests: list[dict[str, str] | None] | None = None
     t_enter: float = 0.0
     t_exit: float = 0.0
+    update_mode: str = ""  # the actor's at this update
     kind: str = "reloaded"
 
 

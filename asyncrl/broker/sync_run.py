@@ -138,7 +138,7 @@ class SyncRun:
         if new:
             group.listening = asyncio.get_running_loop().create_future()
         order = SendOrder(
-            group.key, version, sset.base, self.s.mode, self._arrive_timeout_s(),
+            group.key, version, sset.base, self.s.mode, self._arrive_timeout_s(sset.members),
             open_world=group.world if new else 0,
         )  # fmt: skip
         done = asyncio.ensure_future(self._sent(order, new))
@@ -186,6 +186,7 @@ class SyncRun:
             view = self.roster.views.get(name)
             if view is None:  # removed meanwhile (a dead actor: asyncrl/fault/actors.py)
                 continue
+            view.update_mode = res.update_mode or view.update_mode
             if res.ok:
                 view.loaded, view.held, view.failures = version, res.held, 0
                 acc.add_actor(res, time.time())
@@ -255,14 +256,19 @@ class SyncRun:
         self.roster.error(msg)
 
     # ---- deadlines --------------------------------------------------------------------
-    def _arrive_timeout_s(self) -> float:
-        """The members pause generation before they enter (``wait``: requests finish)."""
-        return self.s.timeout_s + self.s.pause_timeout_s
+    def _arrive_timeout_s(self, members: tuple[str, ...]) -> float:
+        """The members pause generation before they enter: under ``wait`` the requests
+        in flight finish first (``pause_timeout_s``); the other modes pause at once."""
+        views = self.roster.views
+        drains = any(views[m].update_mode == "wait" for m in members if m in views)
+        return self.s.timeout_s + (self.s.pause_timeout_s if drains else 0.0)
 
     def transfer_deadline_s(self, new: bool) -> float:
-        """Upper bound of one set's transfer: join, arrivals, every bucket's collective."""
+        """Upper bound of one set's transfer: join, arrivals (a draining member at
+        worst), every bucket's collective."""
         join = self.s.join_timeout_s if new else 0.0
-        return join + self._arrive_timeout_s() + (self.n_buckets + 4) * self.s.timeout_s
+        arrive = self.s.timeout_s + self.s.pause_timeout_s
+        return join + arrive + (self.n_buckets + 4) * self.s.timeout_s
 
     def _receive_deadline_s(self) -> float:
         """Bound of the workers' one call: the transfer, then the in-place reload."""
