@@ -227,34 +227,39 @@ def nccl_timeout() -> str:
 
 @check("CUDA shadows -> gloo -> CPU receiver (endpoints)")
 def gloo_from_cuda() -> str:
+    from concurrent.futures import ThreadPoolExecutor
+
     from asyncrl.transport.broadcast import NO_VERSION
-    from asyncrl.transport.endpoint import ReceiverEndpoint, SenderEndpoint, digests
+    from asyncrl.transport.endpoint import JoinSpec, ReceiverEndpoint, SenderEndpoint, digests
 
     ep = SenderEndpoint(HOST, "gloo", 60.0, 60.0, BUCKET_MB, DEV)
     rx = ReceiverEndpoint()
+    pool = ThreadPoolExecutor(1)  # the receiver's blocking sync, beside the sender
     v0 = model(PARAMS // 4, DEV)
     out = []
     try:
         for version, (mode, named) in enumerate([("full", v0), ("sparse_delta", adamw_step(v0))]):
             ep.snapshot(version, named, retain=[0])
 
-            def go(port: int) -> None:
-                rx.start("g", HOST, port, 1, 2, 60.0, 60.0, "gloo", True)
+            got: list = []
+
+            def go(port: int, got: list = got) -> None:
+                spec = JoinSpec("g", HOST, port, 1, 2, 60.0, 60.0, "gloo", True)
+                got.append(pool.submit(rx.sync, spec, lambda tensors: None, True))
 
             if version == 0:
                 ep.open("g", 2, on_listening=go)
             else:
                 go(ep.senders["g"].group.port)
             s = ep.send("g", version, NO_VERSION if version == 0 else 0, mode)
-            while (st := rx.poll())["state"] == "running":
-                time.sleep(0.001)
-            if st["state"] != "done":
-                raise AssertionError(st)
-            rx.apply(lambda tensors: None, with_digests=True)
-            if rx.loaded_digests()["digests"] != digests(named):
+            report = got[0].result(timeout=180)
+            if not report.ok:
+                raise AssertionError(report.error)
+            if report.digests != digests(named):
                 raise AssertionError(f"version {version} ({mode}) not bit-exact")
             out.append(s)
     finally:
+        pool.shutdown()
         rx.close_all()
         ep.close_all()
     FIGURES["gloo_from_cuda_gbps"] = out[0].gbps
@@ -262,16 +267,14 @@ def gloo_from_cuda() -> str:
 
 
 def _rank1(port: int, q: Any) -> None:
-    from asyncrl.transport.endpoint import ReceiverEndpoint
+    from asyncrl.transport.endpoint import JoinSpec, ReceiverEndpoint
 
     torch.cuda.set_device(1)
     rx = ReceiverEndpoint()
     for _ in range(2):
-        rx.start("g", HOST, port, 1, 2, 60.0, 120.0, "nccl", True)
-        while (st := rx.poll())["state"] == "running":
-            time.sleep(0.001)
-        rx.apply(lambda tensors: None, with_digests=True)
-        q.put((st, rx.loaded_digests()["digests"]))
+        spec = JoinSpec("g", HOST, port, 1, 2, 60.0, 120.0, "nccl", True)
+        report = rx.sync(spec, lambda tensors: None, with_digests=True)
+        q.put((report.ok, report.digests))
     rx.close_all()
 
 

@@ -6,7 +6,7 @@ table, ``weight_sync.csv`` and ``weight_sync.png`` into ``--out``, and the JSON 
 
     sender (this process): SenderEndpoint ── one group of all receivers (broadcast)
                                            └─ one group per receiver (rolling, k=1)
-    receivers (spawned):   ReceiverEndpoint ── receive ─▶ apply (digest what it would load)
+    receivers (spawned):   ReceiverEndpoint.sync ── receive, "load" (digest what it would load)
 
 Per model size: v0 full (warm-up, establishes the receivers' copy), then one
 AdamW step before each of: v1 sparse_delta, v2 changed_buckets, v3 full (the
@@ -97,21 +97,17 @@ def memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
 
 # ---- receivers --------------------------------------------------------------------------------
 def _receiver(inbox: Any, outbox: Any) -> None:
-    """Loop: ("sync", key, port, rank, world) → receive → apply → digests back."""
+    """Loop: ("sync", key, port, rank, world) → one sync ("loading" = digesting what it
+    would load) → (ok, digests) back."""
     torch.set_num_threads(1)
-    from asyncrl.transport.endpoint import ReceiverEndpoint
+    from asyncrl.transport.endpoint import JoinSpec, ReceiverEndpoint
 
     rx = ReceiverEndpoint()
     while (cmd := inbox.get())[0] != "stop":
         _, key, port, rank, world = cmd
-        rx.start(key, HOST, port, rank, world, TIMEOUT_S, JOIN_S, "gloo", True)
-        while (st := rx.poll())["state"] == "running":
-            time.sleep(0.001)
-        if st["state"] != "done":
-            outbox.put((st, None))
-            continue
-        rx.apply(lambda tensors: None, with_digests=True)  # "loading" = digesting it
-        outbox.put((st, rx.loaded_digests()["digests"]))
+        spec = JoinSpec(key, HOST, port, rank, world, TIMEOUT_S, JOIN_S, "gloo", True)
+        report = rx.sync(spec, lambda tensors: None, with_digests=True)
+        outbox.put((report.ok, report.digests))
     rx.close_all()
 
 

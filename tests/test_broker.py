@@ -21,11 +21,11 @@ import torch
 from asyncrl.broker.plan import ActorView, SyncSet, plan_waves
 from asyncrl.broker.settings import PAYLOAD_MODES, BrokerKind, BrokerSettings
 from asyncrl.config import ConfigError
-from asyncrl.engine.worker_ext import AsyncRLWorkerExtension
-from asyncrl.learner.weights import WeightsOut
+from asyncrl.learner.weights import CONCURRENCY_GROUPS, WeightsOut
 from asyncrl.transport.broadcast import NO_VERSION
 from asyncrl.transport.delta import Mode
 from asyncrl.transport.endpoint import digests
+from tests.weight_sync_controls import FaultyWorkerExtension, learner_digests, set_policy
 
 TIMEOUT_S = 3.0
 SLACK_S = 6.0  # heartbeat silence + Ray hops + scheduling on a loaded 2-core box
@@ -47,6 +47,19 @@ def test_plan_groups_by_held_version_and_rolls_most_stale_first():
     assert waves == [[SyncSet(("d",), NO_VERSION), SyncSet(("c",), 1)], [SyncSet(("a", "b"), 3)]]
     assert plan_waves(views, 4, rolling_k=1, only_stale=False)[-1] == [SyncSet(("e",), 4)]
     assert plan_waves({"e": views["e"]}, 4, rolling_k=0) == []
+
+
+def test_rank0_waits_the_pause_timeout_only_for_a_set_with_a_draining_member():
+    """Members pause before they enter a sync; only ``wait`` (requests finish first) may
+    take the pause timeout, so a dead member of any other set is named within timeout_s."""
+    from asyncrl.broker.membership import Roster
+    from asyncrl.broker.sync_run import SyncRun
+
+    roster = Roster({})
+    roster.views = {"a": ActorView(0), "b": ActorView(0, update_mode="wait")}
+    run = SyncRun(BrokerSettings(timeout_s=5.0, pause_timeout_s=100.0), roster, None, None)
+    assert run._arrive_timeout_s(("a",)) == 5.0
+    assert run._arrive_timeout_s(("a", "b")) == 105.0
 
 
 def test_settings_name_the_key_to_fix():
@@ -195,7 +208,7 @@ class _InOrderEngine:
         return [{"seconds": 0.01}]
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        fn = {"asyncrl_clock": lambda: [time.monotonic()], "asyncrl_apply": self._apply}[method]
+        fn = {"asyncrl_clock": lambda: [time.monotonic()], "asyncrl_sync": self._apply}[method]
         return await self.engine_core.send(method, fn)
 
     async def update_weight_version(self, v):
@@ -216,12 +229,12 @@ async def test_keep_update_pipelines_its_calls_and_no_step_runs_while_paused():
     await asyncio.sleep(0.01)  # the engine generates
     hops: dict[str, float] = {}
     applied, call_s = await weights.paused_update(
-        eng, "keep", 3, lambda: weights.rpc(eng, "asyncrl_apply"), False, 5.0, hops=hops
+        eng, "keep", 3, lambda: weights.rpc(eng, "asyncrl_sync"), False, 5.0, hops=hops
     )
     assert applied == [{"seconds": 0.01}]
     log = eng.engine_core.log
     msgs = [m for m in log if m != "step"]
-    assert msgs == ["asyncrl_clock", "pause:keep", "asyncrl_apply", "version:3",
+    assert msgs == ["asyncrl_clock", "pause:keep", "asyncrl_sync", "version:3",
                     "asyncrl_clock", "resume"]  # fmt: skip
     assert "step" not in log[log.index("pause:keep") : log.index("resume")]
     assert 0.01 <= hops["engine_paused"] <= call_s
@@ -229,21 +242,23 @@ async def test_keep_update_pipelines_its_calls_and_no_step_runs_while_paused():
 
     eng = _InOrderEngine(apply_fails=True)
     with pytest.raises(RuntimeError, match="reload failed"):
-        await weights.paused_update(eng, "keep", 4, lambda: weights.rpc(eng, "asyncrl_apply"),
+        await weights.paused_update(eng, "keep", 4, lambda: weights.rpc(eng, "asyncrl_sync"),
                                     False, 5.0)  # fmt: skip
     msgs = [m for m in eng.engine_core.log if m != "step"]
-    assert msgs == ["asyncrl_clock", "pause:keep", "asyncrl_apply", "resume"]
+    assert msgs == ["asyncrl_clock", "pause:keep", "asyncrl_sync", "resume"]
 
 
 def test_sync_tally_reports_reload_pause_and_hops():
+    from asyncrl.broker.messages import Reloaded
     from asyncrl.broker.sync import SyncTally
 
     acc = SyncTally(version=2, t0=0.0)
     acc.t_ordered = 100.0
     for pause, reload_s, enter in ((0.05, 0.02, 100.01), (0.07, 0.03, 100.03)):
-        acc.add_actor({"pause_seconds": pause, "pause_call_seconds": pause + 0.04,
-                       "reload_seconds": reload_s, "hops": {"load": reload_s + 0.01},
-                       "t_enter": enter, "t_exit": enter + 0.2, "t_back": enter + 0.21})  # fmt: skip
+        res = Reloaded("a", 2, ok=True, pause_seconds=pause, pause_call_seconds=pause + 0.04,
+                       reload_seconds=reload_s, hops={"load": reload_s + 0.01},
+                       t_enter=enter, t_exit=enter + 0.2)  # fmt: skip
+        acc.add_actor(res, t_back=enter + 0.21)
     m = acc.metrics(seconds=0.3, dead=0)
     assert m["broker/pause_seconds_max"] == pytest.approx(0.07)
     assert m["broker/pause_call_seconds_max"] == pytest.approx(0.11)
@@ -261,11 +276,11 @@ async def test_rpc_to_a_dead_engine_fails_fast():
     asyncio.get_running_loop().call_later(0.2, setattr, eng, "errored", True)
     t0 = time.monotonic()
     with pytest.raises(weights.EngineGone):
-        await weights.rpc(eng, "asyncrl_receive_poll", timeout_s=30.0)
+        await weights.rpc(eng, "asyncrl_weight_state", timeout_s=30.0)
     assert time.monotonic() - t0 < 2.0
     eng.errored = False
     with pytest.raises(TimeoutError, match="no answer within"):
-        await weights.rpc(eng, "asyncrl_receive_poll", timeout_s=0.3)
+        await weights.rpc(eng, "asyncrl_weight_state", timeout_s=0.3)
 
 
 class _DyingEngine(_EventEngine):
@@ -311,14 +326,16 @@ class FakeRunner:
         return torch.nn.Module()
 
 
-class FakeWorker(AsyncRLWorkerExtension):
+class FakeWorker(FaultyWorkerExtension):
     def __init__(self) -> None:
         self.rank = 0
         self.model_runner = FakeRunner()
 
 
 class FakeEngine:
-    """AsyncLLM's weight-update surface; ``events`` records (monotonic time, what)."""
+    """AsyncLLM's weight-update surface; ``events`` records (monotonic time, what). The
+    worker runs its calls in another thread, as vLLM's engine core runs them in another
+    process: the actor's event loop goes on meanwhile."""
 
     errored = False
 
@@ -327,7 +344,8 @@ class FakeEngine:
         self.events: list[tuple[float, str]] = []
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+        call = getattr(self.worker, method)
+        return [await asyncio.to_thread(call, *args, **(kwargs or {}))]
 
     async def pause_generation(self, mode="abort", clear_cache=True):
         self.events.append((time.monotonic(), f"pause:{mode}:{clear_cache}"))
@@ -405,7 +423,8 @@ def fake_world(ray_local, task):
         for i in range(3)
     }
     ray.get([a.__ray_call__.remote(_install_fake_engine) for a in actors.values()])
-    learner = ray.remote(FakeLearner).options(num_cpus=0).remote()
+    learner = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(FakeLearner)
+    learner = learner.options(num_cpus=0).remote()
     yield actors, learner
     for a in [*actors.values(), learner]:
         ray.kill(a)
@@ -420,8 +439,8 @@ def _start(actors, learner, **kw):
     return start_weight_broker(settings, actors, [learner])
 
 
-def _assert_bit_exact(ray, broker, actors) -> None:
-    want = broker.learner_digests()
+def _assert_bit_exact(ray, learner, actors) -> None:
+    want = learner_digests([learner])
     for name, a in actors.items():
         assert ray.get(a.__ray_call__.remote(_loaded_digests)) == want, name
 
@@ -434,11 +453,11 @@ def test_every_mode_is_bit_exact_and_rolling_pauses_one_at_a_time(ray_local, fak
     broker = _start(actors, learner, mode="full")
     try:
         assert broker.actor_versions == dict.fromkeys(actors, 0)  # primed with version 0
-        _assert_bit_exact(ray, broker, actors)
+        _assert_bit_exact(ray, learner, actors)
         seen = {}
         plan = [("full", 0), ("changed_buckets", 0), ("sparse_delta", 0), ("sparse_delta", 1)]
         for version, (mode, k) in enumerate(plan, start=1):
-            broker.set_policy(mode, k)
+            set_policy(broker, mode, k)
             ray.get(learner.adamw_step.remote(version))
             t0 = time.monotonic()
             broker.publish(version)
@@ -448,7 +467,7 @@ def test_every_mode_is_bit_exact_and_rolling_pauses_one_at_a_time(ray_local, fak
             assert broker.actor_versions == dict.fromkeys(actors, version)
             for name in actors:
                 assert m[f"broker/version/{name}"] == version
-            _assert_bit_exact(ray, broker, actors)  # verify=True also checked every worker
+            _assert_bit_exact(ray, learner, actors)  # verify=True also checked every worker
         full, changed, sparse = (seen[(x, 0)][0] for x in PAYLOAD_MODES)
         assert full["broker/buckets_skipped"] == 0
         assert full["broker/bytes_sent"] >= full["broker/bytes_full"] > 0
@@ -495,12 +514,12 @@ def test_stuck_actor_is_named_within_the_timeout_and_recovers(ray_local, fake_wo
         assert broker.actor_versions == {"actor0": 1, "actor1": 1, "actor2": 0}
         assert elapsed < stall + TIMEOUT_S + SLACK_S
         time.sleep(stall)  # let the stalled worker give up on its dead group
-        broker.set_policy("sparse_delta")  # actor2 dropped its half-written copy: full anyway
+        set_policy(broker, "sparse_delta")  # actor2 dropped its half-written copy: full anyway
         ray.get(learner.adamw_step.remote(101))
         broker.publish(2)
         m = broker.wait()
         assert broker.actor_versions == dict.fromkeys(actors, 2) and m["broker/errors"] == 0
-        _assert_bit_exact(ray, broker, actors)
+        _assert_bit_exact(ray, learner, actors)
     finally:
         broker.close()
 
@@ -555,7 +574,7 @@ def test_replaced_actor_is_primed_with_the_published_version_not_live_weights(
         ray.get(learner.adamw_step.remote(400))
         broker.publish(1)
         broker.wait()
-        published = broker.learner_digests()
+        published = learner_digests([learner])
         broker.remove_actor("actor2", "killed (test)")
         assert broker.actor_versions == {"actor0": 1, "actor1": 1}
         ray.get(learner.adamw_step.remote(401))  # the learner trains on
@@ -564,11 +583,11 @@ def test_replaced_actor_is_primed_with_the_published_version_not_live_weights(
         assert broker.actor_versions == {"actor0": 1, "actor1": 1, "actor2": 1}, broker.errors
         assert m["broker/errors"] == 0 and broker.dead == {}
         assert ray.get(new.__ray_call__.remote(_loaded_digests)) == published
-        assert published != broker.learner_digests()
+        assert published != learner_digests([learner])
         broker.publish(2)
         assert broker.wait()["broker/errors"] == 0
         assert broker.actor_versions == {"actor0": 2, "actor1": 2, "actor2": 2}
-        _assert_bit_exact(ray, broker, {**actors, "actor2": new})
+        _assert_bit_exact(ray, learner, {**actors, "actor2": new})
     finally:
         broker.close()
         ray.kill(new)
@@ -601,6 +620,6 @@ def test_killed_actor_is_dropped_within_the_timeout_and_the_rest_go_on(ray_local
         broker.publish(2)
         assert broker.wait()["broker/errors"] == 0
         assert broker.actor_versions == {"actor0": 2, "actor2": 2}
-        _assert_bit_exact(ray, broker, {n: actors[n] for n in ("actor0", "actor2")})
+        _assert_bit_exact(ray, learner, {n: actors[n] for n in ("actor0", "actor2")})
     finally:
         broker.close()

@@ -146,7 +146,7 @@ def test_smollm2_logprobs_match_before_and_after_an_in_place_sync(ray_local, smo
     assert m["broker/errors"] == 0, broker.errors
     assert broker.actor_versions == {"actor0": 1}
     (loaded,) = ray.get(w["actor"].loaded_digests.remote())
-    assert loaded["version"] == 1 and loaded["digests"] == broker.learner_digests()
+    assert loaded["version"] == 1 and loaded["digests"] == learner.weight_digests()
     after = _collect_at(ray, w["queue"], 1)
     assert all((t.versions == 1).all() for t in after)
     assert _compare(learner, after, "version 1 (after the in-place sync)") < FP32_LOGP_TOL

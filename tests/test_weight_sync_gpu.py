@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from asyncrl.transport.broadcast import NO_VERSION, WeightSender
-from asyncrl.transport.endpoint import ReceiverEndpoint, SenderEndpoint, digests
+from asyncrl.transport.endpoint import JoinSpec, ReceiverEndpoint, SenderEndpoint, digests
 from asyncrl.transport.group import HEADER_BUCKET, TransferError, make_group
 
 HOST = "127.0.0.1"
@@ -37,44 +38,50 @@ def _step(model: dict[str, torch.Tensor], seed: int) -> None:
             v.view(-1)[idx] += 0.01
 
 
-def _wait_done(rx: ReceiverEndpoint, timeout_s: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while (st := rx.poll())["state"] == "running":
-        assert time.monotonic() < deadline, st
-        time.sleep(0.002)
-    return st
+def _spec(port: int, backend: str = "gloo", timeout_s: float = 10.0, join_s: float = 30.0):
+    return JoinSpec("g", HOST, port, 1, 2, timeout_s, join_s, backend, True)
+
+
+def _no_load(tensors) -> None:
+    """A loader that keeps nothing: the endpoint digests what it was handed."""
 
 
 @pytest.mark.parametrize(
     "shadow_device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda])]
 )
 def test_endpoints_in_process_gloo_with_shadows_on(shadow_device):
-    """SenderEndpoint (shadows on ``shadow_device``) → gloo → ReceiverEndpoint thread."""
+    """SenderEndpoint (shadows on ``shadow_device``) → gloo → ReceiverEndpoint (its
+    blocking ``sync`` in a thread of this process)."""
     model = _model(shadow_device)
     ep = SenderEndpoint(HOST, "gloo", 10.0, 30.0, BUCKET_MB, shadow_device)
     rx = ReceiverEndpoint()
+    pool = ThreadPoolExecutor(1)
     try:
         for version, mode in enumerate(["full", "sparse_delta", "changed_buckets"]):
             if version:
                 _step(model, version)
             ep.snapshot(version, model.items(), retain=[version - 1] if version else [])
 
-            def go(port: int) -> None:
-                rx.start("g", HOST, port, 1, 2, 10.0, 30.0, "gloo", True)
+            got: list = []
+
+            def go(port: int, got: list = got) -> None:
+                got.append(pool.submit(rx.sync, _spec(port), _no_load, True))
 
             if version == 0:
                 ep.open("g", 2, on_listening=go)
             else:
                 go(ep.senders["g"].group.port)
             stats = ep.send("g", version, version - 1 if version else NO_VERSION, mode)
-            assert _wait_done(rx)["state"] == "done"
-            rx.apply(lambda tensors: None, with_digests=True)
-            assert rx.loaded_digests()["digests"] == digests(model.items()), (version, mode)
+            report = got[0].result(timeout=60)
+            assert report.ok and report.version == version, report
+            assert report.digests == digests(model.items()), (version, mode)
+            assert rx.loaded_digests()["digests"] == report.digests
             if mode == "sparse_delta":
                 assert stats.buckets_sparse > 0 and stats.bytes_sent < stats.bytes_full
             if mode == "changed_buckets":
                 assert stats.buckets_skipped > 0
     finally:
+        pool.shutdown()
         rx.close_all()
         ep.close_all()
 
@@ -121,10 +128,8 @@ def _nccl_receiver(port: int, out) -> None:
     torch.cuda.set_device(1)
     rx = ReceiverEndpoint()
     for _ in range(2):
-        rx.start("g", HOST, port, 1, 2, 30.0, 60.0, "nccl", True)
-        st = _wait_done(rx)
-        rx.apply(lambda tensors: None, with_digests=True)
-        out.put((st, rx.loaded_digests()["digests"]))
+        report = rx.sync(_spec(port, "nccl", 30.0, 60.0), _no_load, with_digests=True)
+        out.put((report.ok, report.digests))
     rx.close_all()
 
 
@@ -159,5 +164,5 @@ def test_nccl_endpoints_across_two_gpus_are_bit_exact():
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    assert first[0]["state"] == "done" and second[0]["state"] == "done"
+    assert first[0] and second[0]
     assert s1.buckets_sparse > 0 and second[1] == digests(model.items())

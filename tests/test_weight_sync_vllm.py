@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from asyncrl.tasks.base import Prompt
+from tests.weight_sync_controls import FAULTY_EXTENSION, set_policy
 
 pytestmark = pytest.mark.slow
 
@@ -119,9 +120,10 @@ def world(ray_local, tiny_model, task):
     queue = remote_queue(max_staleness=1000, batch_groups=1, policy="drop", capacity_groups=6)
     sampling = SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=8)
     plain = EngineSettings.defaults(max_num_seqs=16, kv_cache_memory_mb=64)
-    cached = EngineSettings.defaults(
-        max_num_seqs=16, kv_cache_memory_mb=64, enable_prefix_caching=True, extra={"block_size": 32}
-    )
+    cached = EngineSettings.defaults(  # actor1's workers can be made to fail (the last test)
+        max_num_seqs=16, kv_cache_memory_mb=64, enable_prefix_caching=True,
+        extra={"block_size": 32, "worker_extension_cls": FAULTY_EXTENSION},
+    )  # fmt: skip
     cls = ray.remote(ControlledRolloutActor).options(num_cpus=0, max_concurrency=1000)
     s0 = ActorSettings.defaults(max_inflight_groups=2, sampling=sampling, engine=plain)
     s1 = ActorSettings.defaults(max_inflight_groups=2, sampling=sampling, engine=cached)
@@ -182,7 +184,7 @@ def _check_sync(ray, world, version: int, modes: dict[str, str]) -> dict:
     m = broker.wait()
     assert m["broker/errors"] == 0, broker.errors
     assert broker.actor_versions == dict.fromkeys(world["actors"], version)
-    want = broker.learner_digests()
+    want = learner.weight_digests()
     for name, a in world["actors"].items():
         (loaded,) = ray.get(a.loaded_digests.remote())
         assert loaded["version"] == version and loaded["digests"] == want, name
@@ -213,7 +215,7 @@ def test_every_mode_is_bit_exact_and_logprobs_match(ray_local, world):
     rank0 = learner.ranks[0]
     seen = {}
     for version, (mode, k, mode0, mode1) in enumerate(PLAN, start=1):
-        broker.set_policy(mode, k)
+        set_policy(broker, mode, k)
         modes = {"actor0": mode0, "actor1": mode1}
         ray.get([world["actors"][n].set_update_mode.remote(u) for n, u in modes.items()])
         ray.get(rank0.__ray_call__.remote(_perturb, version))
@@ -240,7 +242,7 @@ def test_prefix_cache_is_not_reused_across_versions_under_keep(ray_local, world)
     again = ray.get(actor1.__ray_call__.remote(_probe, text, 2))
     assert again["cached"] >= 32  # the cache works within a version
     ray.get(learner.ranks[0].__ray_call__.remote(_perturb, 100 + version))
-    broker.set_policy("sparse_delta", 0)
+    set_policy(broker, "sparse_delta", 0)
     broker.publish(version + 1)
     assert broker.wait()["broker/errors"] == 0
     after = ray.get(actor1.__ray_call__.remote(_probe, text, 6))
@@ -255,7 +257,7 @@ def test_engine_killed_mid_transfer_is_dropped_and_the_other_goes_on(ray_local, 
     broker, learner = world["broker"], world["learner"]
     actors = world["actors"]
     version = broker.state()["version"] + 1
-    broker.set_policy("full", 0)
+    set_policy(broker, "full", 0)
     ray.get(actors["actor1"].inject_weight_fault.remote("kill", 2))
     ray.get(learner.ranks[0].__ray_call__.remote(_perturb, 200))
     broker.publish(version)
@@ -273,7 +275,7 @@ def test_engine_killed_mid_transfer_is_dropped_and_the_other_goes_on(ray_local, 
     ), err
     assert m["broker/actors_updated"] == 1 and broker.actor_versions == {"actor0": version}
     (loaded,) = ray.get(actors["actor0"].loaded_digests.remote())
-    assert loaded["digests"] == broker.learner_digests()
+    assert loaded["digests"] == learner.weight_digests()
     # the run goes on with the remaining actor
     ray.get(learner.ranks[0].__ray_call__.remote(_perturb, 201))
     broker.publish(version + 1)

@@ -55,3 +55,22 @@ def test_vllms_per_tensor_narrowing_notice_is_dropped_and_nothing_else(caplog):
         ("vllm.model_executor.models.utils", "Failed to load lm_head.weight"),
         ("asyncrl.test_worker_ext", notice % ("norm.weight", torch.float32, torch.bfloat16)),
     ]
+
+
+def test_a_sync_nobody_hosts_is_reported_within_the_join_timeout_not_raised():
+    """``asyncrl_sync`` answers (a ReceiveReport as a dict, as it crosses vLLM's RPC) even
+    when the group never forms: not ok, rank 0 named as the missing peer, nothing loaded,
+    within the join timeout."""
+    import time
+
+    from asyncrl.transport.endpoint import JoinSpec, ReceiveReport
+    from asyncrl.transport.group import free_port
+
+    ext = AsyncRLWorkerExtension()
+    ext.model_runner = FakeRunner(torch.float32)
+    spec = JoinSpec("g", "127.0.0.1", free_port(), 1, 2, 1.0, 1.0, "gloo", True)
+    t0 = time.monotonic()
+    got = ReceiveReport.from_wire(ext.asyncrl_sync(vars(spec)))
+    assert time.monotonic() - t0 < 10.0
+    assert not got.ok and got.peer_ranks == (0,) and "could not join" in got.error, got
+    assert got.rank == 1 and got.bucket is None and ext.model_runner.loaded == []

@@ -41,6 +41,7 @@ from asyncrl.actor.env_runner import make_runner
 from asyncrl.actor.episode import EpisodeAborted, EpisodeRunner
 from asyncrl.actor.handoff import Slots, group_meta
 from asyncrl.actor.settings import ActorSettings
+from asyncrl.broker.messages import CloseGroups, Loaded, ReceiveOrder, Reloaded, WeightState
 from asyncrl.engine.vllm_engine import make_engine
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.replay.outbox import Outbox
@@ -327,22 +328,22 @@ class RolloutActor:
             self._give_back(queue)  # its slot was granted and will never be put
 
     # ---- weights (actor/weights.py) ---------------------------------------------------
-    async def update_weights(self, ref_list: list, version: int) -> dict[str, float]:
+    async def update_weights(self, ref_list: list, version: int) -> Loaded:
         """Load the state dict behind ``ref_list[0]`` (name -> tensor) as ``version``."""
         state = await ref_list[0]
         out = await self._weights.load_state_dict(
             self.engine, self.update_mode.value, state, version
         )
-        self._count_update(out["seconds"])
+        self._count_update(out.seconds)
         return out
 
-    async def receive_weights(self, order: dict[str, Any]) -> dict[str, Any]:
-        """Take part in one process-group sync (``order`` from the WeightBroker); see
+    async def receive_weights(self, order: ReceiveOrder) -> Reloaded:
+        """Take part in one process-group sync (the WeightBroker's order); see
         :meth:`WeightUpdates.receive`. Never raises."""
         out = await self._weights.receive(self.engine, self.update_mode.value, order)
-        if out["ok"]:
-            self._count_update(out["seconds"])
-        return {"name": self.name, **out}
+        if out.ok:
+            self._count_update(out.seconds)
+        return out
 
     def _count_update(self, seconds: float) -> None:
         self.stats.updates += 1
@@ -354,17 +355,14 @@ class RolloutActor:
         self.version = version
         self.queue.set_weights_version.remote(self.name, version)
 
-    async def weight_state(self) -> dict[str, Any]:
+    async def weight_state(self) -> WeightState:
         """Loaded version, held version (min over workers) and worker count."""
         states = await weights.rpc(self.engine, "asyncrl_weight_state")
-        return {
-            "name": self.name,
-            "version": self.version,
-            "held": min(s["held"] for s in states),
-            "workers": len(states),
-            "update_mode": self.update_mode.value,
-            "fatal": self.fatal,
-        }
+        return WeightState(
+            self.name, self.version, min(s["held"] for s in states), len(states),
+            self.update_mode.value, self.fatal,
+        )  # fmt: skip
 
-    async def close_weight_groups(self, keys: list[str] | None = None) -> None:
+    async def close_weight_groups(self, order: CloseGroups) -> None:
+        keys = None if order.keys is None else list(order.keys)
         await weights.rpc(self.engine, "asyncrl_close_groups", {"keys": keys})

@@ -3,10 +3,10 @@ over an ``AsyncLLM`` (or a fake with the same methods).
 
     WeightUpdates.load_state_dict(state, V)   object-store path: the state dict to a
                                 safetensors file in /dev/shm ──▶ paused_update(reload it)
-    WeightUpdates.receive(order)   process-group path (the broker's order):
-                                receive_to_workers ──▶ paused_update(apply) [──▶ digests]
-    receive_to_workers(order):  rpc start ──▶ poll every POLL_S (engine keeps
-                                generating) ──▶ all workers done | failed | deadline
+    WeightUpdates.receive(order)   process-group path (the broker's ReceiveOrder):
+                                paused_update(sync_workers) ──▶ Reloaded
+    sync_workers(order):        one rpc, asyncrl_sync: every worker joins (first use),
+                                receives and reloads in place ──▶ its ReceiveReport
     paused_update(load, V):     pause(mode) ──▶ load() ──▶ label V ──▶ (reset prefix
                                 cache) ──▶ resume   (resume runs in `finally`)
 
@@ -26,17 +26,17 @@ request ever reads a cached prefix of an older version.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-# How often the actor asks its workers whether the transfer finished: a cheap
-# engine utility call (answered between two engine steps). A transfer of the tiny
-# model takes ~10 ms, so a 20 ms period added about as much again to every sync.
-POLL_S = 0.005
-# Bound on one small control RPC (start, poll, digests); a live engine answers in ms.
+from asyncrl.broker.messages import Loaded, ReceiveOrder, Reloaded
+from asyncrl.transport.endpoint import JoinSpec, ReceiveReport
+
+# Bound on one small control RPC (state, clock, resume); a live engine answers in ms.
 RPC_TIMEOUT_S = 60.0
 
 
@@ -82,30 +82,28 @@ async def until_answered(engine: Any, call: Awaitable[Any], timeout_s: float, wh
             task.cancel()
 
 
-async def receive_to_workers(engine: Any, order: dict[str, Any]) -> list[dict[str, Any]]:
-    """Start the receive on every worker and wait (polling) until all finished.
-    Raises TimeoutError naming the workers' last state after ``order['deadline_s']``."""
-    keys = ("key", "host", "port", "rank_offset", "world_size", "timeout_s", "join_timeout_s")
-    await rpc(
-        engine,
-        "asyncrl_receive_start",
-        {
-            **{k: order[k] for k in keys},
-            "backend": order["backend"],
-            "hold_copy": order["hold_copy"],
-        },
-    )
-    deadline = time.monotonic() + order["deadline_s"]
-    while True:
-        states = await rpc(engine, "asyncrl_receive_poll")
-        if all(s["state"] in ("done", "failed") for s in states):
-            return states
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"receive of version {order['version']} still running after "
-                f"{order['deadline_s']:.0f}s: {states}"
-            )
-        await asyncio.sleep(POLL_S)
+class WorkersFailed(RuntimeError):
+    """A worker's receive failed: its report names the bucket and the peers."""
+
+    def __init__(self, report: ReceiveReport, held: int):
+        super().__init__(report.error)
+        self.report, self.held = report, held
+
+
+async def sync_workers(engine: Any, order: ReceiveOrder) -> list[ReceiveReport]:
+    """One ``asyncrl_sync`` call to every worker (join, receive, reload in place), bounded
+    by ``order.deadline_s``. Raises :class:`WorkersFailed` when a worker's receive did."""
+    spec = JoinSpec(
+        order.key, order.host, order.port, order.rank, order.world_size, order.timeout_s,
+        order.join_timeout_s, order.backend, order.hold_copy,
+    )  # fmt: skip
+    kwargs = {"spec": dataclasses.asdict(spec), "with_digests": order.with_digests}
+    got = await rpc(engine, "asyncrl_sync", kwargs, order.deadline_s)
+    reports = [ReceiveReport.from_wire(r) for r in got]
+    for r in reports:
+        if not r.ok:
+            raise WorkersFailed(r, min(x.held for x in reports))
+    return reports
 
 
 async def paused_update(
@@ -129,10 +127,9 @@ async def paused_update(
     The engine core reads its input in order, and under ``keep`` it runs no step from
     the moment it reads the pause: the load's call follows the pause's without waiting
     for its reply, and after the load the label, the prefix-cache reset and the resume
-    go out together. Two round trips to the engine core instead of five. What the
-    caller sees also holds the end of the engine step in progress when the pause was
-    sent (the engine still generates) and the resume's answer coming back (it
-    generates again)."""
+    go out together: two round trips to the engine core. What the caller sees also
+    holds the engine step in progress when the pause was sent and the resume's answer
+    coming back (both while the engine generates)."""
     t0 = time.monotonic()
     marks = {"start": t0}
     clock = _clock_call(engine) if mode == "keep" else None
@@ -251,9 +248,7 @@ class WeightUpdates:
             hops,
         )  # fmt: skip
 
-    async def load_state_dict(
-        self, engine: Any, mode: str, state: dict, version: int
-    ) -> dict[str, float]:
+    async def load_state_dict(self, engine: Any, mode: str, state: dict, version: int) -> Loaded:
         """Load ``state`` (name -> tensor) as ``version``: written once to a
         safetensors file the workers reload from (tensors cannot travel as RPC
         arguments)."""
@@ -275,58 +270,52 @@ class WeightUpdates:
                 )
             finally:
                 os.unlink(path)
-            return {"seconds": time.time() - t0, "version": version}
+            return Loaded(version, time.time() - t0)
 
-    async def receive(self, engine: Any, mode: str, order: dict[str, Any]) -> dict[str, Any]:
-        """Take part in one process-group sync (``order`` from the WeightBroker): the
-        workers receive in the background while generation goes on, then generation
-        pauses (per ``mode``) only for the in-place reload. Never raises: the result
-        says ``ok``, or the error and whether the engine is ``dead``; ``held`` is the
-        version the workers keep for deltas."""
-        version = order["version"]
+    async def receive(self, engine: Any, mode: str, order: ReceiveOrder) -> Reloaded:
+        """Take part in one process-group sync: pause generation (per ``mode``), one call
+        that has every worker receive and reload in place, label, resume. Never raises:
+        the answer says ``ok``, or the error and whether the engine is ``dead``."""
         # wall clock (the broker's is the same on one machine): its order's trip here
-        out: dict[str, Any] = {"version": version, "ok": False, "t_enter": time.time()}
+        out = Reloaded(self.name, order.version, t_enter=time.time(), update_mode=mode)
         async with self._lock:
             t0 = time.monotonic()
             try:
-                states = await receive_to_workers(engine, order)
-                out["held"] = min(s["held"] for s in states)
-                failed = [s for s in states if s["state"] != "done"]
-                if failed:
-                    out.update(error=failed[0]["error"], bucket=failed[0].get("bucket"))
-                    return out
-                out["transfer_seconds"] = time.monotonic() - t0
-                out["bytes"] = states[0]["bytes"]
-                hops: dict[str, float] = {"receive": out["transfer_seconds"]}
-                applied, out["pause_call_seconds"] = await self._paused(
-                    engine,
-                    mode,
-                    version,
-                    lambda: rpc(
-                        engine,
-                        "asyncrl_apply",
-                        {"with_digests": order["with_digests"]},
-                        order["apply_timeout_s"],
-                    ),
-                    order["pause_timeout_s"],
-                    hops,
+                reports, out.pause_call_seconds = await self._paused(
+                    engine, mode, order.version, lambda: sync_workers(engine, order),
+                    order.pause_timeout_s, out.hops,
+                )  # fmt: skip
+            except WorkersFailed as e:
+                r = e.report
+                out.held, out.error, out.bucket, out.peer_ranks = (
+                    e.held,
+                    r.error,
+                    r.bucket,
+                    r.peer_ranks,
                 )
-                # the bare in-place reload, as the slowest worker timed it
-                out["reload_seconds"] = max(a.get("seconds", 0.0) for a in applied)
-                out["hops"] = hops
-                # the engine's own view where it has one: the caller's also holds the
-                # end of the step in progress and the resume's answer (still generating)
-                out["pause_seconds"] = hops.get("engine_paused", out["pause_call_seconds"])
-                if order["with_digests"]:
-                    loaded = await rpc(engine, "asyncrl_loaded_digests")
-                    out["digests"] = [d["digests"] for d in loaded]
-            except Exception as e:  # noqa: BLE001 - reported to the broker, which decides
-                out.update(error=f"{type(e).__name__}: {e}", dead=engine_dead(engine, e))
                 return out
-            out["ok"] = True
-            out["seconds"] = time.monotonic() - t0
-            out["t_exit"] = time.time()
+            except Exception as e:  # noqa: BLE001 - reported to the broker, which decides
+                out.error, out.dead = f"{type(e).__name__}: {e}", engine_dead(engine, e)
+                return out
+            _fill(out, reports)
+            out.seconds = time.monotonic() - t0
+            out.t_exit = time.time()
             return out
+
+
+def _fill(out: Reloaded, reports: list[ReceiveReport]) -> None:
+    """A successful update's figures from its workers' reports (the slowest worker's)."""
+    out.ok = True
+    out.held = min(r.held for r in reports)
+    out.bytes = reports[0].bytes
+    out.transfer_seconds = max(r.seconds for r in reports)
+    out.reload_seconds = max(r.reload_seconds for r in reports)
+    out.hops["receive"] = out.transfer_seconds
+    # the engine's own view where it has one: the caller's also holds the end of the
+    # step in progress and the resume's answer (still generating)
+    out.pause_seconds = out.hops.get("engine_paused", out.pause_call_seconds)
+    if any(r.digests is not None for r in reports):
+        out.digests = [r.digests for r in reports]
 
 
 def _shm_dir() -> str | None:

@@ -64,13 +64,7 @@ class BrokerClient:
     def errors(self) -> list[str]:
         return self.state()["errors"]
 
-    def set_policy(self, mode: str | None = None, rolling_k: int | None = None) -> None:
-        self._get(self.handle.set_policy.remote(mode, rolling_k))
-
-    def learner_digests(self) -> dict[str, str]:
-        return self._get(self.handle.learner_digests.remote())
-
-    # ---- actors leaving and joining (asyncrl/fault/actors.py; broker/membership.py) ----
+    # ---- actors leaving and joining (asyncrl/fault/actors.py) ----
     def supervise(self) -> None:
         self._get(self.handle.supervise.remote())
 

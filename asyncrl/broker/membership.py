@@ -1,66 +1,59 @@
-"""Actors leaving and joining a running process-group broker (a dead actor, its
-restarted replacement: asyncrl/fault/actors.py).
+"""Who the process-group broker syncs: every live actor's view, the dead ones and why,
+and every error so far (a :class:`Roster`, held by the WeightBroker).
 
-    driver: remove_actor(name)  ─▶ dropped from the sync set now (a sync in flight
-                                   skips it), no later plan includes it
-    driver: add_actor(name, h)  ─▶ queued behind the sync in flight: then the actor's
-                                   versions are read and the CURRENT version is synced
-                                   to it from the snapshot the last publish packed
-
-The prime never asks the learner for weights: the learner may be training the next
-step by then, and its live weights would no longer be the version they are labelled.
-The snapshot of ``self.version`` is still held on learner rank 0 (a later snapshot
-comes only with the next publish, which first waits for this prime).
+    start / add_actor ─▶ admit(name, handle, WeightState)
+    a failed sync     ─▶ error(msg); drop(name, why): out of every later plan, its
+                         cached groups closed (``on_drop``)
+    remove_actor      ─▶ remove(name, why): dropped and its handle forgotten
 """
 
 from __future__ import annotations
 
-import asyncio
+import logging
+from collections.abc import Callable
 from typing import Any
 
+from asyncrl.broker.messages import WeightState
 from asyncrl.broker.plan import ActorView
 
+log = logging.getLogger(__name__)
 
-class Membership:
-    """Mixed into :class:`~asyncrl.broker.weight_broker.WeightBroker` (its state and
-    helpers: ``actors``, ``views``, ``dead``, ``_sync``, ``_drop``, ``_run_sync``)."""
 
-    # With a supervisor (fault.actor_restarts > 0) an empty sync set is not the end of
-    # the run: a replacement may be starting. The supervisor decides when it is over.
-    supervised = False
-    _last_snap: dict[str, Any] | None = None
+class Roster:
+    """The actors a broker knows (``actors``: name -> Ray handle) and their versions."""
 
-    def supervise(self) -> None:
-        self.supervised = True
+    def __init__(self, actors: dict[str, Any]):
+        self.actors = dict(actors)
+        self.views: dict[str, ActorView] = {}
+        self.dead: dict[str, str] = {}
+        self.errors: list[str] = []  # every error so far, oldest first
+        self._returned = 0  # errors[:this] went back to the driver already
+        # With a supervisor (fault.actor_restarts > 0) an empty sync set is not the end
+        # of the run: a replacement may be starting. The supervisor decides when.
+        self.supervised = False
+        self.on_drop: Callable[[str], None] = lambda name: None
 
-    def remove_actor(self, name: str, why: str) -> None:
-        self._drop(name, why)
-        self.actors.pop(name, None)
-
-    async def add_actor(self, name: str, handle: Any) -> None:
-        """Register ``handle`` as ``name`` and bring it to the current version, in the
-        background (the next publish or wait waits for it and reports its errors)."""
-        prev = self._sync
-        self._sync = asyncio.create_task(self._join(prev, name, handle))
-
-    async def _join(self, prev: asyncio.Task | None, name: str, handle: Any) -> dict[str, float]:
-        metrics: dict[str, float] = {}
-        if prev is not None:
-            try:
-                metrics = await prev
-            except Exception as e:  # noqa: BLE001 - the earlier sync's failure is its own
-                self.errors.append(f"weight sync before {name!r} joined: {e}")
-        try:
-            st = await self._bounded(
-                handle.weight_state.remote(), self.s.join_timeout_s, f"actor {name!r} state"
-            )
-        except Exception as e:  # noqa: BLE001 - the new actor is dead too: not synced
-            self.errors.append(f"actor {name!r} could not join the sync set: {e}")
-            return metrics
+    def admit(self, name: str, handle: Any, st: WeightState) -> None:
         self.actors[name] = handle
         self.dead.pop(name, None)
-        self.views[name] = ActorView(st["version"], st["held"], st["workers"])
-        if self._last_snap is not None and st["version"] != self.version:
-            primed = await self._run_sync(self.version, self._last_snap)
-            metrics = {**primed, **metrics}  # the earlier sync's numbers win
-        return metrics
+        self.views[name] = ActorView(st.version, st.held, st.workers, update_mode=st.update_mode)
+
+    def error(self, msg: str) -> None:
+        log.error("%s", msg)
+        self.errors.append(msg)
+
+    def new_errors(self) -> list[str]:
+        """The errors not returned before."""
+        new = self.errors[self._returned :]
+        self._returned = len(self.errors)
+        return new
+
+    def drop(self, name: str, why: str) -> None:
+        log.error("actor %s dropped from the sync set: %s", name, why)
+        self.dead[name] = why
+        self.views.pop(name, None)
+        self.on_drop(name)
+
+    def remove(self, name: str, why: str) -> None:
+        self.drop(name, why)
+        self.actors.pop(name, None)

@@ -33,6 +33,7 @@ class ActorView:
     held: int = NO_VERSION
     workers: int = 1
     failures: int = 0  # consecutive failed syncs
+    update_mode: str = "keep"  # what its engine does with requests in flight (wait: drains)
 
 
 def plan_waves(

@@ -4,9 +4,10 @@ broker reads the sender's and the receivers' reports."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
-from typing import Any
 
+from asyncrl.broker.messages import Reloaded, SendDone, Snapshot
 from asyncrl.broker.plan import ActorView
 from asyncrl.transport.group import HEADER_BUCKET
 
@@ -19,6 +20,7 @@ class Group:
     ranks: dict[str, int]  # first rank of each member's workers
     world: int
     port: int = 0
+    listening: asyncio.Future | None = None  # a new group: rank 0's port, once bound
 
 
 @dataclass
@@ -45,26 +47,26 @@ class SyncTally:
     updated: int = 0
     errors: list[str] = field(default_factory=list)
 
-    def add_sender(self, sender: dict[str, Any]) -> None:
+    def add_sender(self, sender: SendDone) -> None:
         """Count one set's transfer from the sender's report."""
         self.sets += 1
-        if sender["ok"]:
-            self.bytes_sent += sender["bytes_sent"]
-            self.bytes_full += sender["bytes_full"]
-            self.buckets_skipped += sender["buckets_skipped"]
-            self.buckets_sparse += sender["buckets_sparse"]
-            self.transfer_seconds += sender["seconds"]
+        if sender.ok:
+            self.bytes_sent += sender.bytes_sent
+            self.bytes_full += sender.bytes_full
+            self.buckets_skipped += sender.buckets_skipped
+            self.buckets_sparse += sender.buckets_sparse
+            self.transfer_seconds += sender.seconds
 
-    def add_actor(self, res: dict[str, Any]) -> None:
-        """Count one actor's successful update from its result."""
+    def add_actor(self, res: Reloaded, t_back: float) -> None:
+        """Count one actor's successful update from its answer (``t_back``: when it came)."""
         self.updated += 1
-        self.pause_max = max(self.pause_max, res.get("pause_seconds", 0.0))
-        self.pause_call_max = max(self.pause_call_max, res.get("pause_call_seconds", 0.0))
-        self.reload_max = max(self.reload_max, res.get("reload_seconds", 0.0))
-        hops = dict(res.get("hops") or {})
-        if self.t_ordered and "t_enter" in res:  # the Ray calls' trips, both ways
-            hops["order"] = res["t_enter"] - self.t_ordered
-            hops["reply"] = res.get("t_back", res["t_exit"]) - res["t_exit"]
+        self.pause_max = max(self.pause_max, res.pause_seconds)
+        self.pause_call_max = max(self.pause_call_max, res.pause_call_seconds)
+        self.reload_max = max(self.reload_max, res.reload_seconds)
+        hops = dict(res.hops)
+        if self.t_ordered and res.t_enter:  # the Ray calls' trips, both ways
+            hops["order"] = res.t_enter - self.t_ordered
+            hops["reply"] = t_back - res.t_exit
         for k, v in hops.items():
             self.hops[k] = max(self.hops.get(k, 0.0), v)
 
@@ -91,9 +93,9 @@ class SyncTally:
         }
 
 
-def culprits(group: Group, sender: dict[str, Any], views: dict[str, ActorView]) -> set[str]:
+def culprits(group: Group, sender: SendDone, views: dict[str, ActorView]) -> set[str]:
     """The members whose workers hold a rank the sender named as the failing peer."""
-    peers = set(sender.get("peer_ranks") or [])
+    peers = set(sender.peer_ranks)
     out = set()
     for name, first in group.ranks.items():
         if peers & set(range(first, first + views.get(name, ActorView(0)).workers)):
@@ -101,34 +103,24 @@ def culprits(group: Group, sender: dict[str, Any], views: dict[str, ActorView]) 
     return out
 
 
-def digest_mismatch(name: str, res: dict[str, Any], snap: dict[str, Any]) -> str | None:
+def digest_mismatch(name: str, res: Reloaded, snap: Snapshot) -> str | None:
     """With ``verify``: a message unless every worker of ``name`` loaded exactly the
     snapshot's bytes (None without digests)."""
-    want = snap.get("digests")
+    want = snap.digests
     if not want:
         return None
-    for w, got in enumerate(res.get("digests") or [None]):
+    for w, got in enumerate(res.digests or [None]):
         if got != want:
             got = got or {}
             diff = sorted(k for k in set(want) | set(got) if got.get(k) != want.get(k))
             return (
-                f"actor {name!r} worker {w} loaded version {snap['version']} "
+                f"actor {name!r} worker {w} loaded version {snap.version} "
                 f"with different bytes in {diff[:5]} ({len(diff)} tensors)"
             )
     return None
 
 
-def no_report(stage: str) -> dict[str, Any]:
-    return {
-        "ok": False,
-        "error": f"learner rank 0 did not report the {stage} in time (dead or stuck)",
-        "peer_ranks": [0],
-        "bucket": HEADER_BUCKET,
-    }
-
-
-def where(res: dict[str, Any]) -> str:
-    bucket = res.get("bucket")
+def where(bucket: int | None) -> str:
     if bucket is None:
         return "setup"
     return "header" if bucket == HEADER_BUCKET else f"bucket {bucket}"

@@ -5,20 +5,16 @@ worker and ``self.model_runner`` its model runner. Tensors cannot travel as
 ``collective_rpc`` arguments (they arrive mangled), so weights come by another road:
 a safetensors file (the object-store transport) or a side process group (the broker).
 
-Process-group receive, as the actor drives it (each line one ``collective_rpc``)::
-
-    asyncrl_receive_start(...)   returns at once; a thread joins the group and
-                                 receives into the held copy while the engine
-                                 keeps generating
-    asyncrl_receive_poll()       running | done | failed (never blocks)
-    -- actor pauses generation --
-    asyncrl_apply()              reload_weights in place from the received
-                                 tensors, then re-tie the LM head
-    -- actor labels the version, resumes --
+Process-group sync, as the actor drives it: one ``collective_rpc`` per sync,
+``asyncrl_sync(spec)``, sent after the actor paused generation (per its update mode):
+join the group on first use, receive into the held copy, reload in place, re-tie
+the LM head, report (:class:`~asyncrl.transport.endpoint.ReceiveReport` as a dict).
+Every wait inside is bounded by the spec's timeouts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from typing import Any
@@ -26,7 +22,7 @@ from typing import Any
 import torch
 
 from asyncrl.engine import vllm_plugin
-from asyncrl.transport.endpoint import ReceiverEndpoint
+from asyncrl.transport.endpoint import JoinSpec, ReceiverEndpoint
 
 # vLLM loads the plugin through its entry point; asyncrl run from a checkout that pip
 # never installed has none, so the worker applies it here too (once per process)
@@ -41,8 +37,7 @@ logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
 class NarrowingNotice(logging.Filter):
     """Drops vLLM's "Attempted to load weight X with dtype float32 into parameter with
     dtype bfloat16": an engine at a narrower ``actor.engine.dtype`` than the learner's
-    weights gets it for every such tensor at every update (4,352 lines in a 150-step
-    run). vLLM casts each tensor to its parameter's own dtype, which is the intent; the
+    weights gets it for every such tensor at every update. vLLM casts each tensor to its parameter's own dtype, which is the intent; the
     tensors are left for vLLM to cast, because a parameter it keeps wider than the
     engine's dtype must get the full value."""
 
@@ -69,36 +64,18 @@ class AsyncRLWorkerExtension:
             rx = self.__dict__["_asyncrl_endpoint"] = ReceiverEndpoint()
         return rx
 
-    def asyncrl_receive_start(
-        self,
-        key: str,
-        host: str,
-        port: int,
-        rank_offset: int,
-        world_size: int,
-        timeout_s: float,
-        join_timeout_s: float,
-        backend: str = "auto",
-        hold_copy: bool = True,
-    ) -> int:
-        """Start receiving the next sync of group ``key`` in the background; returns
-        this worker's rank in the group (``rank_offset`` + its rank in the engine)."""
-        rank = rank_offset + int(getattr(self, "rank", 0))
-        self._asyncrl_rx().start(
-            key, host, port, rank, world_size, timeout_s, join_timeout_s, backend, hold_copy
-        )
-        return rank
+    def asyncrl_sync(self, spec: dict[str, Any], with_digests: bool = False) -> dict[str, Any]:
+        """Take part in the next sync of group ``spec['key']`` and load it in place
+        (generation paused by the caller). ``spec``: a JoinSpec's fields, ``rank`` the
+        first rank of this engine's workers (each adds its own rank in the engine)."""
+        join = JoinSpec.from_wire(spec)
+        join = dataclasses.replace(join, rank=join.rank + int(getattr(self, "rank", 0)))
+        report = self._asyncrl_rx().sync(join, self._asyncrl_load, with_digests)
+        return dataclasses.asdict(report)
 
     def asyncrl_spin_nap(self) -> float:
         """The nap this worker's vLLM queues use instead of spinning (0: vLLM's spin)."""
         return vllm_plugin.nap_in_effect()
-
-    def asyncrl_receive_poll(self) -> dict[str, Any]:
-        return self._asyncrl_rx().poll()
-
-    def asyncrl_apply(self, with_digests: bool = False) -> dict[str, Any]:
-        """Reload the received version in place (generation must be paused)."""
-        return self._asyncrl_rx().apply(self._asyncrl_load, with_digests)
 
     def _asyncrl_load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         self.model_runner.reload_weights(weights_iterator=iter(tensors))
@@ -113,7 +90,7 @@ class AsyncRLWorkerExtension:
         return time.monotonic()
 
     def asyncrl_loaded_digests(self) -> dict[str, Any]:
-        """Per-tensor digests of exactly what the last ``asyncrl_apply`` loaded
+        """Per-tensor digests of exactly what the last ``asyncrl_sync`` loaded
         (taken at load time when it was asked ``with_digests``)."""
         return self._asyncrl_rx().loaded_digests()
 
@@ -127,14 +104,6 @@ class AsyncRLWorkerExtension:
             rx.close_all()
         for key in keys or []:
             rx.close(key)
-
-    def asyncrl_inject_fault(self, kind: str, bucket: int, seconds: float = 0.0) -> int:
-        """Test hook: ``kill`` this worker process or ``stall`` it at payload
-        ``bucket`` of the next receive. Returns the worker's pid."""
-        import os
-
-        self._asyncrl_rx().inject_fault(kind, bucket, seconds)
-        return os.getpid()
 
     def _asyncrl_retie(self) -> None:
         """vLLM's in-place reload puts the *old* tensor back on a layer it loaded

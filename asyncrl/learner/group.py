@@ -87,6 +87,7 @@ class LearnerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from asyncrl.learner.learner import Learner
+        from asyncrl.learner.weights import CONCURRENCY_GROUPS
 
         world_size, num_cpus, num_gpus = settings.world_size, settings.num_cpus, settings.num_gpus
         self.world_size = world_size
@@ -105,7 +106,8 @@ class LearnerGroup:
             ) from None
         rendezvous = self._rendezvous() if world_size > 1 or num_gpus else None
         self.rendezvous = rendezvous  # rank 0's store: host:port (None: a single CPU rank)
-        cls = ray.remote(Learner)
+        # rank 0's weight transfers run in their own thread (learner/weights.py)
+        cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Learner)
         self.ranks = [
             cls.options(
                 num_cpus=num_cpus,

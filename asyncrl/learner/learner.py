@@ -90,6 +90,8 @@ class Learner:
     full_state_dict = held("weights", WeightsOut.full_state_dict)
     attach_broker = held("weights", WeightsOut.attach_broker)
     snapshot_weights = held("weights", WeightsOut.snapshot_weights)
+    send_weights = held("weights", WeightsOut.send_weights)  # in the weights group
+    close_send_groups = held("weights", WeightsOut.close_send_groups)
     detach_broker = held("weights", WeightsOut.detach_broker)
     weight_digests = held("weights", WeightsOut.weight_digests)
     weights_ref = held("weights", WeightsOut.weights_ref)

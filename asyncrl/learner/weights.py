@@ -1,12 +1,15 @@
 """A learner rank's weights, out to the brokers: the methods the brokers call on a rank
 (a Ray actor), held by :class:`~asyncrl.learner.learner.Learner` as ``weights``.
 
-    process-group broker            this rank (rank 0 sends; the others only take part
-                                    in the collective unshard of a sharded learner)
-    start ── attach_broker ───────▶ SenderEndpoint + its command thread (self._sender)
-    publish(V) ── snapshot_weights ▶ pack a copy of the weights as V (every rank)
-    close ── detach_broker ───────▶ the thread stops, the groups close
-    checks ── weight_digests ─────▶ per-tensor sha256 of the live weights (every rank)
+    process-group broker                   this rank (rank 0 sends; the others only take
+                                           part in the collective unshard of a sharded
+                                           learner)
+    start ── attach_broker ──────────────▶ rank 0's SenderSide (self._sender) ─▶ Attached
+    publish(V) ── snapshot_weights ───────▶ pack a copy of the weights as V (every rank)
+    per sync set ── send_weights(SendOrder) ▶ rank 0, in the ``weights`` concurrency
+                                           group (overlaps a train step) ─▶ SendDone
+    close ── detach_broker ───────────────▶ the groups close
+    checks ── weight_digests ─────────────▶ per-tensor sha256 of the live weights
 
     object-store broker
     publish(V) ── weights_ref ────▶ one ray.put of the weights (broker/payload.py)
@@ -14,7 +17,8 @@
 Built with the rank, whether the learner is sharded, and ``stream``, its
 ``named_parameters_stream()`` (``(HF name, full tensor)``, collective on a sharded
 learner: every rank iterates it); a subclass with a plain ``model`` and no stream
-streams the model's state dict.
+streams the model's state dict. The Ray actor class of whoever exposes these methods is
+made with ``concurrency_groups=CONCURRENCY_GROUPS``.
 """
 
 from __future__ import annotations
@@ -23,8 +27,24 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import ray
 import torch
 
+from asyncrl.broker.learner_side import SenderSide
+from asyncrl.broker.messages import (
+    Attached,
+    CloseGroups,
+    SendDone,
+    SendOrder,
+    Snapshot,
+    SnapshotOrder,
+)
+from asyncrl.broker.settings import BrokerSettings
+
+# Rank 0's transfers run in this concurrency group of the learner's Ray actor (one
+# thread), beside its default queue where train steps and snapshots run in order.
+WEIGHTS_GROUP = "weights"
+CONCURRENCY_GROUPS = {WEIGHTS_GROUP: 1}
 Stream = Callable[[], Iterator[tuple[str, torch.Tensor]]]  # (HF name, full tensor), in order
 
 
@@ -43,7 +63,7 @@ def export_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 class WeightsOut:
     rank: int = 0
     sharded: bool = False  # the stream's tensors are transient (FSDP unshards)
-    _sender: Any = None  # broker.learner_side.SenderLoop while a broker is attached
+    _sender: SenderSide | None = None  # while a process-group broker is attached
     _stream: Stream | None = None
 
     def __init__(self, rank: int = 0, sharded: bool = False, stream: Stream | None = None):
@@ -70,30 +90,40 @@ class WeightsOut:
         return sd
 
     # ---- the process-group broker -----------------------------------------------------
-    def attach_broker(self, broker_id: str, broker: Any, settings: dict[str, Any]) -> dict:
-        """Rank 0: start the sender endpoint and its command thread for ``broker`` (a
-        Ray handle). Attaching again replaces the previous broker's."""
-        from asyncrl.broker.learner_side import SenderLoop
-
+    def attach_broker(self, broker_id: str, broker: Any, settings: BrokerSettings) -> Attached:
+        """Rank 0: the sender endpoint for ``broker`` (a Ray handle). Attaching again
+        replaces the previous broker's."""
         self.detach_broker()
-        self._sender = SenderLoop.start(broker_id, broker, settings)
-        ep = self._sender.endpoint
-        return {"host": self._sender.host, "backend": ep.backend, "pid": os.getpid()}
+        self._sender = SenderSide.start(broker_id, broker, settings)
+        return self._sender.attached(os.getpid())
 
-    def snapshot_weights(
-        self, broker_id: str, version: int, retain: list[int], with_digests: bool
-    ) -> dict[str, Any]:
-        """Rank 0: pack the weights as ``version`` for the attached broker (a copy: the
-        learner may train on once this returns); the snapshot's info (nbytes, buckets,
-        pack_seconds, digests). Other ranks take part in the stream, return ``{}``."""
+    def snapshot_weights(self, order: SnapshotOrder) -> Snapshot | None:
+        """Rank 0: pack the weights as ``order.version`` for the attached broker (a copy:
+        the learner may train on once this returns). Other ranks take part in the
+        stream and return None."""
         stream = self.named_parameters_stream()
         if self.rank != 0:
             for _ in stream:
                 pass
-            return {}
+            return None
+        return self._attached(order.broker_id).snapshot(order, stream)
+
+    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    def send_weights(self, order: SendOrder) -> SendDone:
+        """Rank 0: one set's transfer (beside a train step, in its own thread)."""
+        if self._sender is None:
+            return SendDone(order.key, False, error="no broker is attached to learner rank 0")
+        return self._sender.send(order)
+
+    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    def close_send_groups(self, order: CloseGroups) -> None:
+        if self._sender is not None:
+            self._sender.close(order.keys)
+
+    def _attached(self, broker_id: str) -> SenderSide:
         if self._sender is None or self._sender.broker_id != broker_id:
             raise RuntimeError(f"broker {broker_id} is not attached to this learner rank")
-        return self._sender.endpoint.snapshot(version, stream, retain, with_digests)
+        return self._sender
 
     def detach_broker(self) -> None:
         if self._sender is not None:

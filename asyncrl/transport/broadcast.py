@@ -109,6 +109,7 @@ class WeightSender(SyncEnd):
         named_tensors: Iterable[tuple[str, torch.Tensor]] | None,
         receiver_version: int | None = None,
         mode: Mode | str = Mode.SPARSE,
+        arrive_timeout_s: float | None = None,
     ) -> SendStats:
         """Bring every receiver of the group from ``receiver_version`` to ``version``.
 
@@ -117,7 +118,8 @@ class WeightSender(SyncEnd):
         the stored ``version`` (for a second receiver group). ``receiver_version``:
         what the receivers hold (``NO_VERSION`` for nothing; ``None``: take it
         from their arrivals). Deltas go against exactly that version, however far
-        behind; without its shadow the sync is ``full``. Blocks until the last
+        behind; without its shadow the sync is ``full``. ``arrive_timeout_s``: how long
+        the receivers may take to enter the sync (default: the group's timeout). Blocks until the last
         payload is handed to the wire; raises :class:`TransferError` naming the
         silent peer, the bucket and ``version``.
         """
@@ -128,7 +130,7 @@ class WeightSender(SyncEnd):
         self._seq += 1
         seq = self._seq
         with Heartbeat(self.group) as self._hb:
-            held = self._arrivals(seq, version)
+            held = self._arrivals(seq, version, arrive_timeout_s or self.group.timeout_s)
             t2 = time.perf_counter()
             base_version, used, plans, header_bytes = self._sync(
                 seq, version, packed, held, receiver_version, mode
@@ -210,20 +212,20 @@ class WeightSender(SyncEnd):
             for new, old in zip(packed.buckets, base.buckets, strict=True)
         ]
 
-    def _arrivals(self, seq: int, version: int) -> dict[int, int]:
+    def _arrivals(self, seq: int, version: int, timeout_s: float) -> dict[int, int]:
         """Wait (store only, no collective) until every receiver entered sync ``seq``."""
         g = self.group
         keys = {r: g.key("arrive", seq, r) for r in range(1, g.world_size)}
         if self._hb is not None:
             self._hb.enter("wait")
         try:
-            g.store.wait(list(keys.values()), datetime.timedelta(seconds=g.timeout_s))
+            g.store.wait(list(keys.values()), datetime.timedelta(seconds=timeout_s))
         except Exception as e:  # noqa: BLE001 - DistStoreError on timeout, others if the store broke
             # Receivers that did arrive will time out on the header; this tells them we are alive.
             g.store.set(g.key("fail", seq, 0), "arrivals")
             missing = [r for r, k in keys.items() if not g.has(k)] or list(keys)
             raise TransferError(
-                f"receiver(s) did not enter the sync within {g.timeout_s:.1f}s "
+                f"receiver(s) did not enter the sync within {timeout_s:.1f}s "
                 f"(not calling receive(), or dead): {e}",
                 missing,
                 HEADER_BUCKET,

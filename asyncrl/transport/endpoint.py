@@ -5,24 +5,21 @@ same update together) and keeps it while the set recurs. These endpoints own
 those groups on each side, so a caller only names a group by key:
 
     learner rank 0: SenderEndpoint               vLLM worker: ReceiverEndpoint
-      snapshot(V, stream) -> shadows[V]            start(key, host, port, rank, ...)
-      open(key, world) (port 0: store picks) ──┐     └─ thread: join group `key` (once)
-      send(key, V, base, mode) ───────────────┴──▶      receive() into the held copy
-                                                   poll()  -> running | done | failed
-                                                   apply(load) -> load(V's tensors)
+      snapshot(V, stream) -> shadows[V]            sync(JoinSpec, load) (one call):
+      open(key, world) (port 0: store picks) ──┐     join group `key` (first use)
+      send(key, V, base, mode) ───────────────┴──▶   receive into the held copy
+                                                     load(V's tensors) in place
+                                                   ─▶ ReceiveReport
 
-The worker side receives in a background thread so that generation goes on
-during the transfer (a vLLM ``collective_rpc`` blocks the engine while it
-runs): only ``apply`` needs the engine paused. Held copy, groups and the
-received-but-not-loaded version survive between syncs; a failed group is
-closed and forgotten (after a :class:`TransferError` a group is unusable).
+The worker's ``sync`` runs inside one vLLM ``collective_rpc``, so the engine takes
+no step while it runs (the actor pauses generation around it per its update
+mode). Held copy and groups survive between syncs; a failed group is closed and
+forgotten (after a :class:`TransferError` a group is unusable).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -35,8 +32,9 @@ import torch
 from asyncrl.transport.broadcast import SendStats, WeightSender
 from asyncrl.transport.buckets import DEFAULT_BUCKET_MB, pack
 from asyncrl.transport.delta import Mode, ShadowStore
-from asyncrl.transport.group import TransferError, _resolve_backend, make_group
+from asyncrl.transport.group import TransferError, make_group, resolve_backend
 from asyncrl.transport.receiver import HeldCopy, WeightReceiver
+from asyncrl.transport.wire import NO_VERSION
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -71,7 +69,7 @@ class SenderEndpoint:
         max_versions: int = 4,
     ):
         self.host = host
-        self.backend = _resolve_backend(backend)
+        self.backend = resolve_backend(backend)
         self.timeout_s = timeout_s
         self.join_timeout_s = join_timeout_s if join_timeout_s is not None else timeout_s
         self.bucket_mb = bucket_mb
@@ -139,14 +137,26 @@ class SenderEndpoint:
         )
         self.senders[key] = WeightSender(group, self.shadows, self.bucket_mb, self.shadow_device)
 
-    def send(self, key: str, version: int, base: int, mode: Mode | str) -> SendStats:
-        """Bring group ``key`` (all holding ``base``) to ``version``; a failure closes it."""
+    def send(
+        self,
+        key: str,
+        version: int,
+        base: int,
+        mode: Mode | str,
+        arrive_timeout_s: float | None = None,
+    ) -> SendStats:
+        """Bring group ``key`` (all holding ``base``) to ``version``; a failure closes it.
+        ``arrive_timeout_s``: how long the receivers may take to enter (default: the
+        group's timeout)."""
         sender = self.senders.get(key)
         if sender is None:
             raise KeyError(f"no group {key!r} (open it first); have {sorted(self.senders)}")
         with self._locked(f"send of version {version} to group {key}"):
             try:
-                return sender.send(version, None, receiver_version=base, mode=mode)
+                return sender.send(
+                    version, None, receiver_version=base, mode=mode,
+                    arrive_timeout_s=arrive_timeout_s,
+                )  # fmt: skip
             except TransferError:
                 self.close(key)
                 raise
@@ -161,148 +171,124 @@ class SenderEndpoint:
             self.close(key)
 
 
-@dataclass
-class _Fault:
-    """Test hook: at payload ``bucket`` of the next receive, ``kill`` this process
-    (SIGKILL, like an OOM kill) or ``stall`` for ``seconds`` (a stuck peer)."""
+@dataclass(frozen=True)
+class JoinSpec:
+    """Where one worker takes part in a group's next sync (plain values: it crosses
+    vLLM's RPC encoding as a dict, :meth:`from_wire` rebuilds it)."""
 
-    kind: str
-    bucket: int
-    seconds: float = 0.0
+    key: str
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    timeout_s: float
+    join_timeout_s: float
+    backend: str = "auto"
+    hold_copy: bool = True
+    kind: str = "join"
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> JoinSpec:
+        return cls(**d)
+
+
+@dataclass
+class ReceiveReport:
+    """One worker's end of one sync: received and loaded (``ok``), or the error with
+    the failing peer ranks and ``bucket`` (None: before any bucket, e.g. joining).
+    ``held``: the version kept for deltas; ``digests`` only when asked for."""
+
+    ok: bool
+    rank: int
+    version: int = NO_VERSION
+    held: int = NO_VERSION
+    bytes: int = 0
+    seconds: float = 0.0  # join + receive
+    reload_seconds: float = 0.0  # the in-place load alone
+    error: str = ""
+    bucket: int | None = None
+    peer_ranks: tuple[int, ...] = ()
+    digests: dict[str, str] | None = None
+    kind: str = "received"
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> ReceiveReport:
+        return cls(**{**d, "peer_ranks": tuple(d.get("peer_ranks") or ())})
 
 
 class ReceiverEndpoint:
-    """A vLLM worker's end: groups by key, one held copy shared by all of them,
-    one receive at a time in a background thread.
+    """A vLLM worker's end: groups by key, one held copy shared by all of them.
 
-        start() ─▶ thread: join `key` (first use) ─▶ receive() ─▶ status done | failed
-        poll()  ─▶ the status (never blocks)
-        apply(load) ─▶ load(tensors of the received version) ─▶ loaded_version
+        sync(spec, load) ─▶ join `key` (first use) ─▶ receive ─▶ load(tensors) ─▶ report
 
-    The received tensors are views into the held copy (or fresh buffers without
-    ``hold_copy``); they stay untouched until the next ``start``.
+    One call does the whole sync and never raises for a transfer failure: the report
+    says what failed where. Every wait inside is bounded by the spec's timeouts.
+    ``on_bucket(i)`` (if set) runs just before payload ``i`` is posted (progress).
     """
 
     def __init__(self) -> None:
         self._receivers: dict[str, WeightReceiver] = {}
         self._held = HeldCopy()
-        self._received: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
         self.loaded_version: int | None = None
         self._loaded_digests: dict[str, str] | None = None
-        self._thread: threading.Thread | None = None
-        self._status: dict[str, Any] = {"state": "idle"}
-        self._fault: _Fault | None = None
+        self.on_bucket: Callable[[int], None] | None = None
 
     @property
     def held_version(self) -> int:
         return self._held.version
 
-    def start(
+    def sync(
         self,
-        key: str,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        timeout_s: float,
-        join_timeout_s: float | None = None,
-        backend: str = "auto",
-        hold_copy: bool = True,
-    ) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            raise RuntimeError(f"a receive is still running ({self._status})")
-        self._status = {"state": "running", "key": key, "rank": rank, "since": time.time()}
-        self._received = None  # the new receive writes into the buffers those views share
-        args = (key, host, port, rank, world_size, timeout_s, join_timeout_s, backend, hold_copy)
-        self._thread = threading.Thread(
-            target=self._run, args=args, name=f"asyncrl-recv-{key}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(
-        self,
-        key: str,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        timeout_s: float,
-        join_timeout_s: float | None,
-        backend: str,
-        hold_copy: bool,
-    ) -> None:
+        spec: JoinSpec,
+        load: Callable[[list[tuple[str, torch.Tensor]]], None],
+        with_digests: bool = False,
+    ) -> ReceiveReport:
+        """Receive group ``spec.key``'s next sync and hand it to ``load`` (in place: the
+        caller keeps the engine from stepping meanwhile)."""
         t0 = time.perf_counter()
-        rx = self._receivers.get(key)
+        try:
+            version, tensors, nbytes = self._receive(spec)
+        except Exception as e:  # noqa: BLE001 - every failure goes back in the report
+            return _failed(spec.rank, self._held.version, e, time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        load(tensors)
+        t2 = time.perf_counter()
+        self.loaded_version = version
+        # Digests of exactly what was handed to the loader, before anything (the next
+        # receive) can touch those buffers.
+        self._loaded_digests = digests(tensors) if with_digests else None
+        return ReceiveReport(
+            ok=True, rank=spec.rank, version=version, held=self._held.version, bytes=nbytes,
+            seconds=t1 - t0, reload_seconds=t2 - t1, digests=self._loaded_digests,
+        )  # fmt: skip
+
+    def _receive(self, spec: JoinSpec) -> tuple[int, list[tuple[str, torch.Tensor]], int]:
+        rx = self._receivers.get(spec.key)
         try:
             if rx is None:
                 group = make_group(
-                    host, port, rank, world_size, timeout_s, backend, join_timeout_s=join_timeout_s
-                )
-                rx = WeightReceiver(group, hold_copy=hold_copy, on_bucket=self._on_bucket)
-                self._receivers[key] = rx
+                    spec.host, spec.port, spec.rank, spec.world_size, spec.timeout_s,
+                    spec.backend, join_timeout_s=spec.join_timeout_s,
+                )  # fmt: skip
+                rx = WeightReceiver(group, hold_copy=spec.hold_copy, on_bucket=self._progress)
+                self._receivers[spec.key] = rx
             rx.adopt(self._held)
             version, tensors = rx.receive()
-        except Exception as e:  # noqa: BLE001 - every failure is reported through poll()
+        except Exception:
             if rx is not None:
                 self._held = rx.held()  # a receive that failed mid-payload dropped it
-            self.close(key)
-            self._status = _failed(key, rank, e, time.perf_counter() - t0)
-            return
-        finally:
-            self._fault = None
+            self.close(spec.key)
+            raise
         self._held = rx.held()
-        self._received = (version, tensors)
-        s = rx.last_stats
-        assert s is not None
-        self._status = {
-            "state": "done",
-            "key": key,
-            "rank": rank,
-            "version": version,
-            "base_version": s.base_version,
-            "mode": s.mode,
-            "bytes": s.bytes_received,
-            "buckets_skipped": s.buckets_skipped,
-            "seconds": time.perf_counter() - t0,
-        }
+        assert rx.last_stats is not None
+        return version, tensors, rx.last_stats.bytes_received
 
-    def _on_bucket(self, i: int) -> None:
-        fault = self._fault
-        if fault is None or i != fault.bucket:
-            return
-        self._fault = None
-        if fault.kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(fault.seconds)
-
-    def poll(self) -> dict[str, Any]:
-        return {**self._status, "held": self._held.version, "loaded": self.loaded_version}
-
-    def apply(
-        self, load: Callable[[list[tuple[str, torch.Tensor]]], None], with_digests: bool = False
-    ) -> dict[str, Any]:
-        """Hand the received version to ``load`` (in place, engine paused by the caller)."""
-        if self._thread is not None and self._thread.is_alive():
-            raise RuntimeError("apply() while a receive is running")
-        if self._received is None:
-            raise RuntimeError("apply() with nothing received")
-        version, tensors = self._received
-        t0 = time.perf_counter()
-        load(tensors)
-        self.loaded_version = version
-        # Digests of exactly what was handed to the loader, taken before anything
-        # (the next receive) can touch those buffers.
-        self._loaded_digests = digests(tensors) if with_digests else None
-        self._received = None
-        return {"version": version, "tensors": len(tensors), "seconds": time.perf_counter() - t0}
+    def _progress(self, i: int) -> None:
+        if self.on_bucket is not None:
+            self.on_bucket(i)
 
     def loaded_digests(self) -> dict[str, Any]:
         return {"version": self.loaded_version, "digests": self._loaded_digests}
-
-    def inject_fault(self, kind: str, bucket: int, seconds: float = 0.0) -> None:
-        if kind not in ("kill", "stall"):
-            raise ValueError(f"fault kind must be kill or stall, got {kind!r}")
-        self._fault = _Fault(kind, bucket, seconds)
 
     def close(self, key: str) -> None:
         rx = self._receivers.pop(key, None)
@@ -314,14 +300,10 @@ class ReceiverEndpoint:
             self.close(key)
 
 
-def _failed(key: str, rank: int, e: BaseException, seconds: float) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "state": "failed",
-        "key": key,
-        "rank": rank,
-        "error": f"{type(e).__name__}: {e}",
-        "seconds": seconds,
-    }
+def _failed(rank: int, held: int, e: BaseException, seconds: float) -> ReceiveReport:
+    out = ReceiveReport(ok=False, rank=rank, held=held, seconds=seconds)
+    out.error = f"{type(e).__name__}: {e}"
     if isinstance(e, TransferError):
-        out.update(peer_ranks=list(e.peer_ranks), bucket=e.bucket, version=e.version)
+        out.peer_ranks, out.bucket = tuple(e.peer_ranks), e.bucket
+        out.version = e.version if e.version is not None else NO_VERSION
     return out

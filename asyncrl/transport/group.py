@@ -146,7 +146,9 @@ def _local_ip(peer: str) -> str:
         return s.getsockname()[0]
 
 
-def _resolve_backend(backend: str) -> str:
+def resolve_backend(backend: str) -> str:
+    """``auto`` -> ``nccl`` where CUDA and NCCL are there, else ``gloo``; a backend this
+    process cannot run raises ValueError."""
     if backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"backend must be auto, gloo or nccl, got {backend!r}")
     if backend == "auto":
@@ -182,7 +184,7 @@ def make_group(
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world_size {world_size}")
-    kind = _resolve_backend(backend)
+    kind = resolve_backend(backend)
     timeout = datetime.timedelta(seconds=timeout_s)
     join_s = timeout_s if join_timeout_s is None else join_timeout_s
     join = datetime.timedelta(seconds=join_s)

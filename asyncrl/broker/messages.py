@@ -1,0 +1,186 @@
+"""The messages of a process-group weight sync: one dataclass each, with a ``kind``,
+each sent straight to the party that acts on it (a Ray call's argument or its answer).
+
+    WeightBroker ── SnapshotOrder ──▶ learner rank 0 (its call queue)  ─▶ Snapshot
+    WeightBroker ── SendOrder ──────▶ learner rank 0 (its weights thread) ─▶ SendDone
+                    (a new group first: rank 0 ── Listening ──▶ WeightBroker)
+    WeightBroker ── ReceiveOrder ───▶ each actor of the set ─▶ Reloaded
+    WeightBroker ── CloseGroups ────▶ rank 0 and the actors (a group left the cache)
+    (object store) ── update_weights([ref], V) ──▶ each actor ─▶ Loaded
+
+The worker side (inside vLLM) speaks transport's ``JoinSpec`` / ``ReceiveReport``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncrl.transport.group import HEADER_BUCKET
+from asyncrl.transport.wire import NO_VERSION
+
+
+@dataclass(frozen=True)
+class SnapshotOrder:
+    """Pack the learner's weights as ``version`` (a copy: it may train on at once);
+    drop shadows other than ``retain`` first; digest them with ``with_digests``."""
+
+    broker_id: str
+    version: int
+    retain: tuple[int, ...] = ()
+    with_digests: bool = False
+    kind: str = "snapshot"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a snapshot holds: ``nbytes`` in ``buckets``; per-tensor ``digests`` if asked."""
+
+    version: int
+    nbytes: int = 0
+    buckets: int = 1
+    pack_seconds: float = 0.0
+    digests: dict[str, str] | None = None
+    kind: str = "snapshot_done"
+
+
+@dataclass(frozen=True)
+class Attached:
+    """Learner rank 0's answer to ``attach_broker``: where workers connect, and how."""
+
+    host: str
+    backend: str
+    pid: int
+    kind: str = "attached"
+
+
+@dataclass(frozen=True)
+class SendOrder:
+    """Bring group ``key`` (every member holding ``base``) to ``version`` in ``mode``.
+    ``open_world`` > 0: host the group first (port announced with :class:`Listening`).
+    ``arrive_timeout_s``: how long the members may take to enter the sync (they
+    pause generation first, which under ``wait`` lets requests finish)."""
+
+    key: str
+    version: int
+    base: int
+    mode: str
+    arrive_timeout_s: float
+    open_world: int = 0
+    kind: str = "send"
+
+
+@dataclass(frozen=True)
+class Listening:
+    """Rank 0 hosts group ``key`` at ``port`` and waits for its members to join."""
+
+    key: str
+    port: int
+    kind: str = "listening"
+
+
+@dataclass
+class SendDone:
+    """Rank 0's end of one set's transfer: its stats, or the error naming the failing
+    peer ranks and the bucket (``HEADER_BUCKET``: before the payload; None: setup)."""
+
+    key: str
+    ok: bool
+    bytes_sent: int = 0
+    bytes_full: int = 0
+    buckets_skipped: int = 0
+    buckets_sparse: int = 0
+    seconds: float = 0.0
+    error: str = ""
+    peer_ranks: tuple[int, ...] = ()
+    bucket: int | None = None
+    kind: str = "send_done"
+
+    @classmethod
+    def missing(cls, key: str, stage: str) -> SendDone:
+        """Rank 0 never answered ``stage`` in time: it is the culprit."""
+        return cls(
+            key, False, error=f"learner rank 0 did not report the {stage} in time (dead or stuck)",
+            peer_ranks=(0,), bucket=HEADER_BUCKET,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ReceiveOrder:
+    """Take part in group ``key``'s next sync (of ``version``) as ranks from ``rank``
+    on (one per worker), pausing generation per the actor's update mode around it.
+    ``deadline_s`` bounds the whole call to the workers (join, transfer, reload)."""
+
+    key: str
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    version: int
+    backend: str
+    timeout_s: float
+    join_timeout_s: float
+    pause_timeout_s: float
+    deadline_s: float
+    hold_copy: bool = True
+    with_digests: bool = False
+    kind: str = "receive"
+
+
+@dataclass
+class Reloaded:
+    """An actor's end of one sync: ``ok`` (every worker loaded ``version``), or the error,
+    the bucket it failed at and whether the engine is ``dead``. ``held``: the version its
+    workers keep for deltas (the minimum over workers). Timings in seconds; ``t_enter`` /
+    ``t_exit`` are wall-clock stamps of the call (the order's and the reply's trips)."""
+
+    name: str
+    version: int
+    ok: bool = False
+    held: int = NO_VERSION
+    error: str = ""
+    bucket: int | None = None
+    peer_ranks: tuple[int, ...] = ()
+    dead: bool = False
+    bytes: int = 0
+    transfer_seconds: float = 0.0  # the slowest worker's join + receive
+    reload_seconds: float = 0.0  # the slowest worker's bare in-place reload
+    pause_seconds: float = 0.0  # the engine's own view where it has one
+    pause_call_seconds: float = 0.0  # the actor's view: pause sent to resume answered
+    seconds: float = 0.0
+    hops: dict[str, float] = field(default_factory=dict)
+    digests: list[dict[str, str] | None] | None = None
+    t_enter: float = 0.0
+    t_exit: float = 0.0
+    update_mode: str = ""  # the actor's at this update
+    kind: str = "reloaded"
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """An actor's end of one object-store update: ``version`` loaded in ``seconds``."""
+
+    version: int
+    seconds: float
+    kind: str = "loaded"
+
+
+@dataclass(frozen=True)
+class WeightState:
+    """An actor's versions: ``version`` labels its tokens, ``held`` the copy its workers
+    keep for deltas (minimum over its ``workers``)."""
+
+    name: str
+    version: int
+    held: int
+    workers: int
+    update_mode: str
+    fatal: str = ""
+    kind: str = "weight_state"
+
+
+@dataclass(frozen=True)
+class CloseGroups:
+    """Close groups ``keys`` (None: every group)."""
+
+    keys: tuple[str, ...] | None = None
+    kind: str = "close_groups"
