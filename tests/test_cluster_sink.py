@@ -54,11 +54,54 @@ def test_a_cluster_gets_the_code_shipped(monkeypatch, tmp_path):
         assert "PYTHONPATH" not in env["env_vars"]  # no path of the driver's machine
         assert env["py_modules"] == [str(package_dir())]
         assert env["working_dir"] == str(tmp_path.resolve())
-        assert set(EXCLUDES) <= set(env["excludes"]) and ".venv" in env["excludes"]
+        assert set(EXCLUDES) <= set(env["excludes"]) and ".*" in env["excludes"]
+        assert env["env_vars"]["ASYNCRL_SHIPPED"] == "1"  # conf/ from the working dir
     # from a checkout, asyncrl/ ships once: as the py_module, not again in the working dir
     monkeypatch.chdir(package_dir().parent)
     env = code_runtime_env(ShipCode.AUTO, joined=True, env_vars=ENV)
     assert f"/{package_dir().name}" in env["excludes"]
+
+
+def test_shipping_leaves_out_dotfiles_and_key_material():
+    """The excludes as Ray applies them (its own gitwildmatch PathSpec)."""
+    from ray._private.thirdparty.pathspec import PathSpec
+
+    spec = PathSpec.from_lines("gitwildmatch", EXCLUDES)
+    left_out = [".ssh/id_rsa", ".env", ".git/config", ".venv/bin/python", "keys/server.pem",
+                "deploy/id_ed25519.pub", "aws/credentials", "outputs/run/summary.json",
+                "sub/.netrc", "tls.key"]  # fmt: skip
+    shipped = ["my_loss.py", "conf/config.yaml", "pkg/tasks/env.py", "README.md"]
+    assert [p for p in left_out if not spec.match_file(p)] == []
+    assert [p for p in shipped if spec.match_file(p)] == []
+
+
+@pytest.mark.parametrize("where", ["home", "root"])
+def test_a_home_directory_or_the_root_is_never_shipped(monkeypatch, tmp_path, where):
+    from asyncrl.config import ConfigError
+
+    if where == "home":
+        monkeypatch.setenv("HOME", str(tmp_path))
+        monkeypatch.chdir(tmp_path)
+    else:
+        monkeypatch.chdir("/")
+    with pytest.raises(ConfigError, match="ray.ship_code: the working directory .* is a home"):
+        code_runtime_env(ShipCode.ALWAYS, joined=True, env_vars=ENV)
+    code_runtime_env(ShipCode.NEVER, joined=True, env_vars=ENV)  # nothing shipped: fine
+
+
+def test_a_shipped_worker_reads_the_working_dirs_conf(monkeypatch, tmp_path):
+    from asyncrl import confdir
+
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "config.yaml").write_text("seed: 0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(confdir, "_PACKAGED", tmp_path / "none")
+    monkeypatch.setattr(confdir, "_CHECKOUT", tmp_path / "none")
+    monkeypatch.setenv("ASYNCRL_SHIPPED", "1")
+    assert confdir.conf_dir() == tmp_path / "conf"
+    monkeypatch.delenv("ASYNCRL_SHIPPED")
+    with pytest.raises(FileNotFoundError, match="reinstall asyncrl"):
+        confdir.conf_dir()
 
 
 @pytest.fixture

@@ -22,13 +22,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# Never uploaded from the working dir: virtual environments, run outputs, caches
-# (the tiny model's cache alone can be hundreds of MB; models are read from model.path,
-# which every node must have), VCS data. Patterns as in .gitignore, relative to the cwd.
+from asyncrl.config import ConfigError
+
+# Never uploaded from the working dir: dotfiles and dot-directories (.git, .venv, .ssh,
+# .env, credentials of every tool), key material, virtual environments, run outputs,
+# caches (the tiny model's cache alone can be hundreds of MB; models are read from
+# model.path, which every node must have). Patterns as in .gitignore, relative to the cwd.
 EXCLUDES = [
-    ".git", ".venv", "venv", "outputs", "multirun", ".cache", "__pycache__", "*.pyc",
-    ".pytest_cache", ".ruff_cache", "*.egg-info", "bench_out", "*.parquet", "*.safetensors",
+    ".*", "venv", "outputs", "multirun", "__pycache__", "*.pyc", "*.egg-info", "bench_out",
+    "*.parquet", "*.safetensors", "*.pem", "*.key", "*.p12", "*.pfx", "id_rsa*", "id_ecdsa*",
+    "id_ed25519*", "*.kdbx", "credentials*",
 ]  # fmt: skip
+# set in a shipped job's workers: the working dir's conf/ is the run's configs
+SHIPPED_ENV = "ASYNCRL_SHIPPED"
 
 
 class ShipCode(enum.StrEnum):
@@ -45,6 +51,18 @@ def package_dir() -> Path:
     return Path(asyncrl.__file__).resolve().parent
 
 
+def check_working_dir(cwd: Path) -> None:
+    """Refuse to ship a home directory or the filesystem root as the job's working dir:
+    everything under it not excluded would reach every node of the cluster."""
+    if cwd == Path(cwd.anchor) or cwd == Path.home().resolve():
+        raise ConfigError(
+            f"ray.ship_code: the working directory {cwd} is a home directory or the "
+            "filesystem root, and would be shipped to every node; run from a project "
+            "directory (the one holding your loss, task or reward modules), or set "
+            "ray.ship_code=never on a cluster that shares the driver's files"
+        )
+
+
 def code_runtime_env(ship: ShipCode, joined: bool, env_vars: dict[str, str]) -> dict[str, Any]:
     """The job's ``runtime_env``: ``env_vars`` plus the code, shipped or by path."""
     env = dict(env_vars)
@@ -54,6 +72,8 @@ def code_runtime_env(ship: ShipCode, joined: bool, env_vars: dict[str, str]) -> 
         )
         return {"env_vars": env}
     cwd, pkg = Path.cwd().resolve(), package_dir()
+    check_working_dir(cwd)
+    env[SHIPPED_ENV] = "1"
     excludes = list(EXCLUDES)
     if pkg.parent == cwd:  # run from a checkout: asyncrl/ ships once, as the py_module
         excludes.append(f"/{pkg.name}")
