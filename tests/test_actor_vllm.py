@@ -8,31 +8,25 @@ import asyncio
 
 import numpy as np
 import pytest
-import pytest_asyncio
 import torch
-from helpers import engine_actor, fp32_learner, perturbed_state
+from helpers import fp32_learner, perturbed_state
 
 from asyncrl.actor.episode import SingleTurnEpisodes
 from asyncrl.actor.rollout import RolloutActor
-from asyncrl.actor.settings import ActorSettings
-from asyncrl.engine.settings import SamplingSettings
 from asyncrl.learner.learner import Learner
 from asyncrl.tasks.base import Prompt
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
 # fp32 on both sides: the two stacks differ only in kernel order, so ~1e-5.
 FP32_LOGP_TOL = 2e-4
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def actor(tiny_model, task):
-    settings = ActorSettings.defaults(
-        update_mode="keep", sampling=SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=6)
-    )
-    async with engine_actor(tiny_model, task, settings) as a:
-        assert isinstance(a.episodes, SingleTurnEpisodes)
-        yield a
+@pytest.fixture
+def actor(vllm_actor):
+    """The session's started actor (tests/conftest.py)."""
+    assert isinstance(vllm_actor.episodes, SingleTurnEpisodes)
+    return vllm_actor
 
 
 @pytest.fixture(scope="module")

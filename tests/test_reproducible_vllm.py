@@ -7,25 +7,22 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import pytest_asyncio
 
 from asyncrl.actor.episode import SingleTurnEpisodes
-from asyncrl.engine.settings import EngineSettings, SamplingSettings
-from asyncrl.engine.vllm_engine import make_engine
+from asyncrl.engine.settings import SamplingSettings
 from asyncrl.tasks.base import TaskSampler
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
 GROUPS = 12
 SAMPLING = SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=6)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(tiny_model):
-    e = make_engine(str(tiny_model), EngineSettings.defaults(), seed=7)
-    await e.update_weight_version("0")  # tokens are labelled with it, as the actor does
-    yield e
-    e.shutdown()
+@pytest.fixture
+def engine(vllm_actor):
+    """The session's started engine (tests/conftest.py); its tokens are labelled with
+    whatever version it holds."""
+    return vllm_actor.engine
 
 
 def prompts(task) -> list:
