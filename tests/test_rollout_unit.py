@@ -619,7 +619,10 @@ def test_a_single_turn_episode_is_one_generate_call_scored_per_completion():
     episodes = SingleTurnEpisodes(engine, _FussyTask(), SamplingSettings.defaults(n=3), lambda: 4)
     group = asyncio.run(episodes.run_group(Prompt("12+7=", "19")))
     ts = group.trajectories
-    assert [(p, n) for p, n, _ in engine.requests] == [({"prompt": "12+7="}, 3)]
+    # one request, salted with the version the weights carry (the runner's version())
+    assert [(p, n) for p, n, _ in engine.requests] == [
+        ({"prompt": "12+7=", "cache_salt": "policy-v4"}, 3)
+    ]
     assert [t.response_text for t in ts] == ["19", "boom", "7"]
     assert [t.reward for t in ts] == [1.0, 0.0, 0.0]
     assert [t.error for t in ts] == ["", "ValueError: boom", ""]

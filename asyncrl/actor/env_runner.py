@@ -21,6 +21,9 @@ before them, so a consumer that forgot the mask still sees no older version; sta
 reads ``Trajectory.min_version`` (generated tokens only). Turn k's request is the whole
 sequence so far: with ``actor.engine.enable_prefix_caching`` the engine reuses the KV
 of earlier turns (``perf/prefix_cache_hit_rate``: cached / prompt tokens over turns).
+Each request is salted with the version the engine's weights carry when it is made
+(``version_salt``): a turn after a weight update reads no KV of an older version, and
+recomputes its prefix under the new weights.
 """
 
 from __future__ import annotations
@@ -43,10 +46,12 @@ from asyncrl.actor.episode import (
 )
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.engine.vllm_engine import (
+    Renderer,
     completion_arrays,
     prompt_renderer,
     sampling_params,
     tokens_prompt,
+    version_salt,
 )
 from asyncrl.envs.base import StepResult
 from asyncrl.envs.settings import EnvSettings
@@ -113,7 +118,7 @@ class MultiTurnEpisodes:
         self.params.n = 1  # each episode diverges after its first turn
         self._groups = 0  # groups started so far: the sampling seeds count them
         self._tokenizer = None
-        self._render: Callable[[str], Any] | None = None
+        self._render: Renderer | None = None
 
     async def run_group(self, prompt: Prompt) -> TrajectoryGroup:
         index = self._groups  # before any await: the start order decides the seeds
@@ -252,14 +257,13 @@ class MultiTurnEpisodes:
             self._tokenizer = self.engine.get_tokenizer()
         return self._tokenizer
 
-    def render(self, prompt: Any) -> Any:
-        """Prompt text, or a TokensPrompt, as the engine takes it (a vLLM without the
-        renderer API takes the TokensPrompt itself)."""
+    def render(self, prompt: str | dict) -> Any:
+        """Prompt text, or a TokensPrompt, as the engine takes it, salted with the version
+        the engine's weights carry now (``version_salt``): each turn reuses cached KV of
+        that version only (a vLLM without the renderer API takes the salted dict)."""
         if self._render is None:
             self._render = prompt_renderer(self.engine)
-        if isinstance(prompt, str) or getattr(self.engine, "renderer", None) is not None:
-            return self._render(prompt)
-        return prompt
+        return self._render(prompt, version_salt(self.version()))
 
 
 def make_runner(

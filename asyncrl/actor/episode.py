@@ -44,10 +44,12 @@ import numpy as np
 
 from asyncrl.engine.settings import SamplingSettings
 from asyncrl.engine.vllm_engine import (
+    Renderer,
     completion_arrays,
     group_params,
     prompt_renderer,
     sampling_params,
+    version_salt,
 )
 from asyncrl.rewards.base import RewardInput
 from asyncrl.rewards.pool import RewardClient
@@ -88,7 +90,7 @@ class SingleTurnEpisodes:
         self.params = sampling_params(sampling)  # vLLM's SamplingParams, the same for every group
         self._groups = 0  # groups started so far: each samples from its own seed (group_params)
         self._tokenizer = None  # the engine's, on first use
-        self._render: Callable[[str], Any] | None = None  # prompt text -> engine input
+        self._render: Renderer | None = None  # prompt text -> engine input
 
     async def run_group(self, prompt: Prompt) -> TrajectoryGroup:
         # The group's place in the start order leads its id, so that a consumer can put a
@@ -141,10 +143,12 @@ class SingleTurnEpisodes:
         return TrajectoryGroup(gid, trajs)
 
     def render(self, text: str) -> Any:
-        """A prompt as the engine takes it (tokenized by the engine's renderer)."""
+        """A prompt as the engine takes it (tokenized by the engine's renderer), salted
+        with the version the engine's weights carry now (``version_salt``): it reuses
+        cached KV of that version only."""
         if self._render is None:
             self._render = prompt_renderer(self.engine)
-        return self._render(text)
+        return self._render(text, version_salt(self.version()))
 
     def texts(self, comps: list) -> list[str]:
         """Each completion's text, decoded here once per completion (the engine is

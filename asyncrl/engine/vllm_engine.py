@@ -6,8 +6,7 @@ This package is the only place that imports an engine library."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -106,6 +105,15 @@ def tokens_prompt(ids: list[int]) -> Any:
     return TokensPrompt(prompt_token_ids=ids)
 
 
+def version_salt(version: int) -> str:
+    """The prefix-cache salt of a request made while the engine's weights carry policy
+    ``version``. vLLM hashes a request's salt into its first KV block's hash, and every
+    later block's hash chains from it: a request salted with one version never reads a
+    cached block of a request salted with another, while requests of one version still
+    share prefixes."""
+    return f"policy-v{int(version)}"
+
+
 def group_params(engine: Any, params: Any, index: int) -> Any:
     """``params`` with the group's own sampling seed, from the engine's seed (the run's
     ``seed``) and ``index``, the group's place in the order the actor started them: what
@@ -119,22 +127,39 @@ def group_params(engine: Any, params: Any, index: int) -> Any:
     return seeded
 
 
-def prompt_renderer(engine: Any) -> Callable[[str], Any]:
-    """``text -> what engine.generate takes``: the text rendered (tokenized) by the
-    engine's own renderer, as vLLM asks since it deprecated raw prompts. On a vLLM
-    without that renderer API, the raw ``{"prompt": text}`` it takes instead."""
+class Renderer(Protocol):
+    """A prompt (text or a TokensPrompt dict) and its cache salt (None: none) -> what
+    ``engine.generate`` takes."""
+
+    def __call__(self, prompt: str | dict, salt: str | None = None) -> Any: ...
+
+
+def prompt_renderer(engine: Any) -> Renderer:
+    """``(text or TokensPrompt, cache salt or None) -> what engine.generate takes``: the
+    prompt rendered (text tokenized) by the engine's own renderer, as vLLM asks since it
+    deprecated raw prompts, carrying ``cache_salt`` (:func:`version_salt`) when given. On
+    a vLLM without that renderer API, the prompt dict itself (``{"prompt": text}`` for
+    text), which it takes instead."""
     renderer = getattr(engine, "renderer", None)
     try:
         from vllm.renderers.inputs.preprocess import parse_model_prompt
     except ImportError:
         parse_model_prompt = None
+
+    def as_dict(prompt: str | dict, salt: str | None) -> dict:
+        out = {"prompt": prompt} if isinstance(prompt, str) else dict(prompt)
+        if salt:
+            out["cache_salt"] = salt  # kept by the renderer's tokenization (its dict keys)
+        return out
+
     if renderer is None or parse_model_prompt is None:
-        return lambda text: {"prompt": text}
+        return lambda prompt, salt=None: as_dict(prompt, salt)
     model_config = engine.model_config
     tok_params = renderer.default_cmpl_tok_params
 
-    def render(text: str) -> Any:
-        (out,) = renderer.render_cmpl([parse_model_prompt(model_config, text)], tok_params)
+    def render(prompt: str | dict, salt: str | None = None) -> Any:
+        parsed = parse_model_prompt(model_config, as_dict(prompt, salt))
+        (out,) = renderer.render_cmpl([parsed], tok_params)
         return out
 
     return render
