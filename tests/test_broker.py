@@ -57,7 +57,7 @@ def test_rank0_waits_the_pause_timeout_only_for_a_set_with_a_draining_member():
 
     roster = Roster({})
     roster.views = {"a": ActorView(0), "b": ActorView(0, update_mode="wait")}
-    run = SyncRun(BrokerSettings(timeout_s=5.0, pause_timeout_s=100.0), roster, None, None)
+    run = SyncRun(BrokerSettings.defaults(timeout_s=5.0, pause_timeout_s=100.0), roster, None, None)
     assert run._arrive_timeout_s(("a",)) == 5.0
     assert run._arrive_timeout_s(("a", "b")) == 105.0
 

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 from helpers import engine_actor, fp32_learner, perturbed_state
 
-from asyncrl.actor.settings import ActorSettings, EngineSettings, SamplingSettings
+from asyncrl.actor.settings import ActorSettings
 from asyncrl.actor.weights import WeightUpdates
 from asyncrl.engine.vllm_engine import prompt_renderer, version_salt
 from asyncrl.envs.base import StepResult
@@ -51,12 +51,12 @@ class TwoTurnEnv:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def actor(tiny_model, task):
-    settings = ActorSettings(
+    settings = ActorSettings.defaults(
         update_mode="keep",
-        sampling=SamplingSettings(n=1, temperature=1.0, max_tokens=4),
-        engine=EngineSettings(enable_prefix_caching=True, extra={"block_size": KV_BLOCK}),
+        sampling={"n": 1, "temperature": 1.0, "max_tokens": 4},
+        engine={"enable_prefix_caching": True, "extra": {"block_size": KV_BLOCK}},
     )
-    env = EnvSettings(target=f"{__name__}.TwoTurnEnv", max_turns=2)
+    env = EnvSettings.defaults(target=f"{__name__}.TwoTurnEnv", max_turns=2)
     async with engine_actor(tiny_model, task, settings, "salt0", env) as a:
         yield a
 

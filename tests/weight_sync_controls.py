@@ -3,7 +3,7 @@
 - :class:`FaultyWorkerExtension`: asyncrl's vLLM worker extension plus
   ``asyncrl_inject_fault``, which makes the worker ``kill`` itself (SIGKILL, like an
   OOM kill) or ``stall`` (a stuck peer) at a payload bucket of its next sync. Select it
-  for a real engine with ``EngineSettings(extra={"worker_extension_cls":
+  for a real engine with ``EngineSettings.defaults(extra={"worker_extension_cls":
   FAULTY_EXTENSION})``; ``ControlledRolloutActor.inject_weight_fault`` then reaches it
   through ``collective_rpc("asyncrl_inject_fault", ...)``.
 - :func:`set_policy`: change a running WeightBroker's payload mode / rolling width.
