@@ -21,12 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PYTHON = "/usr/bin/python3"
 NO_BWRAP_PATH = "/nonexistent"  # a PATH without bwrap: the isolation is unavailable
 SCRIPT = r"""
-import json, sys
+import json, os, sys
 from asyncrl.config import ConfigError
 from asyncrl.sandbox import SandboxSettings, grade_with
 from asyncrl.sandbox.hostile import CASES, CORRECT, check, new_tag, program
 from asyncrl.sandbox.isolation import require
-s = SandboxSettings.defaults(isolation=sys.argv[1], timeout_s=2.0, python=sys.executable)
+from asyncrl.sandbox.settings import Isolation
+# conf/'s sandbox node, composed by the test (this interpreter has no Hydra)
+node = json.loads(os.environ["ASB_SANDBOX"])
+node.update(isolation=Isolation(sys.argv[1]), timeout_s=2.0, python=sys.executable)
+s = SandboxSettings(**node)
 try:
     require(s)
 except ConfigError as e:
@@ -66,7 +70,10 @@ def user():
 
 
 def run_as(user: str, isolation: str, *programs: str, path: str = "/usr/bin:/bin"):
-    env = {"PATH": path, "PYTHONPATH": str(ROOT), "HOME": "/nonexistent", "LANG": "C.UTF-8"}
+    from asyncrl.config import defaults
+
+    env = {"PATH": path, "PYTHONPATH": str(ROOT), "HOME": "/nonexistent", "LANG": "C.UTF-8",
+           "ASB_SANDBOX": json.dumps(defaults("sandbox"))}  # fmt: skip
     cmd = ["runuser", "-u", user, "--", "/usr/bin/env", "-i", *(f"{k}={v}" for k, v in env.items()),
            PYTHON, "-B", "-c", SCRIPT, isolation, *programs]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd="/")
