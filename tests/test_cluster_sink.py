@@ -54,7 +54,7 @@ def test_a_cluster_gets_the_code_shipped(monkeypatch, tmp_path):
         assert "PYTHONPATH" not in env["env_vars"]  # no path of the driver's machine
         assert env["py_modules"] == [str(package_dir())]
         assert env["working_dir"] == str(tmp_path.resolve())
-        assert set(EXCLUDES) <= set(env["excludes"]) and ".*" in env["excludes"]
+        assert set(EXCLUDES) <= set(env["excludes"]) and ".?*" in env["excludes"]
         assert env["env_vars"]["ASYNCRL_SHIPPED"] == "1"  # conf/ from the working dir
     # from a checkout, asyncrl/ ships once: as the py_module, not again in the working dir
     monkeypatch.chdir(package_dir().parent)
@@ -67,6 +67,7 @@ def test_shipping_leaves_out_dotfiles_and_key_material():
     from ray._private.thirdparty.pathspec import PathSpec
 
     spec = PathSpec.from_lines("gitwildmatch", EXCLUDES)
+    assert not spec.match_file(".")  # Ray asks about the working dir itself too
     left_out = [".ssh/id_rsa", ".env", ".git/config", ".venv/bin/python", "keys/server.pem",
                 "deploy/id_ed25519.pub", "aws/credentials", "outputs/run/summary.json",
                 "sub/.netrc", "tls.key"]  # fmt: skip

@@ -27,9 +27,10 @@ from asyncrl.config import ConfigError
 # Never uploaded from the working dir: dotfiles and dot-directories (.git, .venv, .ssh,
 # .env, credentials of every tool), key material, virtual environments, run outputs,
 # caches (the tiny model's cache alone can be hundreds of MB; models are read from
-# model.path, which every node must have). Patterns as in .gitignore, relative to the cwd.
+# model.path, which every node must have). Patterns as in .gitignore, relative to the cwd
+# (".?*", not ".*": Ray also matches the working dir itself, as ".").
 EXCLUDES = [
-    ".*", "venv", "outputs", "multirun", "__pycache__", "*.pyc", "*.egg-info", "bench_out",
+    ".?*", "venv", "outputs", "multirun", "__pycache__", "*.pyc", "*.egg-info", "bench_out",
     "*.parquet", "*.safetensors", "*.pem", "*.key", "*.p12", "*.pfx", "id_rsa*", "id_ecdsa*",
     "id_ed25519*", "*.kdbx", "credentials*",
 ]  # fmt: skip
