@@ -316,7 +316,10 @@ async def test_the_browser_reaches_only_its_task_server(pool):
 
 
 HOLDER = """
-import asyncio, random, sys, time
+import asyncio, random, signal, sys, time
+# Ctrl-C raises KeyboardInterrupt even when started from a shell's background job (which
+# leaves SIGINT ignored for its children)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from asyncrl.envs.browser.env import BrowserEnv, BrowserTask
 async def main():
     env = BrowserEnv(contexts_per_browser=1)
