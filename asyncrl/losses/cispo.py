@@ -20,9 +20,9 @@ import math
 
 import torch
 
-from asyncrl.losses.base import LossBatch, LossOutput, ModelOutputs, masked_mean, weighted_sum
-from asyncrl.losses.diagnostics import is_diagnostics
+from asyncrl.losses.base import LossBatch, LossOutput, ModelOutputs
 from asyncrl.losses.ratios import LOG_RATIO_CAP, log_ratio, safe_log
+from asyncrl.losses.tis import weighted_reinforce
 
 
 class CISPOLoss:
@@ -50,8 +50,4 @@ class CISPOLoss:
             return lr.clamp(min=lo, max=hi).exp(), clipped
 
     def __call__(self, batch: LossBatch, outputs: ModelOutputs) -> LossOutput:
-        w, clipped = self.weights(batch, outputs)
-        per_token = -(w * batch.advantages.to(w.dtype)) * outputs.logprobs
-        metrics = is_diagnostics(batch, outputs)
-        metrics["is/clip_frac"] = float(masked_mean(clipped.float(), batch.mask))
-        return LossOutput(loss=weighted_sum(per_token, batch), metrics=metrics)
+        return weighted_reinforce(batch, outputs, *self.weights(batch, outputs))

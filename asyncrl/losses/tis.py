@@ -45,8 +45,15 @@ class TISLoss:
             return truncated_exp(lr, self.cap), lr > safe_log(self.cap)
 
     def __call__(self, batch: LossBatch, outputs: ModelOutputs) -> LossOutput:
-        w, truncated = self.weights(batch, outputs)
-        per_token = -(w * batch.advantages.to(w.dtype)) * outputs.logprobs
-        metrics = is_diagnostics(batch, outputs)
-        metrics["is/clip_frac"] = float(masked_mean(truncated.float(), batch.mask))
-        return LossOutput(loss=weighted_sum(per_token, batch), metrics=metrics)
+        return weighted_reinforce(batch, outputs, *self.weights(batch, outputs))
+
+
+def weighted_reinforce(
+    batch: LossBatch, outputs: ModelOutputs, w: torch.Tensor, clipped: torch.Tensor
+) -> LossOutput:
+    """REINFORCE with fixed per-token weights ``w`` ``[B, T]`` (no gradient through
+    them): ``-w * A * log pi``; ``clipped`` ``[B, T]`` bool gives ``is/clip_frac``."""
+    per_token = -(w * batch.advantages.to(w.dtype)) * outputs.logprobs
+    metrics = is_diagnostics(batch, outputs)
+    metrics["is/clip_frac"] = float(masked_mean(clipped.float(), batch.mask))
+    return LossOutput(loss=weighted_sum(per_token, batch), metrics=metrics)
