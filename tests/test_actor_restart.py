@@ -201,12 +201,13 @@ def test_killed_actor_and_engine_come_back_until_restarts_run_out(tmp_path):
     driver's line saying the new actor's first group reached the queue."""
     out = tmp_path / "run"
     p = start_run(out, "max_steps=300", "fault.actor_restarts=2")
-    times = []
+    times, killed = [], []
     try:
         wait_until(p, out, lambda: steps_logged(out) >= 3, START_TIMEOUT_S, "3 steps")
         mark = run_mark(p)
         for i, prefix in enumerate(("ray::RolloutActor", "VLLM::EngineCore")):
-            _, t_kill = kill_one(mark, prefix)
+            pid, t_kill = kill_one(mark, prefix)
+            killed.append(pid)
             wait_until(p, out, lambda i=i: recoveries(out) > i, RECOVER_TIMEOUT_S, "a recovery")
             times.append(time.time() - t_kill)
             at = steps_logged(out)
@@ -214,7 +215,7 @@ def test_killed_actor_and_engine_come_back_until_restarts_run_out(tmp_path):
             # the dead actor's engine (orphaned when its actor was killed) is gone too
             cores = [q for q in procs_named("VLLM::EngineCore") if marked(q, mark)]
             assert len(cores) == 1, cores
-        kill_one(mark, "ray::RolloutActor")
+        killed.append(kill_one(mark, "ray::RolloutActor")[0])
         code = p.wait(timeout=120)
     finally:
         stop(p)
@@ -225,7 +226,11 @@ def test_killed_actor_and_engine_come_back_until_restarts_run_out(tmp_path):
     last = [x for x in err.splitlines() if x.startswith("asyncrl: ")]
     assert code == 3 and len(last) == 1, err[-3000:]
     assert "no actor is alive and none can be restarted (fault.actor_restarts=2" in last[0]
-    assert "Traceback" not in err
+    # A killed actor's orphaned vLLM processes may print vLLM's own shutdown traceback
+    # (its worker's SIGTERM handler raising SystemExit inside a __del__) under the
+    # killed actor's log prefix; every other process must print none.
+    ours = [x for x in err.splitlines() if not any(f" pid={k})" in x for k in killed)]
+    assert not [x for x in ours if "Traceback" in x], err[-3000:]
     stats = ast.literal_eval(re.search(r"queue: (\{.*\})", last[0]).group(1))
     assert exact(stats) and stats["trained"] > 0 and steps_logged(out) >= 7
     assert stats["max_staleness_trained"] <= 2  # replay.max_staleness: no stale sample
