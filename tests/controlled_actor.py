@@ -44,12 +44,18 @@ class ControlledRolloutActor(RolloutActor):
             raise RuntimeError("rebind() needs a halted actor: call halt() first")
         self._outbox.close()  # the old queue's take asked ahead fails instead of waiting
         self._bind(queue, seed)
+        await self.introduce()
         queue.set_weights_version.remote(self.name, self.version)
         self.stats = ActorStats()
         if self._idle_since is not None:
             self._idle_since = self.stats.started
         self._acquire_calls = 0
         self.fatal = ""
+
+    async def introduce(self) -> None:
+        """What start() sends first: the outbox's empty hand-off (the queue's first
+        sight of this actor), for an actor given its engine or its queue by a test."""
+        await self._outbox.introduce()
 
     async def resume(self) -> None:
         """Start the generation loop again after :meth:`halt`."""

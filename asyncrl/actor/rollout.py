@@ -126,6 +126,8 @@ class RolloutActor:
 
     # ---- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
+        # sent before the engine loads: the queue's first sight of this actor is slow
+        introduced = asyncio.ensure_future(self._outbox.introduce())
         cores = placement.place_engine(self._engine_cores) if self._engine_cores else None
         self.engine = make_engine(self._model_path, self.settings.engine, self._seed)
         if cores is not None:
@@ -134,6 +136,7 @@ class RolloutActor:
             self.engine, self.task, self.settings, self.env, lambda: self.version, self.rewards
         )
         await self.engine.update_weight_version(str(self.version))
+        await introduced
         # the clock of idle_seconds starts with the loop, not with the engine's start-up
         self.stats.started = self._idle_since = time.time()
         self._start_loop()

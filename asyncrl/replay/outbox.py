@@ -1,5 +1,6 @@
 """Outbox: a rollout actor's side of the replay queue's hand-off (replay/queue.py).
 
+    actor start: outbox.introduce()  an empty hand-off while the engine loads
     actor: outbox.put(group, meta)  (returns at once)
     flush task, one call at a time: linger while the actor finds it worth it (SlotAsker)
         ─▶ bundle = [(group_id, msgpack bytes)] of every group put meanwhile, kept here
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -126,6 +128,29 @@ class Outbox:
             await self._stored.wait()
         bundle = self._bundles.pop(key)
         return len(bundle), bundle
+
+    def introduce(self) -> Coroutine[Any, Any, None]:
+        """The first hand-off, sent now: no groups, no slots asked. The queue's first
+        sight of an actor's handle costs seconds (Ray loads the actor's class in the
+        queue's process: 4.2 s for a RolloutActor on the Intel host), so an actor
+        introduces itself before its engine starts and pays it while the engine loads,
+        not while its first groups wait for their hand-off. Await what this returns
+        once the actor's loop is free (the queue takes the empty bundle from it); a
+        failure is kept in :attr:`error`."""
+        key, self._next_key = self._next_key, self._next_key + 1
+        self._bundles[key] = []
+        self._stored.set()
+        name = self.slots.name if self.slots is not None else None
+        call = self.queue.hand_over.remote(HandOff([], key, self._source(), 0, name, self.id))
+        return self._introduced(key, call)
+
+    async def _introduced(self, key: int, call: Any) -> None:
+        try:
+            await call
+        except Exception as e:  # noqa: BLE001 - recorded; the owner reports it
+            self.error = self.error or f"queue.hand_over failed: {type(e).__name__}: {e}"
+        finally:
+            self._bundles.pop(key, None)
 
     def close(self) -> None:
         """No more hand-offs (the actor goes to another queue): takes that wait fail."""
