@@ -193,7 +193,7 @@ def start_parts(
     import ray
 
     from asyncrl import startup_mark
-    from asyncrl.broker import make_broker
+    from asyncrl.broker import spawn_broker
     from asyncrl.learner.group import start_learner
     from asyncrl.replay.queue import remote_queue
     from asyncrl.rewards.pool import RewardClient, start_workers
@@ -220,13 +220,14 @@ def start_parts(
         trajectory_log=setup.log.spec(out_dir),
     )
     startup_mark("learner_started")
+    start_broker = spawn_broker(setup.broker, actors, learner)  # its process loads meanwhile
     ray.get(started)  # engines up
     startup_mark("engines_up")
     stats = ray.get([a.get_stats.remote() for a in actors.values()])
     moved = keep_off_engines([s["placement"] for s in stats])
     learner.ping()
     startup_mark("learner_up")
-    broker = make_broker(setup.broker, actors, learner)
+    broker = start_broker()
     startup_mark("broker_up")  # the actors primed with version 0
     supervisor = supervise(setup, Fleet(queue, actors, broker), rewards, seeds)
     return Parts(

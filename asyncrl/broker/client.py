@@ -41,6 +41,11 @@ class BrokerClient:
             log.error("weight broker: %s", msg)
         return metrics
 
+    def start(self) -> BrokerClient:
+        """Attach to learner rank 0 and every actor, prime version 0; returns self."""
+        self._get(self.handle.start.remote())
+        return self
+
     def publish(self, version: int) -> dict[str, float]:
         """Snapshot ``version`` from the learner and sync it in the background; returns
         the previous sync's metrics."""
@@ -84,17 +89,22 @@ class BrokerClient:
             ray.kill(self.handle)
 
 
-def start_weight_broker(
+def spawn_weight_broker(
     settings: BrokerSettings, actors: dict[str, Any], learner_ranks: list[Any]
 ) -> BrokerClient:
-    """Start the WeightBroker actor, attach it to learner rank 0 and every actor,
-    prime version 0 (``settings.prime``); returns the driver's handle."""
+    """The WeightBroker actor's process, started now (it loads while the engines do);
+    :meth:`BrokerClient.start` attaches it to learner rank 0 and every actor and
+    primes version 0 (``settings.prime``)."""
     import ray
 
     from asyncrl.broker.weight_broker import WeightBroker
 
     cls = ray.remote(WeightBroker).options(num_cpus=0, max_concurrency=1000)
-    handle = cls.remote(actors, list(learner_ranks), settings)
-    client = BrokerClient(handle, settings)
-    client._get(handle.start.remote())
-    return client
+    return BrokerClient(cls.remote(actors, list(learner_ranks), settings), settings)
+
+
+def start_weight_broker(
+    settings: BrokerSettings, actors: dict[str, Any], learner_ranks: list[Any]
+) -> BrokerClient:
+    """:func:`spawn_weight_broker`, started; returns the driver's handle."""
+    return spawn_weight_broker(settings, actors, learner_ranks).start()
