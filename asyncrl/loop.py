@@ -42,6 +42,8 @@ BATCH_POLL_S = 5.0
 STATS_TIMEOUT_S = 10.0
 # Where a step's seconds go: waiting for a batch, training, publishing the weights.
 PHASES = ("wait", "train", "publish")
+# A step's mean reward of one task's trajectories (learner/metrics.py), by task name
+TASK_REWARD = "reward/task/"
 
 
 class RunError(RuntimeError):
@@ -100,6 +102,8 @@ class LoopResult:
     steps: int
     policy_version: int
     per_step: list[tuple[float, float]] = field(default_factory=list)  # (reward sum, count)
+    # task name -> its mean reward in each step that trained it (``reward/task/<name>``)
+    per_task: dict[str, list[float]] = field(default_factory=dict)
     tokens_trained: int = 0
     # seconds over the whole loop, per PHASES
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
@@ -125,6 +129,9 @@ def run_loop(
         for k, v in seconds.items():
             out.phases[k] += v
         out.per_step.append((m["reward/sum"], m["reward/count"]))
+        for k, v in m.items():
+            if k.startswith(TASK_REWARD):
+                out.per_task.setdefault(k[len(TASK_REWARD) :], []).append(v)
         out.tokens_trained += int(m["tokens/trained"])
         m.update(progress_metrics(stats, t0, out.tokens_trained, out.phases))
         m.update(_watched(parts, hooks, version, m))

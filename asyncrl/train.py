@@ -74,8 +74,24 @@ def summarise(
         "tokens_trained": loop.tokens_trained,
         "wall_seconds": round(wall, 2),
         **episode_means(actor_stats),
+        "reward_by_task": by_task(loop.per_task),
         "actors": actor_stats,
     }
+
+
+def by_task(per_task: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Each task's ``first`` and ``last`` reward: the mean of its per-step mean reward
+    over the first and the last tenth of the steps that trained it, and ``steps``, how
+    many did ({} when no task names its trajectories: a mixture's or env=browser's do)."""
+    out = {}
+    for name, vals in sorted(per_task.items()):
+        k = max(1, len(vals) // 10)
+        out[name] = {
+            "first": sum(vals[:k]) / k,
+            "last": sum(vals[-k:]) / k,
+            "steps": len(vals),
+        }
+    return out
 
 
 def episode_means(actor_stats: dict) -> dict[str, float | None]:

@@ -407,6 +407,7 @@ def test_runner_episodes_and_a_browser_killed_mid_run(pool):
     group = asyncio.run(run.run_group(prompt))
     for t in group.trajectories:
         assert (t.reward, t.finish_reason, t.reward_breakdown["success"]) == (1.0, "done", 1.0)
+        assert t.reward_breakdown[f"task/{prompt.meta['task']}"] == 1.0
         trained = tok.decode(t.response_ids[t.loss_mask].tolist(), skip_special_tokens=True)
         assert trained == "".join(solution)  # the actions only: trees are not trained
     kill.append(True)

@@ -82,6 +82,9 @@ class Learner:
                 "staleness/mean": 0.0,
                 "staleness/max": 0.0,
                 "tokens/trained": 8.0,
+                # task "a" in every step, task "b" from version 3 on
+                "reward/task/a": version / 10,
+                **({"reward/task/b": 1.0} if version >= 3 else {}),
             }
         )
 
@@ -181,6 +184,7 @@ def test_the_loop_trains_publishes_and_logs_every_version(parts, ray_local):
     assert broker.published == [3, 4, 5]
     assert out.per_step == [(2.0, 2.0), (3.0, 2.0), (4.0, 2.0)]
     assert out.tokens_trained == 24
+    assert out.per_task == {"a": [0.2, 0.3, 0.4], "b": [1.0, 1.0]}
     assert [step for step, _ in sink.logged] == [3, 4, 5]
     m = sink.logged[-1][1]
     assert m["broker/published"] == 5.0 and m["fault/actors_up"] == 1.0
@@ -213,3 +217,16 @@ def test_stop_parts_closes_every_part_and_keeps_the_accounting(parts):
     assert parts.broker is None and parts.actors == {} and parts.reward_workers == []
     with pytest.raises(RunError, match="broker is closed"):
         run_loop(config(2), parts, Sink(), version=1)
+
+
+def test_reward_by_task_is_each_tasks_first_and_last_tenth():
+    """summary.json ``reward_by_task``: per task, the mean of its per-step rewards over
+    the first and the last tenth of the steps that trained it."""
+    from asyncrl.train import by_task
+
+    per = {"climb": [i / 100 for i in range(30)], "once": [0.5]}
+    got = by_task(per)
+    assert got["climb"] == {"first": (0.0 + 0.01 + 0.02) / 3, "last": (0.27 + 0.28 + 0.29) / 3,
+                            "steps": 30}  # fmt: skip
+    assert got["once"] == {"first": 0.5, "last": 0.5, "steps": 1}
+    assert by_task({}) == {}

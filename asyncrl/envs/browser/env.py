@@ -150,8 +150,11 @@ class BrowserEnv:
         return StepResult(observation=f"\n{render(recs)}\n", info=self._info(0.0))
 
     def _info(self, success: float) -> dict[str, float]:
+        """The reward breakdown: ``task/<kind>`` is the success again under the task's
+        kind (``reward/task/<kind>`` per step; summary.json ``reward_by_task``)."""
         return {
             "success": success,
+            f"task/{self.sample.meta['task']}": success,
             "actions": float(self.actions),
             "action_errors": float(self.errors),
             "refused": float(len(self.refused)),
