@@ -155,3 +155,26 @@ def test_the_rank_exposes_its_held_parts_methods_as_its_own():
         mine, held = getattr(Learner, name), getattr(WeightsOut, name)
         assert inspect.signature(mine) == inspect.signature(held), name
         assert mine.__doc__ == held.__doc__, name
+
+
+def test_a_batch_without_a_trained_token_takes_no_step(model_dir):
+    """Every episode ended before the model wrote a token (an env failing at its start,
+    an agent that never called): no gradient, so no optimizer step (AdamW's decay would
+    still move the weights); the version moves on and the metrics say so."""
+    from asyncrl.trajectory import Trajectory
+
+    empty = np.zeros(0, np.int64)
+    ts = [
+        Trajectory(f"t{i}", "g0", np.array([1, 2, 3]), empty, np.zeros(0, np.float32),
+                   np.zeros(0, np.int32), np.zeros(0, bool), 0.0)
+        for i in range(4)
+    ]  # fmt: skip
+    L = Learner(str(model_dir), ClippedISLoss(), GroupNormalized(),
+                LearnerSettings.defaults(optim=plain_optim(lr=1e-2)))  # fmt: skip
+    before = [p.detach().clone() for p in L.model.parameters()]
+    m = L.step_on_batch(collate(ts), 0)
+    assert m["learner/empty_batch"] == 1.0 and m["learner/optimizer_steps"] == 0
+    assert L.version == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, L.model.parameters()))
+    m = L.step_on_batch(collate(trajs(4, seed=1)), 1)  # a real batch after it trains
+    assert "learner/empty_batch" not in m and m["learner/optimizer_steps"] >= 1

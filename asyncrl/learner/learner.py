@@ -24,6 +24,7 @@ measured against the batch's start.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import time
@@ -68,6 +69,8 @@ from asyncrl.losses.diagnostics import mismatch_kl_sum
 from asyncrl.utils.runlog import TrajectoryLog
 
 __all__ = ["Learner", "OptimSettings", "loss_weights", "trajectory_metrics"]
+
+log = logging.getLogger(__name__)
 
 
 def held(part: str, method: Callable) -> Callable:
@@ -202,6 +205,8 @@ class Learner:
             raise RuntimeError(
                 f"learner holds version {self.version}, driver asked to train version {version}"
             )
+        if not sum(layout.mask_tokens):
+            return self._skip_empty(layout)
         t0 = time.time()
         # Advantages see the whole batch (whole groups); each minibatch is then one step.
         adv = self.advantage(layout.rewards.double(), layout.group_ids).float()
@@ -244,6 +249,24 @@ class Learner:
             }
         )
         return metrics
+
+    def _skip_empty(self, layout: Layout) -> dict[str, float]:
+        """A batch without one trained token (every episode ended before the model wrote
+        anything: an env that failed at its start, an agent that never called) has no
+        gradient: no optimizer step (AdamW would still move the weights), version + 1,
+        ``learner/empty_batch`` 1 on rank 0, ``{}`` elsewhere."""
+        n = len(layout)
+        log.warning("learner: a batch of %d trajectories without a trained token: no step", n)
+        self.version += 1
+        if self.rank != 0:
+            return {}
+        return {
+            "learner/empty_batch": 1.0,
+            "loss/total": 0.0,
+            "learner/batch_trajectories": len(layout),
+            "learner/batch_tokens": 0,
+            "learner/optimizer_steps": 0,
+        }
 
     def _backward(
         self, part: Minibatch, prox: dict, version: int, sums: MetricSums, n_all: float,
