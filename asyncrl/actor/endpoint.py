@@ -24,6 +24,7 @@ import ipaddress
 import json
 import re
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -118,9 +119,10 @@ class AgentEndpoint:
         app.router.add_get("/episodes/{eid}/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, HOST, 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - aiohttp's only way
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((HOST, 0))  # a free port, known before the server starts
+        self.port = sock.getsockname()[1]
+        await web.SockSite(self._runner, sock).start()
 
     async def stop(self) -> None:
         if self._runner is not None:
