@@ -47,6 +47,7 @@ class Branch:
     calls: int = 0
     prompt_tokens: int = 0  # over the branch's requests
     cached_tokens: int = 0
+    forked: bool = False  # started by a call whose history no earlier branch's text prefixed
 
     @property
     def tokens(self) -> list[int]:
@@ -56,7 +57,7 @@ class Branch:
         return Branch(
             list(self.prompt_ids), self.prompt_text, self.text, list(self.ids),
             list(self.logprobs), list(self.versions), list(self.mask), list(self.generated),
-            self.calls, self.prompt_tokens, self.cached_tokens,
+            self.calls, self.prompt_tokens, self.cached_tokens, self.forked,
         )  # fmt: skip
 
     def add_segment(self, ids: list[int], text: str, fallback_version: int) -> None:
@@ -116,9 +117,8 @@ class EpisodeLog:
 
     def start(self, prompt_ids: list[int], prompt_text: str) -> Branch:
         """A new branch (the first call's, or a fork)."""
-        if self.branches:
-            self.forks += 1
-        b = Branch(list(prompt_ids), prompt_text, prompt_text)
+        b = Branch(list(prompt_ids), prompt_text, prompt_text, forked=bool(self.branches))
+        self.forks += b.forked
         self.branches.append(b)
         return b
 
@@ -132,9 +132,10 @@ class EpisodeLog:
 
 def branch_trajectory(
     b: Branch, traj_id: str, group_id: str, reward: float, finish: str, error: str,
-    t_start: float, t_end: float, forks: int,
+    t_start: float, t_end: float,
 ) -> Trajectory:  # fmt: skip
-    """One branch as a Trajectory (shapes: asyncrl/trajectory.py)."""
+    """One branch as a Trajectory (shapes: asyncrl/trajectory.py); ``episode["forks"]``
+    is 1 on a forked branch, so the actor's sums count forks."""
     return Trajectory(
         traj_id=traj_id,
         group_id=group_id,
@@ -155,6 +156,6 @@ def branch_trajectory(
             "tool_calls": 0.0,
             "turn_prompt_tokens": float(b.prompt_tokens),
             "cached_tokens": float(b.cached_tokens),
-            "forks": float(forks),
+            "forks": float(b.forked),
         },
     )

@@ -113,9 +113,7 @@ class AgentEpisodes:
         out = []
         for k, b in enumerate(branches):
             tid = log.episode_id if k == 0 else f"{log.episode_id}.{k}"
-            t = branch_trajectory(
-                b, tid, gid, reward, finish, outcome.error, t_start, time.time(), log.forks
-            )
+            t = branch_trajectory(b, tid, gid, reward, finish, outcome.error, t_start, time.time())
             t.reward_breakdown = dict(outcome.info)
             out.append((t, b))
         return out
