@@ -282,7 +282,7 @@ async def test_agent_program_trajectories_are_the_engines_tokens(actor):
         assert t.loss_mask.tolist() == [True] * len(o1) + [False] * len(eq) + [True] * len(o2)
         np.testing.assert_array_equal(t.behaviour_logprobs[t.loss_mask], np.r_[l1, l2])
         assert (t.versions == 0).all()
-        answer = tok.decode(o2, skip_special_tokens=True)
+        answer = tok.decode(o1, skip_special_tokens=True)
         assert t.reward == float(answer.strip() == "19")
 
 
@@ -316,3 +316,28 @@ async def test_rewriting_crashing_and_hanging_agents(actor):
         actor.episodes.env.timeout_s = 60
     assert {t.finish_reason for t in group.trajectories} == {"env_error"}
     assert all("timeout_s" in t.error and t.reward == 0.0 for t in group.trajectories)
+
+
+@pytest.mark.slow
+def test_cli_run_trains_through_the_agent(tmp_path, tiny_model):
+    """`env=agent env.program=...` from the command line: the program's episodes train,
+    with exact accounting (every trajectory produced is trained, dropped or in flight)."""
+    import json
+
+    from helpers import run_cli
+
+    out = tmp_path / "run"
+    r = run_cli(
+        out, "env=agent", f"env.program={AGENT}",
+        f"env.chat_template={AGENTS / 'tiny_chat.jinja'}",
+        "max_steps=3", "learner.batch_groups=2", "actor.sampling.n=4",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["steps"] == 3 and s["trajectories_trained"] > 0
+    assert s["trajectories_produced"] == (
+        s["trajectories_trained"] + s["trajectories_dropped_stale"] + s["trajectories_in_flight"]
+    )
+    (actor,) = s["actors"].values()
+    assert actor["reward_errors"] == 0 and actor["episode"]["forks"] == 0
+    assert s["turns_mean"] == 2.0  # every program made its two calls

@@ -39,7 +39,7 @@ class AgentOutcome:
 
 class AgentProgram:
     """Runs ``program`` (a Python file) with ``python`` (None: this interpreter) per
-    episode. ``chat_template``: a Jinja chat template, or a path to a file holding one,
+    episode, with this process's ``sys.path`` as its ``PYTHONPATH``. ``chat_template``: a Jinja chat template, or a path to a file holding one,
     for a model whose tokenizer has none (None: the tokenizer's)."""
 
     def __init__(
@@ -64,6 +64,9 @@ class AgentProgram:
             "OPENAI_BASE_URL": base_url,
             "OPENAI_API_KEY": api_key,
             "ASYNCRL_PROMPT": sample.text,
+            # the actor's packages (a Ray worker's interpreter may be the venv's base one,
+            # which alone cannot import the venv's `openai`)
+            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
             "NO_PROXY": "127.0.0.1,localhost",  # the endpoint is on loopback, never a proxy's
             "no_proxy": "127.0.0.1,localhost",
         }

@@ -1,7 +1,8 @@
 """A black-box agent: only the `openai` client and the standard library.
 
 Answers an addition prompt (ASYNCRL_PROMPT, e.g. "12+7=") in a loop of its own: asks,
-feeds back a "=" turn, asks again, then prints {"reward": 1 if its last answer is the sum}.
+feeds back a "=" turn, asks again (a check the reward ignores), then prints
+{"reward": 1 if its first answer is the sum}.
 AGENT_MODE (read from its environment) picks a behaviour the tests need:
   plain    two calls on one growing history (the first with logprobs=True)
   rewrite  a third call after dropping the first exchange from the history (a fork)
@@ -32,11 +33,11 @@ async def main() -> None:
         time.sleep(3600)
     history.append({"role": "user", "content": "="})
     second = await client.chat.completions.create(model="policy", messages=history, max_tokens=4)
-    answer = second.choices[0].message.content or ""
+    answer = first.choices[0].message.content or ""
+    assert second.choices[0].message.role == "assistant"
     if mode == "rewrite":  # a summarising agent: forget the first exchange
         history = [{"role": "user", "content": prompt + "="}]
-        third = await client.chat.completions.create(model="policy", messages=history, max_tokens=4)
-        answer = third.choices[0].message.content or ""
+        await client.chat.completions.create(model="policy", messages=history, max_tokens=4)
     a, b = prompt.rstrip("=").split("+")
     print(
         json.dumps(
