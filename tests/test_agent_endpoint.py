@@ -79,6 +79,7 @@ class ScriptedEngine:
     async def generate(self, request, params, request_id):
         prompt = list(request["prompt_token_ids"])
         texts = self.replies.pop(0)
+        await asyncio.sleep(0.01)  # other calls run meanwhile, as with a real engine
         outs = []
         for i, text in enumerate(texts[: params.n]):
             ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -165,6 +166,25 @@ async def test_rewritten_history_and_n_choices_fork(scripted):
         enc("1+1=1<eos>"), enc("1+1=2<eos>=3<eos>"), enc("2=4<eos>")]  # fmt: skip
     assert log.forks == 1 and log.branches[2].prompt_ids == enc("2=")
     assert log.branches[1].mask == [True, True, False, True, True]
+
+
+async def test_concurrent_calls_on_one_history_get_a_branch_each(scripted):
+    """Two calls at once continuing the same history: the first recorded extends the
+    branch, the second gets a new branch with the branch's prefix as it was planned."""
+    ep, engine = scripted
+    engine.replies = [["1<eos>"], ["2<eos>"], ["3<eos>"]]
+    log = ep.open("e4")
+    msgs = [{"role": "user", "content": "1+1="}]
+    await ep.complete(log, {"messages": msgs})
+    more = {"messages": msgs + [{"role": "assistant", "content": "1"},
+                                {"role": "user", "content": "="}]}  # fmt: skip
+    await asyncio.gather(ep.complete(log, more), ep.complete(log, more))
+    ep.close("e4")
+    enc = lambda s: engine.tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    assert sorted(b.tokens for b in log.branches) == sorted(
+        [enc("1+1=1<eos>=2<eos>"), enc("1+1=1<eos>=3<eos>")]
+    )
+    assert [b.mask for b in log.branches] == [[True, True, False, True, True]] * 2
 
 
 async def test_refused_requests(scripted):

@@ -90,6 +90,7 @@ class Plan:
 
     base: Branch | None
     segment: str
+    snapshot: Branch | None = None  # the base when planned: a concurrent call may extend it
 
 
 @dataclass
@@ -113,7 +114,16 @@ class EpisodeLog:
                 best = b
         if best is None:
             return Plan(None, rendered)
-        return Plan(best, rendered[len(best.text) :])
+        return Plan(best, rendered[len(best.text) :], best.copy())
+
+    def take(self, plan: Plan) -> Branch:
+        """The branch a planned call extends: its base, unless a concurrent call of the
+        episode extended the base since (then a new branch holding the base as planned,
+        whose text the call's render extends, never the base's later tokens)."""
+        if plan.base.calls == plan.snapshot.calls:
+            return plan.base
+        self.branches.append(plan.snapshot)
+        return plan.snapshot
 
     def start(self, prompt_ids: list[int], prompt_text: str) -> Branch:
         """A new branch (the first call's, or a fork)."""

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from jinja2 import TemplateError
 
 from asyncrl.actor.agent_log import Branch, EpisodeLog, Plan
 from asyncrl.actor.episode import turn_params
@@ -239,7 +240,7 @@ class AgentEndpoint:
         if plan.base is None:
             head = log.start(seg_ids, plan.segment)
         else:
-            head = plan.base
+            head = log.take(plan)
             head.add_segment(seg_ids, plan.segment, self.version())
         return [head] + [log.spawn(head) for _ in range(n - 1)]
 
@@ -278,8 +279,8 @@ class AgentEndpoint:
             kwargs["chat_template"] = self.chat_template
         try:
             return self.tokenizer.apply_chat_template(messages, **kwargs)
-        except ValueError as e:  # no template: say which key gives one
-            msg = f"the model has no chat template; set env.chat_template ({e})"
+        except (ValueError, TemplateError) as e:  # no template, or one that refuses these
+            msg = f"the chat template cannot render these messages (env.chat_template): {e}"
             raise RequestError(400, msg) from None
 
     @property
