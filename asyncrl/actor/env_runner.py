@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.actor.agent_runner import AgentEpisodes
 from asyncrl.actor.episode import (
     EpisodeAborted,
     EpisodeRunner,
@@ -275,8 +276,11 @@ def make_runner(
     rewards: RewardClient | None = None,
 ) -> EpisodeRunner:
     """The actor's episode runner: today's single-turn one for ``env=single_turn`` (one
-    request for the whole group), the multi-turn one for any other env. ``rewards``:
+    request for the whole group), the agent one for an agent program (``env=agent``),
+    the multi-turn one for any other env. ``rewards``:
     what scores the finished groups (None: the env's reward, in-process)."""
     if env is None or env.single_turn:
         return SingleTurnEpisodes(engine, task, settings.sampling, version, rewards)
+    if env.agent:
+        return AgentEpisodes(engine, task, settings, env, version, rewards)
     return MultiTurnEpisodes(engine, task, settings, env, version, rewards)

@@ -66,6 +66,14 @@ class EnvSettings(Settings):
     def single_turn(self) -> bool:
         return self.target == SINGLE_TURN
 
+    @property
+    def agent(self) -> bool:
+        """Whether the env is an agent program that drives its own calls (a ``run_agent``
+        method: asyncrl/envs/agent.py), run by asyncrl/actor/agent_runner.py."""
+        if self._cls is None:
+            self._cls = locate_target("env", self.target)
+        return is_agent(self._cls)
+
     @classmethod
     def from_config(cls, node: Any, sandbox: Any = None) -> EnvSettings:
         """From the ``env`` node (DictConfig, dict or None: conf/'s env; limits it leaves
@@ -90,7 +98,7 @@ class EnvSettings(Settings):
         limits = {k: spec.pop(k) for k in LIMIT_KEYS}
         out = cls(target=str(spec.get("_target_", "")), kwargs={}, sandbox=box, **limits)
         env = build("env", spec)  # names env._target_ / env.<arg> on a mistake
-        for name in ("reset", "step"):
+        for name in ("reset", "step") if not is_agent(type(env)) else ("run_agent",):
             if not callable(getattr(env, name, None)):
                 raise ConfigError(
                     f"env._target_={out.target}: has no {name}() (asyncrl/envs/base.py Env)"
@@ -154,6 +162,11 @@ class EnvSettings(Settings):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _cls=None, _pool=None)
+
+
+def is_agent(cls: type) -> bool:
+    """Whether ``cls`` runs a black-box agent (``run_agent``) instead of ``reset``/``step``."""
+    return callable(getattr(cls, "run_agent", None))
 
 
 def takes_sandbox(cls: type) -> bool:
