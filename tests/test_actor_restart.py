@@ -77,11 +77,11 @@ def test_restarted_actor_gets_no_slot_until_its_first_weight_sync():
 
 def test_death_reads_stats_and_errors():
     assert death("unreachable: ActorDiedError: The actor died\n\tpid: 1") == (
-        "process died: unreachable: ActorDiedError: The actor died")
+        "process died: unreachable: ActorDiedError: The actor died"
+    )
     assert death("unreachable: no answer within 10s") == ""  # slow is not dead
     assert death({"engine_dead": True, "fatal": ""}) == "vLLM engine died"
-    assert death({"engine_dead": False, "fatal": "group generation failed: X"}).startswith(
-        "fatal")
+    assert death({"engine_dead": False, "fatal": "group generation failed: X"}).startswith("fatal")
     assert death({"engine_dead": False, "fatal": ""}) == ""
 
 
@@ -111,8 +111,14 @@ def start_run(out: Path, *overrides: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "asyncrl.train", f"hydra.run.dir={out}", "progress=false",
            "log.part_every=1", *overrides]  # fmt: skip
     out.mkdir(parents=True)
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(out / "stdout.txt", "w"),
-                            stderr=open(out / "stderr.txt", "w"), start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=open(out / "stdout.txt", "w"),
+        stderr=open(out / "stderr.txt", "w"),
+        start_new_session=True,
+    )
 
 
 def steps_logged(out: Path) -> int:
@@ -125,8 +131,9 @@ def wait_until(p: subprocess.Popen, out: Path, cond, timeout_s: float, what: str
     while time.time() < deadline:
         if cond():
             return
-        assert p.poll() is None, f"exited {p.returncode} waiting for {what}: " + (
-            out / "stderr.txt").read_text()[-3000:]
+        assert p.poll() is None, (
+            f"exited {p.returncode} waiting for {what}: " + (out / "stderr.txt").read_text()[-3000:]
+        )
         time.sleep(0.3)
     raise AssertionError(f"no {what} within {timeout_s}s")
 

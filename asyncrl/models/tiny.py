@@ -147,14 +147,18 @@ def _build_model(spec: TinyModelSpec, vocab_size: int, tokenizer):
     )
 
 
-def warm_start(model, tokenizer, task: Task, spec: TinyModelSpec, what: str = "model") -> list[float]:
+def warm_start(
+    model, tokenizer, task: Task, spec: TinyModelSpec, what: str = "model"
+) -> list[float]:
     """Short supervised fine-tuning on task demonstrations (loss on the answer only),
     so that RL starts from a policy that sometimes succeeds. A build that runs longer
     than PROGRESS_EVERY_S says on stderr how far it is."""
     rng = random.Random(spec.seed + 1)
     cosine = spec.warm_start_schedule == "cosine"
     betas = (0.9, 0.98) if cosine else (0.9, 0.999)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.warm_start_lr, weight_decay=0.0, betas=betas)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=spec.warm_start_lr, weight_decay=0.0, betas=betas
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(spec)) if cosine else None
     model.train()
     losses: list[float] = []
