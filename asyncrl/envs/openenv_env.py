@@ -44,6 +44,8 @@ class OpenEnvTask:
     fixed ``header`` before the env's first observation. Graded by the env only.
     ``alphabet``: the characters the env's text uses (the tiny model's tokenizer)."""
 
+    env_prompt = True  # the prompt's text is completed by the env's reset (may be empty)
+
     def __init__(self, header: str = "", alphabet: str = ""):
         self.header = str(header)
         self._alphabet = str(alphabet) or string.printable
