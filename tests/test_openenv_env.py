@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -268,3 +269,51 @@ def test_no_server_outlives_its_process(sig):
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_cli_trains_on_an_openenv_server(tmp_path):
+    """``env=openenv env.server=tests.openenv_arith`` from the CLI: 30 steps on the shipped
+    tiny model (warm-started on this addition), every trajectory accounted, the reward
+    logged, and no server left once the run is over."""
+    from helpers import run_cli
+
+    out, tag = tmp_path / "run", f"ASYNCRL_TEST_TAG={uuid.uuid4().hex}"
+    r = run_cli(
+        out, "env=openenv", "env.server=tests.openenv_arith", "env.observation_key=prompt",
+        "env.max_turns=2", f"model.path={ROOT / 'asyncrl/models/tiny_default'}",
+        "max_steps=30", "learner.batch_groups=8", timeout=1400,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "ASYNCRL_TEST_TAG": tag.split("=")[1]},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["steps"] == 30 and s["policy_version"] == 30
+    assert s["trajectories_produced"] == (
+        s["trajectories_trained"] + s["trajectories_dropped_stale"] + s["trajectories_in_flight"]
+    )
+    assert s["trajectories_trained"] >= 0.9 * 30 * 8 * 8
+    assert 0 < s["reward_mean_first"] < 1 and 0 < s["reward_mean_last"] <= 1
+    assert 1 < s["turns_mean"] <= 2  # a wrong first answer gets the prompt back
+    pq = pytest.importorskip("pyarrow.parquet")
+    parts = sorted((out / "trajectories").glob("part-*.parquet"))
+    rows = [
+        r for p in parts for r in pq.read_table(p, columns=["prompt", "finish_reason"]).to_pylist()
+    ]
+    assert {r["finish_reason"] for r in rows} <= {"done", "max_turns", "token_budget"}
+    assert all(r["prompt"].endswith("=") and "+" in r["prompt"] for r in rows)
+    assert servers_tagged(tag) == []  # every server of the run stopped with it
+
+
+def servers_tagged(tag: str) -> list[int]:
+    """Pids of live OpenEnv server launchers whose environment holds ``tag``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            if b"PR_SET_PDEATHSIG" in (d / "cmdline").read_bytes() and tag.encode() in (
+                d / "environ"
+            ).read_bytes().split(b"\0"):
+                out.append(int(d.name))
+        except OSError:
+            continue
+    return out
