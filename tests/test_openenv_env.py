@@ -251,6 +251,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 def test_no_server_outlives_its_process(sig):
     """The process holding the pool dies (SIGKILL: no atexit, no close): its server goes

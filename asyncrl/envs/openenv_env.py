@@ -28,7 +28,7 @@ import json
 import math
 import random
 import string
-from typing import Any
+from typing import Any, NoReturn
 
 from asyncrl.config import ConfigError, settings_from
 from asyncrl.envs.base import StepResult
@@ -127,7 +127,7 @@ class OpenEnvEnv:
         except Exception as e:  # noqa: BLE001 - timeout, closed socket, error answer, bad JSON
             await self._failed(what, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
 
-    async def _failed(self, what: str, why: str) -> None:
+    async def _failed(self, what: str, why: str) -> NoReturn:
         lease, pool = self.lease, self.pool
         found = await pool.check(lease) if lease is not None and pool is not None else ""
         await self.close()
