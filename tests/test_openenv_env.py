@@ -202,7 +202,8 @@ def test_runner_prompts_with_the_observation_and_scores_a_crash_env_error(pool):
     runner = MultiTurnEpisodes(engine, OpenEnvTask(), settings, env, lambda: 0)
 
     async def go():
-        return [await runner.run_group(Prompt("", meta={"seed": s})) for s in range(6)]
+        seeds = (0, 2, 1)  # first operands 12, 1 (the policy crashes the server), 4
+        return [await runner.run_group(Prompt("", meta={"seed": s})) for s in seeds]
 
     groups = asyncio.run(go())
     trajs = [t for g in groups for t in g.trajectories]

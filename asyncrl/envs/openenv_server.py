@@ -74,6 +74,7 @@ class ServerProcess:
     starts: int = 0  # 1 + restarts
     sessions: int = 0  # episodes leased now
     starting: bool = False
+    ready: bool = False  # answered /health since its last start
     log: Path | None = None
 
     @property
@@ -90,6 +91,7 @@ class ServerProcess:
     def spawn(self, logdir: Path) -> None:
         """Start the process on a fresh loopback socket (quick: no waiting for it)."""
         self.kill()
+        self.ready = False
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -215,13 +217,14 @@ class ServerPool:
         """Start ``server`` if it is not running (one starter; other leases wait)."""
         while server.starting:
             await asyncio.sleep(POLL_S)
-        if server.alive():
+        if server.alive() and server.ready:
             return
         server.starting = True
         try:
-            if server.starts:
-                self.restarts += 1
-            server.spawn(self._dir)
+            if not server.alive():  # else: a start whose wait was cancelled, waited for again
+                if server.starts:
+                    self.restarts += 1
+                server.spawn(self._dir)
             await self._ready(server)
         finally:
             server.starting = False
@@ -236,6 +239,7 @@ class ServerPool:
                     f"env.server={self.settings.server}: the server exited at start-up: {tail}"
                 )
             if await healthy(server.url, POLL_S * 20):
+                server.ready = True
                 return
             await asyncio.sleep(POLL_S)
         server.kill()
