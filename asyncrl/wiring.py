@@ -77,7 +77,9 @@ def build_task(cfg: DictConfig) -> Task:
     task = build("task", cfg.task)
     try:
         first = TaskSampler(task, cfg.seed).next()
-        if not isinstance(first, Prompt) or not first.text:
+        # a task whose env opens each prompt (env_prompt: the reset's observation) may
+        # draw empty text
+        if not isinstance(first, Prompt) or not (first.text or getattr(task, "env_prompt", False)):
             raise ValueError(f"the task's first prompt is not a Prompt with text: {first!r}")
     except Exception as e:
         raise ConfigError(

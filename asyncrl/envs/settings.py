@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from asyncrl.config import TIMEOUT_S, ConfigError, Settings, build, defaults, locate_target, setting
 from asyncrl.sandbox.settings import SandboxSettings
@@ -184,3 +184,35 @@ def _check_isolation(box: SandboxSettings) -> None:
     from asyncrl.sandbox.isolation import require
 
     require(box)
+
+
+@dataclass(frozen=True)
+class OpenEnvSettings(Settings):
+    """``env=openenv``'s own keys (conf/env/openenv.yaml holds every value): which OpenEnv
+    server to run, how many, and how its observations and actions map to text
+    (asyncrl/envs/openenv_env.py)."""
+
+    KEY: ClassVar[str] = "env"
+
+    server: str = setting()  # ``module`` or ``module:attr``: the server's ASGI app (``app``)
+    servers: int = setting("[1, 64]")  # server processes per actor
+    sessions_per_server: int = setting("[1, 1024]")  # episodes at once on each server
+    action_key: str = setting()  # the action field the policy's text fills
+    observation_key: str = setting()  # the observation field shown as text ("": all, JSON)
+    start_timeout_s: float = setting(TIMEOUT_S)  # a server not healthy by then: env_error
+    step_timeout_s: float = setting(TIMEOUT_S)  # a reset or step slower than this: env_error
+
+    def check(self) -> None:
+        super().check()
+        module, _, attr = self.server.partition(":")
+        if (
+            not module
+            or not all(p.isidentifier() for p in module.split("."))
+            or (attr and not attr.isidentifier())
+        ):
+            raise ConfigError(
+                f"env.server={self.server!r}: expected a module with an OpenEnv app, "
+                "`pkg.module` or `pkg.module:app` (e.g. built by openenv's create_app)"
+            )
+        if not self.action_key:
+            raise ConfigError("env.action_key: expected the action field the text fills")
