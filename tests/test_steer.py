@@ -121,6 +121,7 @@ def test_from_settings():
     "values,names",
     [
         ({"max_staleness": "sometimes"}, "replay.max_staleness='sometimes': expected an integer"),
+        ({"max_staleness": 2.5}, "replay.max_staleness=2.5: expected one of the types"),
         ({"max_staleness": "auto", "auto_floor": 5, "auto_ceiling": 3}, "replay.auto_floor=5"),
         ({"auto_ess_narrow": 0.9, "auto_ess_widen": 0.9}, "replay.auto_ess_narrow=0.9 must be"),
         ({"auto_kl_narrow": 0.01}, "replay.auto_kl_narrow=0.01 must be above"),
