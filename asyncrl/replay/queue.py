@@ -8,9 +8,9 @@
          queue ──▶ buffer (one ref per bundle; meta.bundle_index says where) ──▶ wakes
               get_batch waiters; up to `asked` free slots go back with the answer
     learner ──get_batch(n, V, timeout)──▶ evicts stale, waits for n ready groups or timeout
+            ──resolve_groups(items)──▶ one ray.get of the bundles, from the object store
     loop ──set_max_staleness(BoundChange)──▶ the bound moves (replay.max_staleness=auto);
             narrowing evicts at once, widening wakes the throttled actors
-            ──resolve_groups(items)──▶ one ray.get of the bundles, from the object store
 
 Only ObjectRefs and small metadata live here; the queue never reads or copies
 trajectory bytes. The bytes of a bundle are written once, by the actor that made them,
