@@ -12,6 +12,8 @@ staleness and throughput benchmarks), with small hooks for what they vary.
              broker.publish(V+1)               the sync runs in the background ...
              hooks.wait_for_sync: broker.wait()  ... unless every step waits for it
              queue.set_learner_version(V+1)    the staleness window moves on
+             steer.observe(V+1, metrics)       replay.max_staleness=auto: the bound
+             └▶ queue.set_max_staleness          moves when is/ess, is/mismatch_kl say so
              alerts (hooks.monitor); log metrics; checkpoint every ``learner.checkpoint_every``
 
 Only ObjectRefs and small metadata pass through the driver: trajectories go from the
@@ -21,6 +23,7 @@ actors through the broker. The parts and what the loop calls on each: asyncrl/pa
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -30,10 +33,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.learner.resume import save_checkpoint
 from asyncrl.parts import Fleet, Parts
+from asyncrl.replay.settings import AUTO, ReplaySettings
+from asyncrl.replay.steer import StalenessSteer
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
     from ray import ObjectRef
+
+log = logging.getLogger(__name__)
 
 # How long one get_batch call may wait in the queue before the driver looks at the
 # actors' health: short enough to notice a dead actor in seconds.
@@ -120,6 +127,7 @@ def run_loop(
     hooks = hooks or LoopHooks()
     bar = _progress_bar(cfg.max_steps, version, hooks.progress)
     out = LoopResult(steps=0, policy_version=version)
+    steer = steer_of(cfg)
     t0 = time.time()
     for _ in range(cfg.max_steps - version):  # a resumed run continues up to max_steps
         if hooks.should_stop is not None and hooks.should_stop():
@@ -134,6 +142,8 @@ def run_loop(
                 out.per_task.setdefault(k[len(TASK_REWARD) :], []).append(v)
         out.tokens_trained += int(m["tokens/trained"])
         m.update(progress_metrics(stats, t0, out.tokens_trained, out.phases))
+        if steer is not None:
+            steer_bound(parts, steer, version, m)
         m.update(_watched(parts, hooks, version, m))
         sink.log(version, m)
         _checkpoint(cfg, parts, hooks, version)
@@ -176,6 +186,26 @@ def train_step(
     seconds = dict(zip(PHASES, (t_batch - t, t_trained - t_batch, time.time() - t_trained)))
     m.update({f"perf/{k}_seconds": v for k, v in seconds.items()})
     return m, stats, seconds
+
+
+def steer_of(cfg: DictConfig) -> StalenessSteer | None:
+    """The steer of ``replay.max_staleness=auto`` (its keys checked as at start-up); None
+    for a fixed bound. It starts at ``replay.auto_floor``, as the queue does."""
+    if cfg.replay.get("max_staleness") != AUTO:
+        return None
+    return StalenessSteer.from_settings(ReplaySettings.from_config(cfg.replay))
+
+
+def steer_bound(parts: Parts, steer: StalenessSteer, version: int, m: dict[str, float]) -> None:
+    """The step that published ``version`` fed to the steer; a change it decides is
+    logged (one line, with its reason) and sent to the queue, not awaited (as
+    ``set_learner_version``): whatever bound is in force when the queue hands out a
+    batch is the one it enforces, so no sample ever leaves staler than it."""
+    change = steer.observe(version, m)
+    if change is None:
+        return
+    log.info("replay.max_staleness %s (step %d)", change.reason, change.step)
+    parts.queue.set_max_staleness.remote(change)
 
 
 def _watched(parts: Parts, hooks: LoopHooks, version: int, m: dict[str, float]) -> dict:
@@ -284,6 +314,7 @@ def progress_metrics(
     idle = [s["idle_seconds"] / max(now - s["started"], 1e-9) for s in states]
     return {
         "replay/depth": q["depth_groups"],
+        "replay/bound": q["max_staleness"],  # the bound this step's batch was taken under
         "replay/produced": q["produced"],
         "replay/in_flight": q["in_flight"],
         "staleness/dropped": q["dropped_stale"],

@@ -37,6 +37,7 @@ class QueueHandle(Protocol):
 
     get_batch: RemoteMethod  # (groups, version, wait_s) -> list of refs + metadata
     set_learner_version: RemoteMethod  # (version) -> None: the staleness window moves
+    set_max_staleness: RemoteMethod  # (BoundChange) -> dropped: the bound moves
     stats: RemoteMethod  # () -> accounting dict (produced, trained, dropped_stale, ...)
     close: RemoteMethod  # () -> None: no slot granted any more
 

@@ -64,7 +64,10 @@ def summarise(
         "trajectories_dropped_stale": queue_stats["dropped_stale"],
         "trajectories_in_flight": queue_stats["in_flight"],
         "max_staleness_trained": queue_stats["max_staleness_trained"],
-        "max_staleness_bound": cfg.replay.max_staleness,
+        # the widest bound in force during the run (replay.max_staleness=auto moves it)
+        "max_staleness_bound": queue_stats.get("highest_bound", cfg.replay.max_staleness),
+        "staleness_bound_final": queue_stats.get("max_staleness", cfg.replay.max_staleness),
+        "staleness_bound_changes": queue_stats.get("bound_changes", 0),
         "staleness_histogram": {
             str(k): v for k, v in sorted(queue_stats["staleness_hist"].items())
         },
@@ -193,7 +196,7 @@ def _before_ray(cfg: DictConfig, setup: Setup, out_dir: Path) -> HealthMonitor:
         )
     monitor = HealthMonitor(
         MonitorSettings.from_config(cfg.get("monitor")),
-        setup.replay.max_staleness,
+        setup.replay.highest_bound,  # auto: the ceiling
         setup.reward.monitor,  # reward.monitor: the hacking/* rules
     )  # its thresholds are checked here too, before Ray starts
     check_local_cpus(setup.resources, setup.ray)  # what a local Ray will have, before it starts

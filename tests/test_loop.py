@@ -42,6 +42,7 @@ class Queue:
             "in_flight": 0,
             "dropped_stale": 0,
             "max_staleness_trained": 0,
+            "max_staleness": 2,
             "groups_lost": 0,
             "learner_version": self.learner_version,
             "closed": self.closed,

@@ -9,8 +9,9 @@ Invariant, at every moment, counted in trajectories:
 (``max_reuse > 1``) is counted separately in ``samples_trained``.
 
 Staleness of a trajectory seen by a learner at version ``V`` is
-``V - min(token versions)``; one with staleness ``> max_staleness`` is never handed
-out: it is dropped and counted. With ``policy="throttle"`` actors are also held back
+``V - min(token versions)``; one with staleness ``> max_staleness`` (the bound in force
+at that moment: :meth:`ReplayBuffer.set_max_staleness` moves it) is never handed out:
+it is dropped and counted. With ``policy="throttle"`` actors are also held back
 before they start a prompt (AReaL's rule: at most ``(V + max_staleness + 1) *
 batch_groups`` groups may have been started by learner version ``V``, with ``V`` the
 older of the learner's version and the weights the asking actor holds), so drops
@@ -114,10 +115,11 @@ class ReplayBuffer:
         self.batch_groups = batch_groups
         self.policy = policy
         self.max_reuse = max_reuse
-        # Backpressure: queued + running groups stay under this. Default: enough for the
-        # staleness window, so throttling (not the queue) is what bounds the actors.
-        self.capacity_groups = capacity_groups or (max_staleness + 2) * batch_groups
+        self._capacity_setting = capacity_groups  # 0: follows the bound in force
+        self.capacity_groups = self._capacity_for(max_staleness)
         self.delay_versions = delay_versions
+        self.bound_changes = 0  # set_max_staleness calls that moved the bound
+        self.highest_bound = max_staleness  # the widest bound ever in force
         self.learner_version = 0
         self._queue: OrderedDict[str, _Entry] = OrderedDict()
         # No queued trajectory is older than this (a lower bound, tightened by each full
@@ -130,6 +132,30 @@ class ReplayBuffer:
         self.running_by_actor: dict[str, int] = {}
         self.lost_by_actor: dict[str, int] = {}
         self.first_put_at: dict[str, float] = {}
+
+    def _capacity_for(self, bound: int) -> int:
+        """Backpressure: queued + running groups stay under this. Default: enough for
+        the staleness window, so throttling (not the queue) is what bounds the actors."""
+        return self._capacity_setting or (bound + 2) * self.batch_groups
+
+    def set_max_staleness(self, bound: int) -> int:
+        """The bound in force from now on (``replay.max_staleness=auto``). Narrowing
+        drops at once every queued trajectory now staler than ``bound`` (counted in
+        ``dropped_stale``), so no later :meth:`take` can hand one out; widening lets
+        the throttled actors start more. Returns how many were dropped."""
+        if bound < 0:
+            raise ValueError(f"replay.max_staleness must be >= 0, got {bound}")
+        if bound < self.delay_versions:
+            raise ValueError(
+                f"replay.max_staleness={bound} is below replay.delay_versions="
+                f"{self.delay_versions}: every sample would be dropped"
+            )
+        if bound != self.max_staleness:
+            self.bound_changes += 1
+        self.max_staleness = bound
+        self.highest_bound = max(self.highest_bound, bound)
+        self.capacity_groups = self._capacity_for(bound)
+        return self.evict_stale()
 
     # ---- actor side -------------------------------------------------------------
     def can_start(self, weights_version: int | None = None) -> bool:
@@ -290,6 +316,9 @@ class ReplayBuffer:
             "max_staleness_trained": a.max_staleness_trained,
             "staleness_hist": dict(a.staleness_hist),
             "learner_version": self.learner_version,
+            "max_staleness": self.max_staleness,  # the bound in force
+            "highest_bound": self.highest_bound,
+            "bound_changes": self.bound_changes,
         }
 
     def state_dict(self) -> dict[str, Any]:

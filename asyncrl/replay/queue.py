@@ -9,6 +9,8 @@
               get_batch waiters; up to `asked` free slots go back with the answer
     learner ──get_batch(n, V, timeout)──▶ evicts stale, waits for n ready groups or timeout
             ──resolve_groups(items)──▶ one ray.get of the bundles, from the object store
+    loop ──set_max_staleness(BoundChange)──▶ the bound moves (replay.max_staleness=auto);
+            narrowing evicts at once, widening wakes the throttled actors
 
 Only ObjectRefs and small metadata live here; the queue never reads or copies
 trajectory bytes. The bytes of a bundle are written once, by the actor that made them,
@@ -35,6 +37,7 @@ from typing import Any
 
 from asyncrl.replay.buffer import UNPRIMED, BatchItem, GroupMeta, ReplayBuffer
 from asyncrl.replay.outbox import HandOff
+from asyncrl.replay.steer import BoundChange
 from asyncrl.trajectory import TrajectoryGroup, from_bytes
 
 
@@ -197,6 +200,15 @@ class ReplayQueueCore:
     async def set_learner_version(self, version: int) -> None:
         self.buf.set_learner_version(version)
         await self._notify()
+
+    async def set_max_staleness(self, change: BoundChange) -> int:
+        """The staleness bound in force from now on (``replay.max_staleness=auto``):
+        narrowing drops what it makes stale before any later ``get_batch`` can take it
+        (one event loop: nothing runs between); widening wakes the throttled actors.
+        Returns the trajectories it dropped."""
+        dropped = self.buf.set_max_staleness(change.max_staleness)
+        await self._notify()
+        return dropped
 
     async def close(self) -> None:
         self._closed = True
