@@ -54,6 +54,7 @@ from asyncrl.engine.vllm_engine import (
     version_salt,
 )
 from asyncrl.envs.base import StepResult
+from asyncrl.config import locate_target
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.rewards.pool import RewardClient
 from asyncrl.tasks.base import Prompt, Task
@@ -279,4 +280,31 @@ def make_runner(
     what scores the finished groups (None: the env's reward, in-process)."""
     if env is None or env.single_turn:
         return SingleTurnEpisodes(engine, task, settings.sampling, version, rewards)
+    cls = locate_target("env", env.target)
+    if callable(getattr(cls, "episodes", None)):  # an env that drives its own turn loop
+        return own_loop_runner(cls(**env.kwargs), engine, task, settings, env, version)
     return MultiTurnEpisodes(engine, task, settings, env, version, rewards)
+
+
+def own_loop_runner(
+    env_obj: Any,
+    engine: Any,
+    task: Task,
+    settings: ActorSettings,
+    env: EnvSettings,
+    version: Callable[[], int],
+) -> EpisodeRunner:
+    """The runner of an env that runs its own turns (``env=verifiers``): it gets the
+    episode limits, each turn's seeded sampling parameters and the abort signal, and
+    scores with its own rubric."""
+    from asyncrl.envs.verifiers_env import Limits
+
+    params = sampling_params(settings.sampling)
+    params.n = 1
+
+    def turn(group: int, sample: int, k: int) -> Any:
+        return turn_params(engine, params, group, sample, k)
+
+    limits = Limits(env.max_tokens, settings.engine.max_model_len, settings.sampling.max_tokens)
+    return env_obj.episodes(engine, task, settings.sampling.n, limits, env.timeout_s, turn,
+                            version, EpisodeAborted)  # fmt: skip

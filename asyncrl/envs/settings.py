@@ -90,7 +90,8 @@ class EnvSettings(Settings):
         limits = {k: spec.pop(k) for k in LIMIT_KEYS}
         out = cls(target=str(spec.get("_target_", "")), kwargs={}, sandbox=box, **limits)
         env = build("env", spec)  # names env._target_ / env.<arg> on a mistake
-        for name in ("reset", "step"):
+        own_loop = callable(getattr(env, "episodes", None))  # drives its own turns
+        for name in () if own_loop else ("reset", "step"):
             if not callable(getattr(env, name, None)):
                 raise ConfigError(
                     f"env._target_={out.target}: has no {name}() (asyncrl/envs/base.py Env)"
