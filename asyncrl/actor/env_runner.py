@@ -45,6 +45,7 @@ from asyncrl.actor.episode import (
     turn_params,
 )
 from asyncrl.actor.settings import ActorSettings
+from asyncrl.config import locate_target
 from asyncrl.engine.vllm_engine import (
     Renderer,
     completion_arrays,
@@ -54,7 +55,6 @@ from asyncrl.engine.vllm_engine import (
     version_salt,
 )
 from asyncrl.envs.base import StepResult
-from asyncrl.config import locate_target
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.rewards.pool import RewardClient
 from asyncrl.tasks.base import Prompt, Task

@@ -68,7 +68,7 @@ def load_environment(env_id: str) -> Any:
     if env_id not in _LOADED:
         try:
             obj: Any = importlib.import_module(env_id)
-            obj = getattr(obj, "load_environment")
+            obj = obj.load_environment
         except ModuleNotFoundError:
             mod, _, attr = env_id.rpartition(".")
             if not mod:
@@ -76,7 +76,9 @@ def load_environment(env_id: str) -> Any:
             obj = getattr(importlib.import_module(mod), attr)
         env = obj if isinstance(obj, vf.Environment) else obj()
         if not isinstance(env, vf.Environment):
-            raise ValueError(f"env.id={env_id!r} gave {type(env).__name__}, not a verifiers Environment")
+            raise ValueError(
+                f"env.id={env_id!r} gave {type(env).__name__}, not a verifiers Environment"
+            )
         _LOADED[env_id] = env
     return _LOADED[env_id]
 
@@ -85,7 +87,9 @@ class VerifiersTask:
     """``task`` of ``env=verifiers``: draws rows of the env's dataset. ``Prompt.meta``
     carries the row (``example_id``); the rubric scores, never :meth:`reward`."""
 
-    def __init__(self, id: str):
+    def __init__(self, id: str, chat: bool = True, system: str | None = None):
+        # chat/system: model presets (model=smollm2) set them for every task; a verifiers
+        # env's rows carry its own messages (its system_prompt), which are what is rendered
         self.id = id
         self.rows = list(load_environment(id).get_dataset())
 
@@ -205,10 +209,12 @@ class EngineClient(Client):
                     f"chat template of {getattr(self.tok, 'name_or_path', '?')} is not "
                     "append-only here, or renders the model's turn unlike its tokens"
                 )
-            ids = self.tok.encode(text[len(rec.rendered + rec.generated):], add_special_tokens=False)
+            ids = self.tok.encode(
+                text[len(rec.rendered + rec.generated) :], add_special_tokens=False
+            )
             v = rec.versions[-1] if rec.versions else self.version()
             rec.add(list(ids), [0.0] * len(ids), [v] * len(ids), False)
-            rec.texts.append(text[len(rec.rendered + rec.generated):])
+            rec.texts.append(text[len(rec.rendered + rec.generated) :])
         rec.seen, rec.rendered = messages, text
 
     async def get_native_response(self, prompt: list[dict], model: str, sampling_args: Any,
@@ -220,7 +226,9 @@ class EngineClient(Client):
             raise vf.OverlongPromptError("the episode's token budget is spent")
         params = self.params(rec.turns)
         params.max_tokens = room
-        request = self._render(tokens_prompt(rec.prompt_ids + rec.ids), version_salt(self.version()))
+        request = self._render(
+            tokens_prompt(rec.prompt_ids + rec.ids), version_salt(self.version())
+        )
         final = None
         async for out in self.engine.generate(request, params, request_id=uuid.uuid4().hex):
             final = out
@@ -265,7 +273,12 @@ class VerifiersEpisodes:
                  version: Callable[[], int], aborted: type[Exception]):  # fmt: skip
         self.engine, self.task, self.n, self.limits = engine, task, n, limits
         self.env = load_environment(task.id)
-        self.timeout_s, self.params, self.version, self.aborted = timeout_s, params, version, aborted
+        self.timeout_s, self.params, self.version, self.aborted = (
+            timeout_s,
+            params,
+            version,
+            aborted,
+        )
         self._groups = 0
 
     async def run_group(self, prompt: Prompt) -> TrajectoryGroup:
@@ -287,7 +300,10 @@ class VerifiersEpisodes:
                 self._rollout(client, row, rec), self.timeout_s
             )
         except TimeoutError:
-            finish, error = "env_error", f"TimeoutError: no answer within env.timeout_s={self.timeout_s}"
+            finish, error = (
+                "env_error",
+                f"TimeoutError: no answer within env.timeout_s={self.timeout_s}",
+            )
         except self.aborted:
             raise
         except Exception as e:  # noqa: BLE001 - an env's failure is a recorded outcome
@@ -307,7 +323,11 @@ class VerifiersEpisodes:
             raise VerifiersError(f"{type(cause).__name__}: {cause}")
         await self.env.rubric.score_group([state])
         reward = state.get("reward")
-        if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        if (
+            isinstance(reward, bool)
+            or not isinstance(reward, int | float)
+            or not math.isfinite(reward)
+        ):
             raise VerifiersError(f"the rubric returned {reward!r}, not a finite number")
         metrics = {k: float(v) for k, v in (state.get("metrics") or {}).items()
                    if isinstance(v, int | float) and math.isfinite(v)}  # fmt: skip
@@ -332,8 +352,12 @@ class VerifiersEpisodes:
             response_text="".join(rec.texts),
             t_start=t_start,
             t_end=time.time(),
-            episode={"turns": float(rec.turns), "tool_calls": float(rec.tool_calls),
-                     "turn_prompt_tokens": 0.0, "cached_tokens": 0.0},  # fmt: skip
+            episode={
+                "turns": float(rec.turns),
+                "tool_calls": float(rec.tool_calls),
+                "turn_prompt_tokens": 0.0,
+                "cached_tokens": 0.0,
+            },  # fmt: skip
         )
 
 
