@@ -64,3 +64,15 @@ def hanging_env() -> vf.Environment:
 
 def garbage_env() -> vf.Environment:
     return GarbageEnv(dataset=_rows(), max_turns=3, rubric=vf.Rubric(funcs=[correct]))
+
+
+def exact(completion, answer, **kwargs) -> float:
+    """1 if the answer is exactly the sum (the tiny model answers bare)."""
+    return float(_text(completion).strip() == answer)
+
+
+def addition_env() -> vf.Environment:
+    """The default task's problems (``a+b=``, operands 0..19) as a verifiers env, for the
+    tiny model warm-started on them (tests/test_verifiers_env.py's CLI run)."""
+    rows = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a in range(20) for b in range(20)]
+    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=[exact]))
