@@ -65,6 +65,8 @@ def load_environment(env_id: str) -> Any:
     """The verifiers Environment ``env_id`` names: a module with ``load_environment()``,
     or a dotted ``module.attr`` that is an Environment, a class or a factory. Cached per
     process (the task and the runner share it)."""
+    if not isinstance(env_id, str) or not env_id:
+        raise ValueError(f"env.id={env_id!r}: name the verifiers env (env.id=my_module)")
     if env_id not in _LOADED:
         try:
             obj: Any = importlib.import_module(env_id)
