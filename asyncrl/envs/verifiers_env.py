@@ -32,9 +32,12 @@ import json
 import math
 import random
 import re
+import signal
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +58,7 @@ from asyncrl.trajectory import Trajectory, TrajectoryGroup
 MODEL_NAME = "asyncrl-actor"  # the model name verifiers passes to its client (unused)
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 _LOADED: dict[str, Any] = {}  # env.id -> its verifiers Environment (one per process)
+_SIGNAL_LOCK = threading.Lock()
 
 
 class VerifiersError(RuntimeError):
@@ -76,13 +80,28 @@ def load_environment(env_id: str) -> Any:
             if not mod:
                 raise ValueError(f"env.id={env_id!r}: no such module") from None
             obj = getattr(importlib.import_module(mod), attr)
-        env = obj if isinstance(obj, vf.Environment) else obj()
+        with _keep_signal_handlers():
+            env = obj if isinstance(obj, vf.Environment) else obj()
         if not isinstance(env, vf.Environment):
             raise ValueError(
                 f"env.id={env_id!r} gave {type(env).__name__}, not a verifiers Environment"
             )
         _LOADED[env_id] = env
     return _LOADED[env_id]
+
+
+@contextmanager
+def _keep_signal_handlers() -> Iterator[None]:
+    """A verifiers Environment installs SIGINT/SIGTERM handlers when built, which fails
+    off the main thread (the actor builds its runner in a worker thread) and would replace
+    the driver's and Ray's own handlers: while one is built, ``signal.signal`` does nothing."""
+    with _SIGNAL_LOCK:
+        real = signal.signal
+        signal.signal = lambda signum, handler: signal.getsignal(signum)
+        try:
+            yield
+        finally:
+            signal.signal = real
 
 
 class VerifiersTask:
