@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("verifiers")
 
 from asyncrl.actor.env_runner import make_runner  # noqa: E402
+from asyncrl.actor.episode import EpisodeAborted  # noqa: E402
 from asyncrl.actor.settings import ActorSettings  # noqa: E402
 from asyncrl.engine.settings import EngineSettings, SamplingSettings  # noqa: E402
 from asyncrl.envs.settings import EnvSettings  # noqa: E402
@@ -35,6 +36,7 @@ class ScriptedEngine:
         self.policy, self.version = policy, version
         self.requests: list[list[int]] = []
         self.outputs: list[list[int]] = []
+        self.abort = False  # answer every request as a weight update's abort
 
     def get_tokenizer(self):
         return TOK
@@ -51,7 +53,7 @@ class ScriptedEngine:
             token_ids=out,
             logprobs=[{t: SimpleNamespace(logprob=-0.25)} for t in out],
             weight_versions=[SimpleNamespace(start=0, end=len(out), version=self.version)],
-            finish_reason="stop",
+            finish_reason="abort" if self.abort else "stop",
         )
         yield SimpleNamespace(prompt_token_ids=ids, outputs=[comp], num_cached_tokens=0)
 
@@ -63,7 +65,7 @@ def answer_sum(text: str) -> str:
     return str(int(a) + int(b))
 
 
-def run(name: str, policy, n: int = 2, timeout_s: float = 20, max_tokens: int = 200):
+def run(name: str, policy, n=2, timeout_s=20.0, max_tokens=200, abort=False):
     env = EnvSettings.from_config({"_target_": "asyncrl.envs.verifiers_env.VerifiersEnv",
                                    "id": f"tests.vf_envs.{name}", "max_turns": 4,
                                    "max_tokens": max_tokens, "timeout_s": timeout_s})  # fmt: skip
@@ -73,6 +75,7 @@ def run(name: str, policy, n: int = 2, timeout_s: float = 20, max_tokens: int = 
         engine=EngineSettings.defaults(max_model_len=512),
     )
     engine = ScriptedEngine(policy)
+    engine.abort = abort
     runner = make_runner(engine, task, settings, env, lambda: engine.version)
     prompts = [task.sample(__import__("random").Random(s)) for s in range(3)]
 
@@ -141,6 +144,11 @@ def test_bad_env_is_env_error_and_the_run_continues(name):
     err = groups[0].trajectories[0].error
     assert {"raising_env": "the env broke", "hanging_env": "TimeoutError",
             "garbage_env": "Error"}[name] in err  # fmt: skip
+
+
+def test_an_aborted_request_reruns_the_group():
+    with pytest.raises(EpisodeAborted):
+        run("tool_env", tool_policy, abort=True)
 
 
 def test_token_budget_ends_the_episode():

@@ -142,6 +142,8 @@ class Record:
     texts: list[str] = field(default_factory=list)
     turns: int = 0
     tool_calls: int = 0
+    turn_prompt_tokens: int = 0  # prompt tokens over the turns' requests
+    cached_tokens: int = 0  # of those, served from the prefix cache
     budget_hit: bool = False
 
     def add(self, ids: list[int], lps: list[float], vers: list[int], trained: bool) -> None:
@@ -256,6 +258,8 @@ class EngineClient(Client):
         if final is None or not final.outputs or final.outputs[0].finish_reason == "abort":
             raise self.aborted("a weight update aborted a verifiers episode's request")
         comp = final.outputs[0]
+        rec.turn_prompt_tokens += len(final.prompt_token_ids)
+        rec.cached_tokens += int(final.num_cached_tokens or 0)
         ids, lps, vers = completion_arrays(comp, self.version())
         rec.add(ids.tolist(), lps.tolist(), vers.tolist(), True)
         rec.turns += 1
@@ -307,8 +311,13 @@ class VerifiersEpisodes:
         self._groups += 1
         gid = f"{index:08x}{uuid.uuid4().hex[:16]}"
         row = self.task.row(int(prompt.meta["example_id"]))
-        trajs = await asyncio.gather(*(self._episode(prompt, row, gid, index, i)
-                                       for i in range(self.n)))  # fmt: skip
+        try:  # a TaskGroup: an aborted episode cancels its siblings (the group reruns)
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self._episode(prompt, row, gid, index, i))
+                         for i in range(self.n)]  # fmt: skip
+        except BaseExceptionGroup as eg:
+            raise eg.exceptions[0] from None
+        trajs = [t.result() for t in tasks]
         return TrajectoryGroup(gid, list(trajs))
 
     async def _episode(self, prompt: Prompt, row: dict, gid: str, index: int, i: int) -> Trajectory:
@@ -376,8 +385,8 @@ class VerifiersEpisodes:
             episode={
                 "turns": float(rec.turns),
                 "tool_calls": float(rec.tool_calls),
-                "turn_prompt_tokens": 0.0,
-                "cached_tokens": 0.0,
+                "turn_prompt_tokens": float(rec.turn_prompt_tokens),
+                "cached_tokens": float(rec.cached_tokens),
             },  # fmt: skip
         )
 
