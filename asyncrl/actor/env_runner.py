@@ -46,6 +46,7 @@ from asyncrl.actor.episode import (
     turn_params,
 )
 from asyncrl.actor.settings import ActorSettings
+from asyncrl.config import locate_target
 from asyncrl.engine.vllm_engine import (
     Renderer,
     completion_arrays,
@@ -302,4 +303,31 @@ def make_runner(
         return SingleTurnEpisodes(engine, task, settings.sampling, version, rewards)
     if env.agent:
         return AgentEpisodes(engine, task, settings, env, version, rewards)
+    cls = locate_target("env", env.target)
+    if callable(getattr(cls, "episodes", None)):  # an env that drives its own turn loop
+        return own_loop_runner(cls(**env.kwargs), engine, task, settings, env, version)
     return MultiTurnEpisodes(engine, task, settings, env, version, rewards)
+
+
+def own_loop_runner(
+    env_obj: Any,
+    engine: Any,
+    task: Task,
+    settings: ActorSettings,
+    env: EnvSettings,
+    version: Callable[[], int],
+) -> EpisodeRunner:
+    """The runner of an env that runs its own turns (``env=verifiers``): it gets the
+    episode limits, each turn's seeded sampling parameters and the abort signal, and
+    scores with its own rubric."""
+    from asyncrl.envs.verifiers_env import Limits
+
+    params = sampling_params(settings.sampling)
+    params.n = 1
+
+    def turn(group: int, sample: int, k: int) -> Any:
+        return turn_params(engine, params, group, sample, k)
+
+    limits = Limits(env.max_tokens, settings.engine.max_model_len, settings.sampling.max_tokens)
+    return env_obj.episodes(engine, task, settings.sampling.n, limits, env.timeout_s, turn,
+                            version, EpisodeAborted)  # fmt: skip

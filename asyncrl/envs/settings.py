@@ -98,7 +98,9 @@ class EnvSettings(Settings):
         limits = {k: spec.pop(k) for k in LIMIT_KEYS}
         out = cls(target=str(spec.get("_target_", "")), kwargs={}, sandbox=box, **limits)
         env = build("env", spec)  # names env._target_ / env.<arg> on a mistake
-        for name in ("reset", "step") if not is_agent(type(env)) else ("run_agent",):
+        own_loop = callable(getattr(env, "episodes", None))  # drives its own turns
+        needs = ("run_agent",) if is_agent(type(env)) else ("reset", "step")
+        for name in () if own_loop else needs:
             if not callable(getattr(env, name, None)):
                 raise ConfigError(
                     f"env._target_={out.target}: has no {name}() (asyncrl/envs/base.py Env)"
