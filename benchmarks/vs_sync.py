@@ -496,8 +496,17 @@ def main() -> None:
     emit_json(figures)
 
 
-SYNC_SPLIT = ("generate_seconds_per_step", "env_wait_seconds_per_step", "train_seconds_per_step",
-              "env_step_seconds_per_episode")  # fmt: skip
+# the JSON's time split: (side, the run's figure) -> key
+TIME_SPLIT = {
+    ("sync", "generate_seconds_per_step"): "sync_generate_seconds_per_step",
+    ("sync", "env_wait_seconds_per_step"): "sync_env_wait_seconds_per_step",
+    ("sync", "train_seconds_per_step"): "sync_train_seconds_per_step",
+    ("sync", "env_step_seconds_per_episode"): "sync_env_step_seconds_per_episode",
+    ("asyncrl", "learner_wait_seconds_per_step"): "asyncrl_learner_wait_seconds_per_step",
+    ("asyncrl", "train_seconds_per_step"): "asyncrl_train_seconds_per_step",
+    ("asyncrl", "publish_seconds_per_step"): "asyncrl_publish_seconds_per_step",
+    ("asyncrl", "env_step_seconds_per_episode"): "asyncrl_env_step_seconds_per_episode",
+}
 
 
 def summarise(rows: list[dict], n_seeds: int) -> dict[str, Any]:
@@ -516,10 +525,10 @@ def summarise(rows: list[dict], n_seeds: int) -> dict[str, Any]:
         "sync_reward_last": median_of(rows, "sync", "reward_last"),
         "startup_seconds": median_of(rows, "asyncrl", "startup_seconds"),
     }
-    for side, key in [("sync", k) for k in SYNC_SPLIT] + [("asyncrl", k) for k in SPLIT.values()]:
+    for (side, key), name in TIME_SPLIT.items():
         v = median_of(rows, side, key)
         if v == v:  # logged by this job (a single-turn run has no env/* figures)
-            figures[f"{side}_{key}"] = v
+            figures[name] = v
     if n_seeds > 1:
         for side in ("asyncrl", "sync"):
             vals = [r["reward_last"] for r in rows if r["side"] == side]
