@@ -24,6 +24,12 @@ Figures (last stdout line, JSON):
     startup_seconds     asyncrl's process start to its first trained step
                         (summary.json ``startup_seconds``)
 
+    job                 the workload (--job): default, or tool (env=calculator whose tool
+                        answers after a lognormal latency; the sync loop runs its
+                        episodes turn by turn, a turn's env steps awaited together)
+    sync_*_seconds_per_step / asyncrl_*_seconds_per_step, *_env_step_seconds_per_episode
+                        where each side's time went (:data:`TIME_SPLIT`)
+
 With several seeds the figures are medians over the pairs and ``*_reward_last_spread``
 (max - min over seeds) says how far rewards move from seed to seed. The CSV has one row
 per run with the run's fingerprint columns. Load matters: both sides of a pair run one
