@@ -52,7 +52,8 @@ class Trajectory:
     t_start: float = 0.0  # wall-clock seconds (time.time) when generation started
     t_end: float = 0.0  # ... when the completion was scored
     # multi-turn episodes only (else empty): turns, tool_calls, and over the turns'
-    # requests turn_prompt_tokens and cached_tokens (the prefix cache's hits)
+    # requests turn_prompt_tokens and cached_tokens (the prefix cache's hits), and
+    # env_seconds (awaiting the env's steps)
     episode: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -24,6 +24,12 @@ Figures (last stdout line, JSON):
     startup_seconds     asyncrl's process start to its first trained step
                         (summary.json ``startup_seconds``)
 
+    job                 the workload (--job): default, or tool (env=calculator whose tool
+                        answers after a lognormal latency; the sync loop runs its
+                        episodes turn by turn, a turn's env steps awaited together)
+    sync_*_seconds_per_step / asyncrl_*_seconds_per_step, *_env_step_seconds_per_episode
+                        where each side's time went (:data:`TIME_SPLIT`)
+
 With several seeds the figures are medians over the pairs and ``*_reward_last_spread``
 (max - min over seeds) says how far rewards move from seed to seed. The CSV has one row
 per run with the run's fingerprint columns. Load matters: both sides of a pair run one
@@ -66,6 +72,26 @@ SIZES: dict[str, dict[str, Any]] = {
     "default": {"overrides": [], "steps": QUICK_STEPS},
     "small": {"overrides": ["model=small", "task=column_addition"], "steps": 40},
 }
+# --job: the workload. default: --size's job (single-turn, generation nearly free).
+# tool: env=calculator (a call, its answer, a final answer) whose tool answers after a
+# lognormal latency, median 300 ms, p99 2 s (asyncrl/envs/latency.py), as a search or
+# code-execution service would. Both sides keep 64 episodes of a batch waiting on the
+# tool together: the sync loop awaits a turn's calls at once (asyncio.gather); asyncrl's
+# actor runs up to min(actor.max_inflight_groups 256, replay.capacity_groups
+# (max_staleness 2 + 2) x batch_groups 8 = 32) groups of 8 episodes at once, so it keeps
+# up to 4 batches' tool calls in flight while the learner trains (conf/'s defaults).
+JOBS: dict[str, dict[str, Any]] = {
+    "default": {"overrides": [], "steps": None, "quick_steps": None},
+    "tool": {
+        "overrides": [
+            "env=calculator",
+            "env.tool_latency_median_ms=300",
+            "env.tool_latency_p99_ms=2000",
+        ],  # fmt: skip
+        "steps": 40,
+        "quick_steps": 12,
+    },
+}
 LAST_FRACTION = 10  # reward_last = mean over the last 1/10 of the steps (as summary.json)
 RUN_TIMEOUT_S = 3600  # one side of one pair; a run that outlives this is broken
 # Ray gives its raylet 30 s to start (hard-coded); on a loaded machine it may need more:
@@ -101,18 +127,23 @@ def sync_loop(overrides: list[str], out: Path, threads: int = 0) -> dict[str, An
     torch.manual_seed(setup.run.seed)
     # the actors' engine dtype: bfloat16 there generates here under bf16 autocast (fp32 weights)
     bf16 = str(setup.actor.engine.dtype) == "bfloat16"
-    times, rewards, gen_s, train_s = [], [], 0.0, 0.0
+    multi = not setup.env.single_turn  # the job's env: episodes turn by turn
+    times, rewards, gen_s, env_s, train_s, env_ep = [], [], 0.0, 0.0, 0.0, []
     for version in range(setup.run.max_steps):
         t0 = time.perf_counter()
         prompts = [sampler.next() for _ in range(s.batch_groups)]
-        trajs = generate_batch(learner.model, tok, setup.task, prompts, setup.actor.sampling,
-                               version, bf16)  # fmt: skip
+        if multi:
+            trajs, e = episodes_batch(learner.model, tok, setup, prompts, version, bf16)
+            env_ep += [t.episode["env_seconds"] for t in trajs]
+        else:
+            trajs, e = generate_batch(learner.model, tok, setup.task, prompts,
+                                      setup.actor.sampling, version, bf16), 0.0  # fmt: skip
         t1 = time.perf_counter()
         from asyncrl.learner.batch import collate
 
         learner.step_on_batch(collate(trajs, learner.pad_id), version)
         t2 = time.perf_counter()
-        gen_s, train_s = gen_s + t1 - t0, train_s + t2 - t1
+        gen_s, env_s, train_s = gen_s + t1 - t0 - e, env_s + e, train_s + t2 - t1
         times.append(t2)
         rewards.append(sum(t.reward for t in trajs) / len(trajs))
     k = max(1, len(rewards) // LAST_FRACTION)
@@ -120,7 +151,9 @@ def sync_loop(overrides: list[str], out: Path, threads: int = 0) -> dict[str, An
         "steps": len(times),
         "seconds_per_step": (times[-1] - times[0]) / max(len(times) - 1, 1),
         "generate_seconds_per_step": gen_s / len(times),
+        "env_wait_seconds_per_step": env_s / len(times),
         "train_seconds_per_step": train_s / len(times),
+        "env_step_seconds_per_episode": sum(env_ep) / len(env_ep) if env_ep else 0.0,
         "reward_first": sum(rewards[:k]) / k,
         "reward_last": sum(rewards[-k:]) / k,
         "torch_threads": threads,
@@ -136,28 +169,22 @@ def _tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def generate_batch(model, tok, task, prompts, sampling, version: int, bf16: bool = False) -> list:
-    """``sampling.n`` completions of every prompt, as trajectories: one left-padded HF
-    ``generate`` call for the whole batch (under bf16 autocast if ``bf16``). Log-probs are
-    of the processed distribution (after temperature / top-k / top-p), as vLLM's
-    ``processed_logprobs``; a response ends with its EOS token, as vLLM's token ids do."""
-    import numpy as np
+def hf_generate(model, tok, seqs: list[list[int]], sampling, max_new: int, bf16: bool = False):
+    """One left-padded HF ``generate`` call over ``seqs`` (token ids), sampling with the
+    actors' temperature / top-k / top-p (under bf16 autocast if ``bf16``): per row the
+    response ids through EOS (or ``max_new`` of them) and their log-probs in the processed
+    distribution (after the warpers, as vLLM's ``processed_logprobs``)."""
     import torch
 
-    from asyncrl.tasks.base import score
-    from asyncrl.trajectory import Trajectory
-
-    n = sampling.n
-    enc = [tok(p.text)["input_ids"] for p in prompts]
-    width = max(len(e) for e in enc)
+    width = max(len(e) for e in seqs)
     pad = tok.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc for _ in range(n)])
+    ids = torch.tensor([[pad] * (width - len(e)) + list(e) for e in seqs])
     attn = (torch.arange(width)[None, :] >= torch.tensor(
-        [width - len(e) for e in enc for _ in range(n)])[:, None]).long()  # fmt: skip
+        [width - len(e) for e in seqs])[:, None]).long()  # fmt: skip
     model.eval()
-    with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
         out = model.generate(
-            input_ids=ids, attention_mask=attn, do_sample=True, max_new_tokens=sampling.max_tokens,
+            input_ids=ids, attention_mask=attn, do_sample=True, max_new_tokens=max_new,
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
             output_scores=True, return_dict_in_generate=True, pad_token_id=pad,
             eos_token_id=tok.eos_token_id,
@@ -167,23 +194,150 @@ def generate_batch(model, tok, task, prompts, sampling, version: int, bf16: bool
     # scores: the processed logits of each step (warpers applied), [B, V] per step
     logp = torch.stack([s.float().log_softmax(-1) for s in out.scores], 1)
     lp = logp.gather(-1, gen[:, :, None]).squeeze(-1)
-    trajs = []
+    rows = []
     for b in range(gen.shape[0]):
         row = gen[b].tolist()
         r = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
-        resp = np.asarray(row[:r], dtype=np.int32)
-        text = tok.decode(row[:r], skip_special_tokens=True)
+        rows.append((row[:r], lp[b, :r].numpy().astype("float32")))
+    return rows
+
+
+def generate_batch(model, tok, task, prompts, sampling, version: int, bf16: bool = False) -> list:
+    """``sampling.n`` completions of every prompt, as trajectories, from one
+    :func:`hf_generate` call; a response ends with its EOS token, as vLLM's token ids do."""
+    import numpy as np
+
+    from asyncrl.tasks.base import score
+    from asyncrl.trajectory import Trajectory
+
+    n = sampling.n
+    enc = [tok(p.text)["input_ids"] for p in prompts]
+    rows = hf_generate(model, tok, [e for e in enc for _ in range(n)], sampling,
+                       sampling.max_tokens, bf16)  # fmt: skip
+    trajs = []
+    for b, (row, lp) in enumerate(rows):
+        text = tok.decode(row, skip_special_tokens=True)
         p = prompts[b // n]
         reward, breakdown, err = score(task, p, text)
         trajs.append(Trajectory(
             traj_id=f"{version}-{b}", group_id=f"{version}-{b // n}",
-            prompt_ids=np.asarray(enc[b // n], dtype=np.int32), response_ids=resp,
-            behaviour_logprobs=lp[b, :r].numpy().astype(np.float32),
-            versions=np.full(r, version, dtype=np.int32), loss_mask=np.ones(r, dtype=bool),
-            reward=reward, reward_breakdown=breakdown, error=err, prompt_text=p.text,
-            response_text=text,
+            prompt_ids=np.asarray(enc[b // n], dtype=np.int32),
+            response_ids=np.asarray(row, dtype=np.int32), behaviour_logprobs=lp,
+            versions=np.full(len(row), version, dtype=np.int32),
+            loss_mask=np.ones(len(row), dtype=bool), reward=reward, reward_breakdown=breakdown,
+            error=err, prompt_text=p.text, response_text=text,
         ))  # fmt: skip
     return trajs
+
+
+@dataclasses.dataclass(eq=False)
+class SyncEpisode:
+    """One multi-turn episode of the synchronous loop (as the actor's, in one process)."""
+
+    prompt: Any  # asyncrl.tasks.base.Prompt
+    prompt_ids: list[int]
+    env: Any  # the env (asyncrl/envs/base.py Env), one per episode
+    ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    mask: list[bool] = dataclasses.field(default_factory=list)
+    texts: list[str] = dataclasses.field(default_factory=list)
+    reward: float = 0.0
+    breakdown: dict = dataclasses.field(default_factory=dict)
+    env_seconds: float = 0.0  # awaiting this episode's env steps
+    finish: str = "max_turns"
+    done: bool = False
+
+    def add(self, ids: list[int], lps: Any, trained: bool) -> None:
+        self.ids += ids
+        self.logprobs += [float(x) for x in lps] if trained else [0.0] * len(ids)
+        self.mask += [trained] * len(ids)
+
+
+async def _timed_step(ep: SyncEpisode, text: str, ids: list[int]) -> Any:
+    t = time.perf_counter()
+    out = await ep.env.step(text, ids)
+    ep.env_seconds += time.perf_counter() - t
+    return out
+
+
+def episodes_batch(model, tok, setup, prompts, version: int, bf16: bool = False):
+    """``sampling.n`` episodes of every prompt in the job's env, turn by turn: each turn
+    is one :func:`hf_generate` call over the live episodes, then every live episode's
+    ``env.step`` at once (``asyncio.gather``: a tool's latencies overlap, as a competent
+    user's loop would have them), until each is done or out of turns or tokens. Returns
+    the trajectories and the seconds spent awaiting the envs."""
+    import asyncio
+
+    sampling, limits = setup.actor.sampling, setup.env
+    eps = [SyncEpisode(p, tok(p.text)["input_ids"], limits.make())
+           for p in prompts for _ in range(sampling.n)]  # fmt: skip
+
+    async def gather(calls):
+        return await asyncio.gather(*calls)
+
+    asyncio.run(gather(e.env.reset(e.prompt, setup.task) for e in eps))
+    env_s = 0.0
+    for _ in range(limits.max_turns):
+        live = [e for e in eps if not e.done and _room(e, setup) >= 1]
+        for e in eps:
+            if not e.done and e not in live:
+                e.done, e.finish = True, "token_budget"
+        if not live:
+            break
+        rows = hf_generate(model, tok, [e.prompt_ids + e.ids for e in live], sampling,
+                           min(sampling.max_tokens, max(_room(e, setup) for e in live)),
+                           bf16)  # fmt: skip
+        texts = []
+        for e, (row, lp) in zip(live, rows):
+            k = min(len(row), _room(e, setup))  # the actor's per-turn max_tokens: min(turn, room)
+            e.add(row[:k], lp[:k], True)
+            texts.append(tok.decode(row[:k], skip_special_tokens=True))
+            e.texts.append(texts[-1])
+        t1 = time.perf_counter()
+        steps = asyncio.run(gather(_timed_step(e, x, e.ids) for e, x in zip(live, texts)))
+        env_s += time.perf_counter() - t1
+        for e, st in zip(live, steps):
+            _apply_step(e, st, tok, setup)
+    return [_episode_trajectory(e, b, sampling.n, version) for b, e in enumerate(eps)], env_s
+
+
+def _room(e: SyncEpisode, setup) -> int:
+    left = setup.actor.engine.max_model_len - len(e.prompt_ids) - len(e.ids)
+    if setup.env.max_tokens is not None:
+        left = min(left, setup.env.max_tokens - len(e.ids))
+    return left
+
+
+def _apply_step(e: SyncEpisode, step, tok, setup) -> None:
+    """The env's answer to a turn, as the actor's runner applies it."""
+    e.reward += float(step.reward)
+    e.breakdown = {k: float(v) for k, v in step.info.items()}
+    if step.done:
+        e.done, e.finish = True, "done"
+    elif step.observation:
+        ids = tok.encode(step.observation, add_special_tokens=False)
+        if len(ids) >= _room(e, setup):
+            e.done, e.finish = True, "token_budget"
+        else:
+            e.add(ids, None, False)
+            e.texts.append(step.observation)
+
+
+def _episode_trajectory(e: SyncEpisode, b: int, n: int, version: int):
+    import numpy as np
+
+    from asyncrl.trajectory import Trajectory
+
+    return Trajectory(
+        traj_id=f"{version}-{b}", group_id=f"{version}-{b // n}",
+        prompt_ids=np.asarray(e.prompt_ids, dtype=np.int32),
+        response_ids=np.asarray(e.ids, dtype=np.int32),
+        behaviour_logprobs=np.asarray(e.logprobs, dtype=np.float32),
+        versions=np.full(len(e.ids), version, dtype=np.int32),
+        loss_mask=np.asarray(e.mask, dtype=bool), reward=e.reward, reward_breakdown=e.breakdown,
+        finish_reason=e.finish, prompt_text=e.prompt.text, response_text="".join(e.texts),
+        episode={"env_seconds": e.env_seconds},
+    )  # fmt: skip
 
 
 # ---- one side of a pair, in its own process ------------------------------------------------
@@ -224,6 +378,7 @@ def run_side(side: str, overrides: list[str], out: Path, sync_threads: int = 0) 
         wall_seconds=summary["wall_seconds"],
         startup_seconds=summary.get("startup_seconds", float("nan")),
         **{k: v for k, v in broker_medians(out / "tb").items()},
+        **time_split(out / "tb"),
     )
     return row
 
@@ -244,6 +399,27 @@ def broker_medians(tb: Path) -> dict[str, float]:
         if tag in have:
             vals = [e.value for e in ea.Scalars(tag)]
             out[tag.replace("/", "_") + "_median"] = statistics.median(vals) if vals else None
+    return out
+
+
+# asyncrl's time per step (loop.py's perf/<phase>_seconds, the learner's view) and an
+# episode's seconds awaiting its env (env/step_seconds_mean), as the sync loop names them
+SPLIT = {"perf/wait_seconds": "learner_wait_seconds_per_step",
+         "perf/train_seconds": "train_seconds_per_step",
+         "perf/publish_seconds": "publish_seconds_per_step",
+         "env/step_seconds_mean": "env_step_seconds_per_episode"}  # fmt: skip
+
+
+def time_split(tb: Path) -> dict[str, float]:
+    """Means over the steps after the first (whose wait includes the start) of
+    :data:`SPLIT`'s tags the run logged."""
+    ea = _events(tb)
+    have = set(ea.Tags()["scalars"])
+    out = {}
+    for tag, name in SPLIT.items():
+        if tag in have:
+            vals = [e.value for e in sorted(ea.Scalars(tag), key=lambda e: e.step)][1:]
+            out[name] = statistics.fmean(vals) if vals else float("nan")
     return out
 
 
@@ -282,14 +458,22 @@ def main() -> None:
     p.add_argument("--size", choices=list(SIZES), default="default",
                    help="the job: default (tiny model, addition) or small (~25M parameters, "
                    "long answers: model=small)")  # fmt: skip
+    p.add_argument("--job", choices=list(JOBS), default="default",
+                   help="the workload: default (--size's job) or tool (a multi-turn env whose "
+                   "tool answers after a lognormal latency, median 300 ms, p99 2 s)")  # fmt: skip
     p.add_argument("--sync-threads", type=int, default=0,
                    help="torch threads of the sync loop (default 0: every core)")  # fmt: skip
     args, extra = p.parse_known_args()
     if args.sync_worker:
         sync_loop(extra, args.out, args.sync_threads)
         return
-    extra = [*SIZES[args.size]["overrides"], *extra]  # the user's own overrides win
-    steps = args.steps or SIZES[args.size]["steps"]
+    if args.job != "default" and args.size != "default":
+        p.error(f"--job {args.job} runs the tiny model (--size default)")
+    job = JOBS[args.job]
+    # the user's own overrides win
+    extra = [*SIZES[args.size]["overrides"], *job["overrides"], *extra]
+    steps = args.steps or (args.quick and job["quick_steps"]) or job["steps"]
+    steps = steps or SIZES[args.size]["steps"]
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     print(f"vs_sync: model {prebuild_model(extra)}", flush=True)
     rows = []
@@ -307,15 +491,28 @@ def main() -> None:
     cfg = compose(*extra, f"max_steps={steps}")
     fp = run_fingerprint(cfg, None, seeds[0])
     write_csv(args.out / "vs_sync.csv", rows, fp)
-    figures = summarise(rows, len(seeds))
+    figures = {**summarise(rows, len(seeds)), "job": args.job}
     cols = ("seed", "side", "seconds_per_step", "total_seconds", "reward_last", "load_1min")
     print_table(
-        "vs_sync: the default job, asyncrl vs a synchronous single-process loop",
+        f"vs_sync: the {args.job} job, asyncrl vs a synchronous single-process loop",
         ["seed", "side", "s/step", "total s", "reward_last", "load"],
         [[r[c] for c in cols] for r in rows],
     )
     plot(rows, args.out / "vs_sync.png")
     emit_json(figures)
+
+
+# the JSON's time split: (side, the run's figure) -> key
+TIME_SPLIT = {
+    ("sync", "generate_seconds_per_step"): "sync_generate_seconds_per_step",
+    ("sync", "env_wait_seconds_per_step"): "sync_env_wait_seconds_per_step",
+    ("sync", "train_seconds_per_step"): "sync_train_seconds_per_step",
+    ("sync", "env_step_seconds_per_episode"): "sync_env_step_seconds_per_episode",
+    ("asyncrl", "learner_wait_seconds_per_step"): "asyncrl_learner_wait_seconds_per_step",
+    ("asyncrl", "train_seconds_per_step"): "asyncrl_train_seconds_per_step",
+    ("asyncrl", "publish_seconds_per_step"): "asyncrl_publish_seconds_per_step",
+    ("asyncrl", "env_step_seconds_per_episode"): "asyncrl_env_step_seconds_per_episode",
+}
 
 
 def summarise(rows: list[dict], n_seeds: int) -> dict[str, Any]:
@@ -334,6 +531,10 @@ def summarise(rows: list[dict], n_seeds: int) -> dict[str, Any]:
         "sync_reward_last": median_of(rows, "sync", "reward_last"),
         "startup_seconds": median_of(rows, "asyncrl", "startup_seconds"),
     }
+    for (side, key), name in TIME_SPLIT.items():
+        v = median_of(rows, side, key)
+        if v == v:  # logged by this job (a single-turn run has no env/* figures)
+            figures[name] = v
     if n_seeds > 1:
         for side in ("asyncrl", "sync"):
             vals = [r["reward_last"] for r in rows if r["side"] == side]

@@ -82,6 +82,7 @@ class _Episode:
     tool_calls: int = 0
     turn_prompt_tokens: int = 0
     cached_tokens: int = 0
+    env_seconds: float = 0.0  # awaiting env.step (a tool's answer, a grading)
     finish: str = ""
     error: str = ""
 
@@ -177,7 +178,9 @@ class MultiTurnEpisodes:
             text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
             ep.texts.append(text)
             ep.generated.append(text)
+            t_env = time.perf_counter()
             step: StepResult = await env.step(text, ids.tolist())
+            ep.env_seconds += time.perf_counter() - t_env
             ep.reward += float(step.reward)
             ep.tool_calls += int(step.tool_calls)
             ep.breakdown = {k: float(v) for k, v in step.info.items()}
@@ -255,6 +258,7 @@ class MultiTurnEpisodes:
                 "tool_calls": float(ep.tool_calls),
                 "turn_prompt_tokens": float(ep.turn_prompt_tokens),
                 "cached_tokens": float(ep.cached_tokens),
+                "env_seconds": ep.env_seconds,
             },
         )
 

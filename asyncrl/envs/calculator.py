@@ -14,6 +14,10 @@ from the cache, and turn 2 reads turn 1's.
 
 The reward is exact match of the final turn's text (digits only, one answer); a
 malformed call or more than ``max_calls`` calls ends the episode with reward 0.
+With ``tool_latency_median_ms`` > 0 each call's answer comes after a latency drawn
+from a lognormal of that median and ``tool_latency_p99_ms`` (asyncrl/envs/latency.py),
+as from a remote search or code-execution service; the draws are seeded by
+``tool_latency_seed``, the prompt and the episode's place in this process's order.
 The warm start learns the format from :meth:`CalculatorTask.demonstration`, which
 uses the tool in only ``tool_rate`` of the demonstrations (the others answer in one
 turn, from the model's head): RL has the rest to learn.
@@ -21,15 +25,18 @@ turn, from the model's head): RL has the rest to learn.
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 
 from asyncrl.envs.base import StepResult
+from asyncrl.envs.latency import ToolLatency
 from asyncrl.tasks.base import Prompt, Task
 
 ALPHABET = "0123456789+*=<>/calc"
 CALL = re.compile(r"<calc>(\d{1,6}(?:[+*]\d{1,6}){1,3})</calc>")
 MAX_VALUE_DIGITS = 12  # a result longer than this is refused (no runaway observations)
+EPISODES = itertools.count()  # episodes reset in this process: each one's latency seed
 
 
 def evaluate(expr: str) -> int:
@@ -100,16 +107,26 @@ class CalculatorEnv:
     """Serves ``<calc>expr</calc>`` turns with ``=value`` observations; the first turn
     without a call is the final answer, scored by the task's reward."""
 
-    def __init__(self, max_calls: int = 2):
+    def __init__(
+        self,
+        max_calls: int = 2,
+        tool_latency_median_ms: float = 0.0,
+        tool_latency_p99_ms: float = 0.0,
+        tool_latency_seed: int = 0,
+    ):
         if max_calls < 0:
             raise ValueError(f"env.max_calls={max_calls}: expected >= 0")
         self.max_calls = max_calls
+        self.latency = ToolLatency(tool_latency_median_ms, tool_latency_p99_ms, "env.tool_latency")
+        self.latency_seed = tool_latency_seed
+        self.rng = random.Random(tool_latency_seed)
         self.calls = 0
         self.sample: Prompt | None = None
         self.task: Task | None = None
 
     async def reset(self, sample: Prompt, task: Task) -> None:
         self.sample, self.task, self.calls = sample, task, 0
+        self.rng = random.Random(f"{self.latency_seed}/{sample.text}/{next(EPISODES)}")
 
     async def step(self, text: str, token_ids: list[int]) -> StepResult:
         text = text.strip()
@@ -124,6 +141,7 @@ class CalculatorEnv:
             info = {"exact": 0.0, "format": 0.0, "tool_used": 1.0}
             return StepResult(done=True, tool_calls=int(m is not None), info=info)
         value = str(evaluate(m.group(1)))
+        await self.latency.wait(self.rng)  # the service's answer time
         if len(value) > MAX_VALUE_DIGITS:
             return StepResult(done=True, tool_calls=1, info={"exact": 0.0, "tool_used": 1.0})
         return StepResult(observation=f"={value}", tool_calls=1)

@@ -125,6 +125,8 @@ def episode_metrics(episodes: list[dict[str, float]]) -> dict[str, float]:
     out = {
         "env/turns_mean": sum(e.get("turns", 0.0) for e in eps) / len(eps),
         "env/tool_calls_mean": sum(e.get("tool_calls", 0.0) for e in eps) / len(eps),
+        # seconds an episode awaited its env's steps (tools, gradings), summed over its turns
+        "env/step_seconds_mean": sum(e.get("env_seconds", 0.0) for e in eps) / len(eps),
     }
     if prompt > 0:
         out["perf/prefix_cache_hit_rate"] = sum(e.get("cached_tokens", 0.0) for e in eps) / prompt
