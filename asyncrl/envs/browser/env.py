@@ -152,9 +152,10 @@ class BrowserEnv:
     def _info(self, success: float) -> dict[str, float]:
         """The reward breakdown: ``task/<kind>`` is the success again under the task's
         kind (``reward/task/<kind>`` per step; summary.json ``reward_by_task``)."""
+        kind = self.session.site.get("kind") if self.session else None
         return {
             "success": success,
-            f"task/{self.sample.meta['task']}": success,
+            **({f"task/{kind}": success} if kind else {}),
             "actions": float(self.actions),
             "action_errors": float(self.errors),
             "refused": float(len(self.refused)),
