@@ -323,6 +323,10 @@ class Settings:
     however built, has its numbers checked against their ranges (:func:`check_ranges`)."""
 
     KEY: ClassVar[str] = ""
+    # The overrides that select the conf/ group holding this class's values, when the
+    # default composition picks another (``("env=openenv",)``); the class then takes only
+    # its own keys of that group (the rest belong to the group's other settings).
+    PRESET: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         check_ranges(self, self.KEY)
@@ -344,7 +348,11 @@ class Settings:
         """The settings ``asyncrl-train`` runs with (conf/ composed, no overrides), with
         ``values`` on top: a mapping merges into a nested settings group (``optim={"lr":
         1e-3}``), anything else replaces the value (a dataclass instance included)."""
-        return cls.from_config(merged(cls, defaults(cls.KEY), values))
+        node = defaults(cls.KEY, cls.PRESET)
+        if cls.PRESET:
+            own = {f.name for f in dataclasses.fields(cls)}
+            node = {k: v for k, v in node.items() if k in own}
+        return cls.from_config(merged(cls, node, values))
 
 
 def merged(cls: type, node: dict[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:

@@ -105,22 +105,9 @@ def test_every_numeric_setting_has_a_range(cls):
             assert isinstance(f.metadata.get("range"), Range), f"{cls.__qualname__}.{f.name}"
 
 
-# Settings classes whose conf/ group the default composition does not select: the
-# overrides that select it (and fill its required keys).
-PRESETS = {"OpenEnvSettings": ["env=openenv", "env.server=openenv_arith"]}
-
-
 @pytest.mark.parametrize("cls", [c for c in all_settings() if c.KEY], ids=lambda c: c.__qualname__)
 def test_every_settings_class_builds_from_conf(cls):
-    over = PRESETS.get(cls.__qualname__)
-    if over is None:
-        assert isinstance(cls.defaults(), cls)
-        return
-    from asyncrl.config import defaults
-
-    own = {f.name for f in dataclasses.fields(cls)}
-    node = {k: v for k, v in defaults(cls.KEY, over).items() if k in own}
-    assert isinstance(cls.from_config(node), cls)
+    assert isinstance(cls.defaults(), cls)
 
 
 def test_defaults_compose_inside_a_running_hydra():

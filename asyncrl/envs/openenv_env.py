@@ -77,6 +77,11 @@ class OpenEnvEnv:
                     "pip install 'asyncrl[openenv]' and "
                     "pip install --no-deps openenv-core==0.3.0 (scripts/setup.sh does)"
                 )
+        if not self.settings.server:
+            raise ConfigError(
+                "env.server='': expected the module of an OpenEnv app, `pkg.module` or "
+                "`pkg.module:app` (e.g. built by openenv's create_app)"
+            )
         module = self.settings.server.partition(":")[0]
         try:
             found = importlib.util.find_spec(module) is not None

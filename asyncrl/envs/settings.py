@@ -195,6 +195,7 @@ class OpenEnvSettings(Settings):
     (asyncrl/envs/openenv_env.py)."""
 
     KEY: ClassVar[str] = "env"
+    PRESET: ClassVar[tuple[str, ...]] = ("env=openenv",)
 
     server: str = setting()  # ``module`` or ``module:attr``: the server's ASGI app (``app``)
     servers: int = setting("[1, 64]")  # server processes per actor
@@ -207,9 +208,8 @@ class OpenEnvSettings(Settings):
     def check(self) -> None:
         super().check()
         module, _, attr = self.server.partition(":")
-        if (
-            not module
-            or not all(p.isidentifier() for p in module.split("."))
+        if self.server and (
+            not all(p.isidentifier() for p in module.split("."))
             or (attr and not attr.isidentifier())
         ):
             raise ConfigError(
