@@ -20,6 +20,7 @@ it once and only the reference moves through the queue.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 import msgpack
@@ -99,6 +100,21 @@ def _unpack(obj):
 
 
 _SCALAR_FIELDS = [f.name for f in fields(Trajectory) if f.name not in _ARRAY_FIELDS]
+
+
+def token_fields(
+    prompt_ids: Sequence[int], ids: Sequence[int], logprobs: Sequence[float],
+    versions: Sequence[int], mask: Sequence[bool],
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """A :class:`Trajectory`'s token arrays, with its dtypes, from flat per-token lists
+    (``Trajectory(traj_id=..., **token_fields(...), ...)``)."""
+    return {
+        "prompt_ids": np.asarray(prompt_ids, dtype=np.int32),
+        "response_ids": np.asarray(ids, dtype=np.int32),
+        "behaviour_logprobs": np.asarray(logprobs, dtype=np.float32),
+        "versions": np.asarray(versions, dtype=np.int32),
+        "loss_mask": np.asarray(mask, dtype=bool),
+    }
 
 
 def to_bytes(trajs: list[Trajectory]) -> bytes:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asyncrl.trajectory import Trajectory
+from asyncrl.trajectory import Trajectory, token_fields
 
 
 @dataclass
@@ -149,11 +149,7 @@ def branch_trajectory(
     return Trajectory(
         traj_id=traj_id,
         group_id=group_id,
-        prompt_ids=np.asarray(b.prompt_ids, dtype=np.int32),
-        response_ids=np.asarray(b.ids, dtype=np.int32),
-        behaviour_logprobs=np.asarray(b.logprobs, dtype=np.float32),
-        versions=np.asarray(b.versions, dtype=np.int32),
-        loss_mask=np.asarray(b.mask, dtype=bool),
+        **token_fields(b.prompt_ids, b.ids, b.logprobs, b.versions, b.mask),
         reward=reward,
         finish_reason=finish,
         error=error,

@@ -41,7 +41,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import verifiers as vf
 from verifiers.legacy.clients import Client
 from verifiers.legacy.types import Response, ResponseMessage, ToolCall, Usage
@@ -53,7 +52,7 @@ from asyncrl.engine.vllm_engine import (
     version_salt,
 )
 from asyncrl.tasks.base import Prompt
-from asyncrl.trajectory import Trajectory, TrajectoryGroup
+from asyncrl.trajectory import Trajectory, TrajectoryGroup, token_fields
 
 MODEL_NAME = "asyncrl-actor"  # the model name verifiers passes to its client (unused)
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
@@ -369,11 +368,7 @@ class VerifiersEpisodes:
         return Trajectory(
             traj_id=f"{gid}-{i}",
             group_id=gid,
-            prompt_ids=np.asarray(rec.prompt_ids, dtype=np.int32),
-            response_ids=np.asarray(rec.ids, dtype=np.int32),
-            behaviour_logprobs=np.asarray(rec.logprobs, dtype=np.float32),
-            versions=np.asarray(rec.versions, dtype=np.int32),
-            loss_mask=np.asarray(rec.mask, dtype=bool),
+            **token_fields(rec.prompt_ids, rec.ids, rec.logprobs, rec.versions, rec.mask),
             reward=reward,
             reward_breakdown=breakdown,
             finish_reason=finish,
