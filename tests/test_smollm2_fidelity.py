@@ -107,7 +107,7 @@ def _collect_at(ray, queue, version: int, want: int = 8, timeout_s: float = 600.
     deadline = time.monotonic() + timeout_s
     while len(got) < want:
         assert time.monotonic() < deadline, len(got)
-        while items := ray.get(queue.get_batch.remote(1, version, 0.05)):
+        while len(got) < want and (items := ray.get(queue.get_batch.remote(1, version, 0.05))):
             for it, g in zip(items, resolve_groups(items)):
                 keep = set(it.traj_ids)
                 got += [

@@ -152,12 +152,16 @@ def world(ray_local, tiny_model, task):
         ray.kill(queue)
 
 
-def _drain(ray, queue, version: int) -> list:
-    """Every trajectory waiting in the queue."""
+def _drain(ray, queue, version: int, budget_s: float = 2.0) -> list:
+    """The trajectories waiting in the queue, taking for at most ``budget_s``: the
+    actors refill it as it empties, and on a fast host they outpace the taking."""
     out = []
     from asyncrl.replay.queue import resolve_groups
 
-    while items := ray.get(queue.get_batch.remote(1, version, 0.05)):
+    deadline = time.monotonic() + budget_s
+    while time.monotonic() < deadline and (
+        items := ray.get(queue.get_batch.remote(1, version, 0.05))
+    ):
         for it, g in zip(items, resolve_groups(items)):
             keep = set(it.traj_ids)
             out += [t for t in g.trajectories if t.traj_id in keep]
