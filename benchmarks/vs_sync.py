@@ -24,9 +24,11 @@ Figures (last stdout line, JSON):
     startup_seconds     asyncrl's process start to its first trained step
                         (summary.json ``startup_seconds``)
 
-    job                 the workload (--job): default, or tool (env=calculator whose tool
+    job                 the workload (--job): default; tool (env=calculator whose tool
                         answers after a lognormal latency; the sync loop runs its
-                        episodes turn by turn, a turn's env steps awaited together)
+                        episodes turn by turn, a turn's env steps awaited together);
+                        code (env=code, graded in the sandbox); longtail (answers of
+                        heavy-tailed lengths, :data:`JOBS`)
     sync_*_seconds_per_step / asyncrl_*_seconds_per_step, *_env_step_seconds_per_episode
                         where each side's time went (:data:`TIME_SPLIT`)
 
@@ -90,6 +92,29 @@ JOBS: dict[str, dict[str, Any]] = {
         ],  # fmt: skip
         "steps": 40,
         "quick_steps": 12,
+    },
+    # code: env=code, Python functions graded by hidden cases in the sandbox pool, a
+    # failing attempt told `# passed p/t` and tried once more (conf/env/code.yaml). The
+    # tiny character-level model does not learn to program: rewards stay near 0 and the
+    # job measures the cost of grading in sandboxes (both sides grade a turn's
+    # answers at once, through the same pool settings).
+    "code": {"overrides": ["env=code"], "steps": 20, "quick_steps": 8},
+    # longtail: task=column_addition with heavy-tailed widths (task.digits_tail 2.0 over
+    # 1..10 digits: 65% of answers are 12 tokens, 0.6% are 102), so most answers are short
+    # and a few ~10x longer. The sync loop's batch waits for its longest answer; asyncrl's
+    # engine keeps generating the others' next groups meanwhile.
+    "longtail": {
+        "overrides": [
+            "task=column_addition",
+            "task.num_digits=10",
+            "task.digits_tail=2.0",
+            "task.partial_credit=0.5",
+            "actor.sampling.max_tokens=112",
+            "actor.engine.max_model_len=144",
+            "model.tiny.max_positions=144",
+        ],  # fmt: skip
+        "steps": 60,
+        "quick_steps": 20,
     },
 }
 LAST_FRACTION = 10  # reward_last = mean over the last 1/10 of the steps (as summary.json)
@@ -459,8 +484,10 @@ def main() -> None:
                    help="the job: default (tiny model, addition) or small (~25M parameters, "
                    "long answers: model=small)")  # fmt: skip
     p.add_argument("--job", choices=list(JOBS), default="default",
-                   help="the workload: default (--size's job) or tool (a multi-turn env whose "
-                   "tool answers after a lognormal latency, median 300 ms, p99 2 s)")  # fmt: skip
+                   help="the workload: default (--size's job); tool (a multi-turn env whose "
+                   "tool answers after a lognormal latency, median 300 ms, p99 2 s); code "
+                   "(env=code, graded in the sandbox); longtail (heavy-tailed answer "
+                   "lengths)")  # fmt: skip
     p.add_argument("--sync-threads", type=int, default=0,
                    help="torch threads of the sync loop (default 0: every core)")  # fmt: skip
     args, extra = p.parse_known_args()

@@ -69,6 +69,69 @@ def test_bad_settings_name_the_key():
         ColumnAdditionTask(num_digits=0)
     with pytest.raises(ValueError, match="task.partial_credit"):
         ColumnAdditionTask(partial_credit=-1)
+    for bad in (-0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="task.digits_tail"):
+            ColumnAdditionTask(digits_tail=bad)
+
+
+def test_a_heavy_tail_of_widths_makes_a_few_answers_ten_times_longer():
+    """digits_tail > 0: widths 1..num_digits drawn ~ d**-tail, each prompt padded to its
+    own width and scored against its own working's shape; 0 keeps every prompt at
+    num_digits, drawing from the seed exactly as before."""
+    task = ColumnAdditionTask(num_digits=10, partial_credit=0.5, digits_tail=2.0)
+    rng = random.Random(0)
+    prompts = [task.sample(rng) for _ in range(4000)]
+    widths = [p.text.index("+") for p in prompts]
+    share = {d: widths.count(d) / len(widths) for d in (1, 10)}
+    weights = [d**-2.0 for d in range(1, 11)]
+    assert share[1] == pytest.approx(weights[0] / sum(weights), abs=0.03)  # ~0.645
+    assert 0 < share[10] < 0.02
+    lengths = sorted(len(p.answer) for p in prompts)
+    assert lengths[len(lengths) // 2] == 12 - 1  # the median answer: one column and its sum
+    assert lengths[-1] >= 9 * lengths[len(lengths) // 2]  # the tail: ~10x
+    for p in prompts[:200]:
+        x, y = p.meta["operands"]
+        d = p.text.index("+")
+        assert p.text == f"{x:0{d}d}+{y:0{d}d}=" and p.answer == working(x, y, d)
+        assert task.reward(p, p.answer) == {"reward": 1.5, "exact": 1.0, "digits": 1.0,
+                                            "format": 1.0}  # fmt: skip
+    # a working of another width is not this prompt's shape
+    p = next(p for p in prompts if p.text.index("+") == 2)
+    x, y = p.meta["operands"]
+    assert task.reward(p, working(x, y, 3))["format"] == 0.0
+    # at 0 the draw is the fixed-width task's, prompt for prompt
+    fixed, tail0 = ColumnAdditionTask(num_digits=7), ColumnAdditionTask(7, 0.0, 0.0)
+    a, b = random.Random(3), random.Random(3)
+    assert [fixed.sample(a).text for _ in range(20)] == [tail0.sample(b).text for _ in range(20)]
+
+
+def test_digits_tail_at_its_default_keeps_the_cached_models_key():
+    from asyncrl.models.tiny import cache_key, default_spec
+
+    spec = default_spec()
+    before = cache_key(ColumnAdditionTask(7, 0.5), spec)
+    assert cache_key(ColumnAdditionTask(7, 0.5, digits_tail=0.0), spec) == before
+    assert cache_key(ColumnAdditionTask(7, 0.5, digits_tail=2.0), spec) != before
+
+
+def test_the_longtail_job_fits_its_budgets():
+    """vs_sync --job longtail: the longest demonstration fits the model's positions, the
+    sampling budget and the engine's length."""
+    from asyncrl.models.tiny import build_tokenizer, demonstration_row
+    from benchmarks import vs_sync
+
+    cfg = compose(*vs_sync.JOBS["longtail"]["overrides"])
+    t = cfg.task
+    task = ColumnAdditionTask(t.num_digits, t.partial_credit, t.digits_tail)
+    tok = build_tokenizer(task.alphabet)
+    rng = random.Random(0)
+    p = max((task.sample(rng) for _ in range(3000)), key=lambda p: len(p.answer))
+    assert p.text.index("+") == t.num_digits
+    ids, mask = demonstration_row(task, p, rng, tok)
+    generated = sum(mask)
+    assert generated == task.max_response_chars + 1 <= cfg.actor.sampling.max_tokens
+    assert len(ids) <= cfg.model.tiny.max_positions
+    assert len(ids) - generated + cfg.actor.sampling.max_tokens <= cfg.actor.engine.max_model_len
 
 
 def test_demonstrations_reach_the_target_length():

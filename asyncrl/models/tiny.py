@@ -256,12 +256,20 @@ def build_tiny_model(out_dir: Path, task: Task, spec: TinyModelSpec) -> Path:
     return out_dir
 
 
-def _task_key(task: Task) -> str:
-    attrs = {k: v for k, v in sorted(vars(task).items()) if isinstance(v, int | float | str | bool)}
-    return f"{type(task).__module__}.{type(task).__qualname__}{attrs}"
-
-
 _ABSENT = object()  # no field defaults to this
+
+
+def _task_key(task: Task) -> str:
+    """The task's class and its plain settings; a setting the class lists in its own
+    ``LATER_FIELDS`` (added after models were built from it) counts only away from its
+    default, as the spec's do."""
+    later = getattr(type(task), "LATER_FIELDS", {})
+    attrs = {
+        k: v
+        for k, v in sorted(vars(task).items())
+        if isinstance(v, int | float | str | bool) and later.get(k, _ABSENT) != v
+    }
+    return f"{type(task).__module__}.{type(task).__qualname__}{attrs}"
 
 
 def cache_key(task: Task, spec: TinyModelSpec) -> str:
