@@ -23,6 +23,7 @@ from asyncrl.eval.launch import EvalPlan, prepare_eval
 from asyncrl.eval.settings import EvalSettings
 from asyncrl.fault.settings import FaultSettings
 from asyncrl.learner.config import LearnerSettings
+from asyncrl.learner.tensor_parallel import check_model
 from asyncrl.models.resolve import resolve_model  # model.preset / path / tiny, checked
 from asyncrl.parts import ActorHandle, Fleet, Parts, QueueHandle, Supervisor
 from asyncrl.replay.settings import ReplaySettings
@@ -158,6 +159,7 @@ def prepare(cfg: DictConfig) -> Setup:
 
         check_resume(run.resume)
     model_path = resolve_model(cfg, task)
+    check_model(model_path, learner.tp)  # learner.tp: a plan, whole heads per rank
     # with eval.every > 0: the held-out sets, and the training task without their prompts
     eval_plan, task = prepare_eval(evaluation, task)
     task = with_sampler(task, sampler)  # how the actors draw prompts (sampler=adaptive)

@@ -1,6 +1,7 @@
 """Learner throughput against plain PyTorch on the same tokens.
 
     python benchmarks/learner.py --quick            # one model, one rank, < 2 minutes
+    python benchmarks/learner.py --quick --model small --world-size 2 --tp 2   # TP2 ranks
     python benchmarks/learner.py --out DIR          # sweep model size x world size: CSV + PNG
 
 Batches look like the default run's: 16 groups x 8 samples of the addition task
@@ -133,8 +134,9 @@ def real_tokens(trajs: list[Trajectory]) -> int:
     return sum(t.num_tokens for t in trajs)
 
 
-def measure(model_dir: Path, steps: int, threads: int, world_size: int = 1) -> dict:
-    """Best step time of the learner (``world_size`` ranks) and of the baseline."""
+def measure(model_dir: Path, steps: int, threads: int, world_size: int = 1, tp: int = 1) -> dict:
+    """Best step time of the learner (``world_size`` ranks, ``tp`` of them per tensor-
+    parallel group) and of the baseline."""
     torch.set_num_threads(threads)
     optim = {"lr": 1e-4}  # the baseline's; the rest as asyncrl-train's
     group = None
@@ -149,12 +151,14 @@ def measure(model_dir: Path, steps: int, threads: int, world_size: int = 1) -> d
 
         group = LearnerGroup(
             str(model_dir), ClippedISLoss(), GroupNormalized(),
-            LearnerSettings.defaults(optim=optim, world_size=world_size, num_threads=threads),
+            LearnerSettings.defaults(
+                optim=optim, world_size=world_size, tp=tp, num_threads=threads
+            ),
         )  # fmt: skip
         group.ping()
         step = group.step_on_batch
     base = Baseline(model_dir, 1e-4)
-    t_learner, t_base, cpu_l, cpu_b, eff, pad_eff = [], [], [], [], [], []
+    t_learner, t_base, cpu_l, cpu_b, eff, pad_eff, secs = [], [], [], [], [], [], []
     try:
         for i in range(steps + 1):  # step 0 warms up (allocator, lazy init) and is dropped
             trajs = make_batch(seed=i)
@@ -166,6 +170,7 @@ def measure(model_dir: Path, steps: int, threads: int, world_size: int = 1) -> d
             c2, t2 = time.thread_time(), time.perf_counter()
             if i:
                 t_learner.append(n / (t1 - t0))
+                secs.append(t1 - t0)
                 t_base.append(n / (t2 - t1))
                 cpu_l.append(c1 - c0)
                 cpu_b.append(c2 - c1)
@@ -178,6 +183,7 @@ def measure(model_dir: Path, steps: int, threads: int, world_size: int = 1) -> d
     tps, btps = max(t_learner), max(t_base)
     return {
         "tokens_per_s": round(tps, 1),
+        "seconds_per_step": round(min(secs), 4),  # the fastest step (its batch varies)
         "baseline_tokens_per_s": round(btps, 1),
         "ratio": round(tps / btps, 3),
         # CPU seconds of this thread (one rank, one torch thread: all of the work): immune
@@ -226,17 +232,29 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default=None, choices=list(MODELS), help="model for --quick")
     ap.add_argument("--steps", type=int, default=None, help="measured steps per setting")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--world-size", type=int, default=1, help="learner ranks for --quick")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks for --quick")
     ap.add_argument("--out", type=Path, default=ROOT / "bench_out" / "learner")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-") as tmp:
         if args.quick:
             name = args.model or QUICK_MODEL
-            res = measure(make_model(name, Path(tmp)), args.steps or 6, args.threads)
-            rows = [{"model": name, "world_size": 1, "threads": args.threads, **res}]
+            ws, tp = args.world_size, args.tp
+            if ws > 1:
+                import ray
+
+                ray.init(_node_ip_address="127.0.0.2", include_dashboard=False, num_cpus=ws)
+            try:
+                res = measure(make_model(name, Path(tmp)), args.steps or 6, args.threads, ws, tp)
+            finally:
+                if ws > 1:
+                    ray.shutdown()
+            rows = [{"model": name, "world_size": ws, "tp": tp, "threads": args.threads, **res}]
         else:
             rows = sweep(Path(tmp), args.steps or 6, args.threads)
-    keys = ["model", "world_size", "threads", "tokens_per_s", "baseline_tokens_per_s", "ratio",
-            "cpu_ratio", "packing_efficiency", "padded_efficiency"]  # fmt: skip
+    keys = ["model", "world_size", "tp", "threads", "tokens_per_s", "seconds_per_step",
+            "baseline_tokens_per_s", "ratio", "cpu_ratio", "packing_efficiency",
+            "padded_efficiency"]  # fmt: skip
     print(table(rows, keys))
     if not args.quick:
         from benchmarks.common import run_fingerprint, write_csv
@@ -260,7 +278,7 @@ def sweep(tmp: Path, steps: int, threads: int) -> list[dict]:
             ray.init(_node_ip_address="127.0.0.2", include_dashboard=False, num_cpus=ws)
         for name, path in paths.items():
             res = measure(path, steps, threads, world_size=ws)
-            rows.append({"model": name, "world_size": ws, "threads": threads, **res})
+            rows.append({"model": name, "world_size": ws, "tp": 1, "threads": threads, **res})
             print(rows[-1], file=sys.stderr)
     if ray.is_initialized():
         ray.shutdown()

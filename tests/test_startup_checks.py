@@ -93,6 +93,21 @@ def test_more_ranks_than_the_machine_has_cpus_is_refused_before_ray(tmp_path, ca
     assert not list((tmp_path / "cache").glob(".tiny-*.lock"))  # and its lock file removed
 
 
+def test_a_tensor_parallel_degree_the_ranks_or_the_model_cannot_split_is_refused(
+    tmp_path, capsys, monkeypatch
+):
+    """``learner.tp`` must divide ``learner.world_size``, and the model's heads, key/value
+    heads and MLP width (the shipped tiny model has two key/value heads)."""
+    line = _refused(["learner.tp=3", "learner.world_size=2"], tmp_path, capsys, monkeypatch)
+    assert "learner.tp=3 does not divide learner.world_size=2" in line
+    model = CONF.parent / "asyncrl/models/tiny_default"
+    line = _refused(
+        ["learner.tp=4", "learner.world_size=4", f"model.path={model}"], tmp_path, capsys,
+        monkeypatch,
+    )  # fmt: skip
+    assert f"learner.tp=4: model {model} (qwen2) has num_key_value_heads=2, not divisible" in line
+
+
 def test_a_huge_prompt_is_refused_at_once(tmp_path, capsys, monkeypatch):
     """Issue 25: one 8 MB JSONL line hung start-up in the tiny model's warm start."""
     big = tmp_path / "big.jsonl"

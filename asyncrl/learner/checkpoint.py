@@ -2,9 +2,10 @@
 
     PATH/
       state/                torch.distributed.checkpoint: model + optimizer, one file per
-                            rank (reshardable: a checkpoint of N ranks loads on M)
+                            rank, global tensor shapes (reshardable: a checkpoint of N
+                            ranks at tp T loads on M ranks at any tp)
       rng/rank{r}.safetensors  torch / CUDA / numpy / python RNG states of rank r
-      learner.json          policy version, world size, LR scheduler state
+      learner.json          policy version, world size and tp, LR scheduler state
       driver_state.json     the driver's opaque state (queue accounting, task samplers)
       hf/                   (optional) an HF model directory of the weights
       manifest.json         size and CRC32 of every file above; written last
@@ -350,6 +351,7 @@ class Checkpointer:
         self.model_path, self.rank, self.value_head = model_path, rank, settings.value_head
         self.recorded = {
             "world_size": settings.world_size,
+            "tp": settings.tp,
             "normalisation": Normalisation(settings.normalisation).value,
             "value_head": settings.value_head,
         }

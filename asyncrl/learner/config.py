@@ -86,6 +86,7 @@ class LearnerSettings(Settings):
     KEY = "learner"
 
     world_size: int = setting(">= 1")  # ranks: Ray actors, one FSDP group
+    tp: int = setting("[1, 64]")  # tensor-parallel ranks of a data-parallel group
     num_cpus: float = setting("> 0")  # Ray CPUs per rank
     num_gpus: float = setting(">= 0")  # GPUs per rank
     num_threads: int = setting(">= 0")  # torch intra-op threads per rank (0: torch's default)
@@ -119,6 +120,11 @@ class LearnerSettings(Settings):
         if self.autocast not in AUTOCAST:
             raise ConfigError(
                 f"learner.autocast={self.autocast!r}: expected one of {list(AUTOCAST)} (null: off)"
+            )
+        if self.world_size % self.tp:
+            raise ConfigError(
+                f"learner.tp={self.tp} does not divide learner.world_size={self.world_size}: "
+                f"the ranks form a (world_size / tp) x tp mesh"
             )
         self.resources = dict(self.resources or {})  # null: none
         check_custom_resources("learner.resources", self.resources)

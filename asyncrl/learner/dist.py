@@ -1,15 +1,19 @@
 """The learner ranks' process group and FSDP2 sharding.
 
-One torch.distributed group over all learner ranks: NCCL on CUDA, gloo on CPU. FSDP2
-``fully_shard`` wraps every decoder layer and then the root :class:`PolicyModel`
-(embeddings, final norm, LM head, value head). bf16 compute with fp32 reduction on
-CUDA; plain fp32 on CPU. Gradients are *summed* across ranks (not averaged): each
-rank's loss already carries its share of the global normalisation.
+One torch.distributed group over all learner ranks: NCCL on CUDA, gloo on CPU. The
+ranks form a ``(world_size / tp) x tp`` mesh, ``("dp", "tp")``, rank ``dp_rank * tp +
+tp_rank``; with ``tp > 1`` each decoder layer is first split over ``tp``
+(learner/tensor_parallel.py). FSDP2 ``fully_shard`` over ``dp`` then wraps every decoder
+layer and the root :class:`PolicyModel` (embeddings, final norm, LM head, value head).
+bf16 compute with fp32 reduction on CUDA; plain fp32 on CPU. Gradients are *summed*
+across ``dp`` (not averaged): each data-parallel group's loss already carries its share
+of the global normalisation.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -56,12 +60,20 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def shard(policy: PolicyModel, world_size: int, device: torch.device) -> None:
-    """``fully_shard`` each decoder layer, then the root; sum-reduce gradients."""
+def shard(policy: PolicyModel, world_size: int, device: torch.device, tp: int = 1) -> None:
+    """With ``tp > 1`` split each decoder layer over the mesh's ``tp`` dimension; then
+    ``fully_shard`` each decoder layer and the root over ``dp``; sum-reduce gradients."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (world_size,))
+    from asyncrl.learner.tensor_parallel import parallelize_layers
+
+    if tp > 1:
+        mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        parallelize_layers(decoder_layers(policy.lm), policy.lm.config, mesh["tp"])
+        mesh = mesh["dp"]
+    else:
+        mesh = init_device_mesh(device.type, (world_size,))
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if device.type == "cuda"
@@ -106,14 +118,51 @@ def stream_parameters(policy: PolicyModel, sharded: bool) -> Iterator[tuple[str,
         try:
             for n in names:
                 if n.startswith(LM_PREFIX):
-                    yield n[len(LM_PREFIX) :], policy.get_parameter(n).detach()
+                    yield n[len(LM_PREFIX) :], full(policy.get_parameter(n).detach())
         finally:
             module.reshard()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a tensor-parallel DTensor (FSDP's unsharded parameter of a split
+    layer; collective over its ``tp`` group), the tensor itself otherwise."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (the tensor itself otherwise)."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def replicas(t: torch.Tensor) -> int:
+    """How many ranks hold each element of ``t``: all of them over the ranks its DTensor
+    placements shard it across (a parameter replicated over ``tp`` and sharded over ``dp``
+    is held ``tp`` times); 1 without a group."""
+    if not is_distributed():
+        return 1
+    mesh = getattr(t, "device_mesh", None)
+    if mesh is None:
+        return dist.get_world_size()
+    if any(p.is_partial() for p in t.placements):
+        raise ValueError("a partial-sum DTensor has no per-element copies; reduce it first")
+    # a mesh dimension that does not replicate shards (Shard, and FSDP's _StridedShard
+    # over a dimension tensor parallelism already split)
+    shards = math.prod(mesh.size(i) for i, p in enumerate(t.placements) if not p.is_replicate())
+    return dist.get_world_size() // shards
+
+
+def global_norm(tensors: list[torch.Tensor], copies: list[int]) -> torch.Tensor:
+    """The L2 norm of the global ``tensors`` (DTensors or plain), each held ``copies``
+    times across the ranks (:func:`replicas`): every rank's local shards' squared norms,
+    divided by their copies, summed over all ranks in float64. The same on every rank;
+    collective. Unlike torch's ``get_total_norm`` it takes DTensors on different meshes
+    (the ``("dp", "tp")`` mesh of split layers beside the ``dp`` mesh of the rest)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch._foreach_norm([local(t).detach() for t in tensors])
+    sq = torch.stack([n.double() for n in norms]).pow(2)
+    sq = (sq / torch.tensor(copies, dtype=torch.float64, device=sq.device)).sum()
+    return all_reduce_sum(sq).sqrt()
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,11 @@
     named_parameters_stream() ─▶ weights for the brokers (learner/weights.py)
 
 Ranks exchange no tokens: each trains on the rows it fetched, and what the step needs of
-the others' rows (lengths, trained tokens, rewards, groups) comes with the layout.
+the others' rows (lengths, trained tokens, rewards, groups) comes with the layout. With
+``learner.tp > 1`` the rows are shared among the ``world_size / tp`` data-parallel groups
+(``dp_rank``, ``dp_size``): the ``tp`` ranks of one group fetch and train on the same
+rows (each holds a slice of every decoder layer), and only the first rank of each group
+counts in the metrics.
 Ranks with fewer micro-batches run empty ones so that FSDP's collectives line up.
 Normalisation is fixed once per global batch: ``loss_weights`` sum to one over all
 tokens (``token``) or give every sequence equal weight (``sequence``), so neither
@@ -25,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -40,9 +43,11 @@ from asyncrl.learner.dist import (
     all_gather,
     all_reduce_sum,
     gather_to_rank0,
+    global_norm,
     init_group,
     local,
     pick_device,
+    replicas,
     shard,
     stream_parameters,
     value_param,
@@ -120,8 +125,10 @@ class Learner:
         s = self.settings = settings
         if s.num_threads:
             torch.set_num_threads(s.num_threads)
-        self.rank, self.world_size = rank, s.world_size
-        self.minibatches = s.minibatches
+        self.rank, self.world_size, self.minibatches = rank, s.world_size, s.minibatches
+        # the ("dp", "tp") mesh: rows are shared among dp groups, layers split within one
+        self.tp, self.dp_size = s.tp, s.world_size // s.tp
+        self.dp_rank, self.tp_rank = divmod(rank, s.tp)
         self.device = pick_device()
         # FSDP whenever there is a group to shard over; on one GPU too (bf16 mixed precision)
         self.sharded = s.world_size > 1 or (self.device.type == "cuda" and rendezvous is not None)
@@ -132,7 +139,7 @@ class Learner:
         torch.manual_seed(seed)  # the value head starts identical on every rank
         self.policy = PolicyModel(load_lm(model_path, s.attn_implementation), s.value_head)
         if self.sharded:
-            shard(self.policy, s.world_size, self.device)
+            shard(self.policy, s.world_size, self.device, s.tp)
         else:
             self.policy.to(self.device)
         self.model = self.policy.lm  # the HF model (HF parameter names)
@@ -146,9 +153,7 @@ class Learner:
         self.optim_cfg = s.optim
         self.loss, self.advantage = loss, advantage
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.normalisation = s.normalisation
-        self.model_path = model_path
-        self.version = 0
+        self.normalisation, self.model_path, self.version = s.normalisation, model_path, 0
         self.lr_scale = 1.0  # the off-policy brake's LR multiplier (optim.kl_brake)
         self.pad_id = self.model.config.pad_token_id or 0
         self.traj_log = None
@@ -164,25 +169,27 @@ class Learner:
         """``items``: BatchItems from the queue. Each rank fetches and decodes only the
         groups it trains on (learner/shard.py); rank 0 returns the metrics."""
         t0 = time.time()
-        if self.world_size == 1:
+        if self.dp_size == 1:
             got = fetch(list(enumerate(items)))
         else:
-            owner = share_items(items, self.world_size)
-            got = fetch([(k, it) for k, it in enumerate(items) if owner[k] == self.rank])
+            owner = share_items(items, self.dp_size)
+            got = fetch([(k, it) for k, it in enumerate(items) if owner[k] == self.dp_rank])
         trajs = [t for _, ts in got for t in ts]
         batch = collate(trajs, self.pad_id) if trajs else None
-        if self.world_size == 1:
+        if self.dp_size == 1:
             layout, summaries = Layout.of_batch(batch), [RowSummary.of(t) for t in trajs]
         else:
-            per_rank = all_gather([(k, [RowSummary.of(t) for t in ts]) for k, ts in got])
+            per_rank = self._per_group(all_gather(
+                [(k, [RowSummary.of(t) for t in ts]) for k, ts in got]))  # fmt: skip
             layout = Layout.gathered(per_rank)
             by_item = dict(kv for mine in per_rank for kv in mine)
             summaries = [row for k in sorted(by_item) for row in by_item[k]]
         t_fetch = time.time() - t0
         metrics = self._step(batch, layout, version)
         toks = self.tokens.take(len(trajs), [len(t.response_ids) for t in trajs])
-        if self.world_size > 1 and self.logging:  # collective: rank 0 logs every row
-            pairs = in_queue_order(gather_to_rank0(list(zip(trajs, toks))), layout)
+        if self.dp_size > 1 and self.logging:  # collective: rank 0 logs every row
+            pairs = in_queue_order(self._per_group(gather_to_rank0(list(zip(trajs, toks)))),
+                                   layout)  # fmt: skip
             trajs, toks = [t for t, _ in pairs], [k for _, k in pairs]
         if self.rank != 0:
             return {}
@@ -212,7 +219,7 @@ class Learner:
         adv = self.advantage(layout.rewards.double(), layout.group_ids).float()
         s = self.settings
         parts = split(
-            batch, layout, adv, self.minibatches, self.rank, self.world_size,
+            batch, layout, adv, self.minibatches, self.dp_rank, self.dp_size,
             s.micro_batch_tokens, s.pack_row_tokens, self.pad_id,
         )  # fmt: skip
         # The proximal policy is the one at the start of the batch, for every minibatch:
@@ -221,7 +228,7 @@ class Learner:
         proxs = [self._proximal(p.packs, p.rows) if needs_prox else {} for p in parts]
         sums, loss_sum, steps, t_opt = MetricSums(), 0.0, [], 0.0
         n_all = max(float(sum(layout.mask_tokens)), 1.0)
-        locs = local_rows(layout, self.minibatches, self.rank) if self.logging else None
+        locs = local_rows(layout, self.minibatches, self.dp_rank) if self.logging else None
         for i, (part, prox) in enumerate(zip(parts, proxs, strict=True)):
             kl, losses = self._backward(part, prox, version, sums, n_all, locs and locs[i])
             for x in losses:
@@ -233,7 +240,7 @@ class Learner:
         metrics["perf/learner_fwd_bwd_seconds"] = time.time() - t0 - t_opt
         metrics["perf/learner_optim_seconds"] = t_opt
         self.version += 1
-        parts_rank0 = gather_to_rank0((sums, loss_sum))
+        parts_rank0 = self._per_group(gather_to_rank0((sums, loss_sum)))
         if parts_rank0 is None:
             return {}
         metrics.update(MetricSums.merge([s for s, _ in parts_rank0]))
@@ -249,6 +256,11 @@ class Learner:
             }
         )
         return metrics
+
+    def _per_group(self, per_rank: list | None) -> list | None:
+        """Every rank's item of a gather, one per data-parallel group (its first rank's:
+        the ``tp`` ranks of a group hold the same rows); None stays None."""
+        return per_rank if per_rank is None else per_rank[:: self.tp]
 
     def _skip_empty(self, layout: Layout) -> dict[str, float]:
         """A batch without one trained token (every episode ended before the model wrote
@@ -322,7 +334,9 @@ class Learner:
 
     def _brake(self, kl: torch.Tensor) -> float:
         """The off-policy brake's LR multiplier, moved by the minibatch's mismatch KL
-        summed over every rank's tokens (so every rank steps alike); 1 when it is off."""
+        summed over every rank's tokens (so every rank steps alike); 1 when it is off.
+        The ``tp`` ranks of a group count their rows ``tp`` times in both sums: the mean
+        is the same."""
         target = self.optim_cfg.mismatch_kl_target
         if target is None:
             return 1.0
@@ -343,11 +357,10 @@ class Learner:
         self.opt.zero_grad(set_to_none=True)
         with torch.no_grad():
             torch._foreach_sub_(before, [local(p) for p in params])
-            upd = torch.stack(torch._foreach_norm(before)).float().pow(2).sum()
-        upd = all_reduce_sum(upd.to(self.device))
+        upd = global_norm(before, [replicas(p) for p in params])
         return {
             "learner/grad_norm": float(grad_norm),
-            "learner/update_norm": math.sqrt(float(upd)),
+            "learner/update_norm": float(upd),
             "learner/lr": float(lr),
             "learner/lr_scale": lr_scale,
         }
@@ -410,8 +423,8 @@ class Learner:
 
         batch, s = collate(trajs, self.pad_id), self.settings
         lengths = (batch.resp_start + batch.resp_len).tolist()
-        pl = plan(lengths, self.world_size, s.micro_batch_tokens, s.pack_row_tokens)
-        mine = pl.ranks[self.rank]
+        pl = plan(lengths, self.dp_size, s.micro_batch_tokens, s.pack_row_tokens)
+        mine = pl.ranks[self.dp_rank]
         found: dict[int, np.ndarray] = {}
         for m in range(pl.num_micro):
             pk = build_packed(batch, mine[m] if m < len(mine) else [], self.pad_id)
@@ -421,7 +434,7 @@ class Learner:
             lp, _ = self._rows(pk, logits, None, (len(pk.seqs), int(batch.resp_len.max())))
             for b, i in enumerate(pk.seqs):
                 found[i] = lp[b, : int(batch.resp_len[i])].float().cpu().numpy()
-        parts = gather_to_rank0(found)
+        parts = self._per_group(gather_to_rank0(found))
         if parts is None:
             return None
         merged = {i: a for p in parts for i, a in p.items()}

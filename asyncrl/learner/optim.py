@@ -29,6 +29,7 @@ from collections.abc import Iterable
 import torch
 
 from asyncrl.learner.config import OptimSettings, Schedule
+from asyncrl.learner.dist import global_norm, local, replicas
 
 # The off-policy brake: the log-scale moves by KL_GAIN * log(target / KL) a step (the
 # KL answers a change of LR over the next few versions, so the steps are small).
@@ -75,14 +76,16 @@ def build_optimizer(
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global grad norm over all ranks (DTensor-aware), clipping in place when
-    ``max_norm > 0``. Returns the norm before clipping (a plain scalar tensor)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    """Global grad norm over all ranks (DTensors on any mesh, each element counted once),
+    clipping in place when ``max_norm > 0``. Returns the norm before clipping (a plain
+    float64 scalar tensor, the same on every rank)."""
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, 2.0)
-    if hasattr(norm, "full_tensor"):  # DTensor under FSDP: reduce the partial norms
-        norm = norm.full_tensor()
+    norm = global_norm([p.grad for p in with_grad], [replicas(p) for p in with_grad])
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        coef = min(1.0, max_norm / (float(norm) + 1e-6))  # torch's clip_grads_with_norm_
+        if coef < 1.0:
+            with torch.no_grad():
+                torch._foreach_mul_([local(p.grad) for p in with_grad], coef)
     return norm
