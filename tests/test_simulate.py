@@ -75,8 +75,8 @@ def test_every_episode_is_trained_dropped_or_queued_and_none_too_stale(kw):
 
 def test_drop_policy_drops_what_throttle_holds_back():
     """Running free with a tight bound trains only fresh samples and drops the rest."""
-    free = run(policy="drop", bound=0, capacity_groups=64)
-    held = run(policy="throttle", bound=0)
+    free = run(steps=12, policy="drop", bound=0, capacity_groups=64)
+    held = run(steps=12, policy="throttle", bound=0)
     assert free.counts["dropped"] > held.counts["dropped"]
     assert max(free.staleness) == 0 and max(held.staleness) == 0
 
