@@ -229,6 +229,7 @@ class AsyncSim:
         self.counts = dict(produced=0, trained=0, dropped=0, aborted=0)
         self.staleness: list[int] = []
         self.bounds_trained: list[int] = []
+        self.trained_at: list[int] = []  # the learner's version each staleness was seen at
         self.tokens_generated = self.tokens_wasted = 0.0
         self.learner = dict(train=0.0, publish=0.0)
 
@@ -414,6 +415,7 @@ class AsyncSim:
             for m in g.members:
                 self.staleness.append(self.version - m.min_version)
                 self.bounds_trained.append(self.bound)
+                self.trained_at.append(self.version)
                 tokens += m.tokens
             self.counts["trained"] += len(g.members)
         s = self.s
@@ -446,7 +448,7 @@ def async_figures(sim: AsyncSim, warmup: int) -> dict:
     span = sim.now or 1.0
     samples = sim.w.batch_groups * sim.w.group_size
     tokens_per_step = sim.tokens_generated / max(len(t), 1)
-    st = np.asarray(sim.staleness)
+    st = np.asarray(sim.staleness)[np.asarray(sim.trained_at, dtype=int) >= k]  # steady state
     hist = {str(v): float(np.mean(st == v)) for v in range(int(st.max()) + 1)} if st.size else {}
     return {
         "seconds_per_step": per_step,
@@ -720,7 +722,7 @@ JOBS = {
 }  # fmt: skip
 MODELS = {"7B": QWEN_7B, "32B": QWEN_32B}
 GPUS = (8, 32, 128)
-GEN_SHARES = (0.5, 0.75)  # fractions of the GPUs that generate (the rest train)
+GEN_SHARES = (0.25, 0.5, 0.75)  # fractions of the GPUs that generate (the rest train)
 PRED_STEPS = 10
 
 
@@ -754,7 +756,7 @@ def prediction_tables(quick: bool = False) -> dict:
             c["engines_to_trainers"]: round(c["speedup"], 2) for c in cells}})  # fmt: skip
     modes = []
     for mode, bound in itertools.product(("keep", "abort", "wait"), (1, 2, 4, AUTO)):
-        modes.append(predict("reasoning", "7B", 32, 0.75, steps, update_mode=mode, bound=bound))
+        modes.append(predict("reasoning", "7B", 32, 0.5, steps, update_mode=mode, bound=bound))
     return {"best_split": best, "update_modes": modes}
 
 
@@ -915,7 +917,7 @@ def main() -> None:
                 [[r[k] for k in cols] for r in tables["best_split"]])  # fmt: skip
     cols2 = ["update_mode", "bound", "speedup", "staleness_mean", "staleness_max", "dropped",
              "wasted_tokens", "engine_busy"]  # fmt: skip
-    print_table("simulate: 7B reasoning on 32 GPUs (24:8), update mode x bound (predictions)",
+    print_table("simulate: 7B reasoning on 32 GPUs (16:16), update mode x bound (predictions)",
                 cols2, [[r[k] for k in cols2] for r in tables["update_modes"]])  # fmt: skip
     emit_json({"best_split": tables["best_split"], "update_modes": tables["update_modes"]})
 
