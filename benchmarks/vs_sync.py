@@ -98,7 +98,17 @@ JOBS: dict[str, dict[str, Any]] = {
     # tiny character-level model does not learn to program: rewards stay near 0 and the
     # job measures the cost of grading in sandboxes (both sides grade a turn's
     # answers at once, through the same pool settings).
-    "code": {"overrides": ["env=code"], "steps": 20, "quick_steps": 8},
+    "code": {
+        "overrides": [
+            "env=code",
+            # a light warm start (its rows run to 256 positions): the model writes
+            # code-shaped text, not programs
+            "model.tiny.warm_start_steps=100",
+            "model.tiny.warm_start_batch=16",
+        ],  # fmt: skip
+        "steps": 20,
+        "quick_steps": 8,
+    },
     # longtail: task=column_addition with heavy-tailed widths (task.digits_tail 2.0 over
     # 1..10 digits: 65% of answers are 12 tokens, 0.6% are 102), so most answers are short
     # and a few ~10x longer. The sync loop's batch waits for its longest answer; asyncrl's
