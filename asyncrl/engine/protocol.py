@@ -45,6 +45,7 @@ class Sampling:
     top_k: int = 0  # 0: off
     seed: int | None = None  # None: the engine's own generator
     logprobs: bool = True
+    min_tokens: int = 0  # stop tokens masked until this many are out (benchmarks' long answers)
 
     def with_seed(self, seed: int | None) -> Sampling:
         return replace(self, seed=seed)

@@ -85,6 +85,7 @@ def vllm_params(s: Sampling) -> Any:
         top_k=s.top_k if s.top_k > 0 else -1,
         max_tokens=s.max_tokens,
         seed=s.seed,
+        min_tokens=s.min_tokens,
         logprobs=0,
         flat_logprobs=True,
         detokenize=False,
