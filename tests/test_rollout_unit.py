@@ -331,6 +331,18 @@ def test_flat_and_dict_logprobs_read_the_same():
     assert [len(x) for x in empty] == [0, 0, 0]
 
 
+def test_spans_an_engine_never_labelled_take_the_fallback_version():
+    """vLLM labels spans "default" until asyncrl labels a version (the judge never does):
+    those tokens take the fallback, labelled spans their version."""
+    from types import SimpleNamespace as NS
+
+    from asyncrl.engine.vllm_engine import token_versions
+
+    spans = [NS(start=0, end=2, version="default"), NS(start=2, end=3, version="4")]
+    assert token_versions(NS(weight_versions=spans), 3, 1).tolist() == [1, 1, 4]
+    assert token_versions(NS(weight_versions=None), 2, 0).tolist() == [0, 0]
+
+
 def test_logprobs_not_of_the_sampled_tokens_are_refused():
     from asyncrl.engine.vllm_engine import completion_arrays
 

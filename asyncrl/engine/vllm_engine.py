@@ -167,10 +167,18 @@ def completion_arrays(comp, version_fallback: int) -> tuple[np.ndarray, np.ndarr
         lps = np.asarray(steps.logprobs, dtype=np.float32)[first]
     else:
         lps = np.asarray([step[int(t)].logprob for step, t in zip(steps, ids)], dtype=np.float32)
-    versions = np.full(len(ids), version_fallback, dtype=np.int32)
+    return ids, lps, token_versions(comp, len(ids), version_fallback)
+
+
+def token_versions(comp: Any, n: int, version_fallback: int) -> np.ndarray:
+    """Each output token's weight version from vLLM's spans; ``version_fallback`` where
+    a span carries no asyncrl label (an engine never labelled, e.g. the judge's: vLLM's
+    "default")."""
+    versions = np.full(n, version_fallback, dtype=np.int32)
     for span in comp.weight_versions or []:
-        versions[span.start : span.end] = int(span.version)
-    return ids, lps, versions
+        if str(span.version).lstrip("-").isdigit():
+            versions[span.start : span.end] = int(span.version)
+    return versions
 
 
 def completion(comp: Any, version_fallback: int, logprobs: bool) -> Completion:
@@ -179,9 +187,7 @@ def completion(comp: Any, version_fallback: int, logprobs: bool) -> Completion:
         ids, lps, versions = completion_arrays(comp, version_fallback)
     else:
         ids, lps = np.asarray(comp.token_ids, dtype=np.int32), None
-        versions = np.full(len(ids), version_fallback, dtype=np.int32)
-        for span in comp.weight_versions or []:
-            versions[span.start : span.end] = int(span.version)
+        versions = token_versions(comp, len(ids), version_fallback)
     text = comp.text if not logprobs else ""
     return Completion(int(comp.index), ids, lps, versions, str(comp.finish_reason), text or "")
 
