@@ -59,7 +59,8 @@ import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 from asyncrl.actor.placement import pin_engine_io  # noqa: E402
-from asyncrl.engine.vllm_engine import sampling_params  # noqa: E402
+from asyncrl.engine.protocol import version_salt  # noqa: E402
+from asyncrl.engine.vllm_engine import prompt_renderer, vllm_params  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     actor_pid,
     compose,
@@ -87,10 +88,9 @@ class BenchActor(ControlledRolloutActor):
     def set_min_tokens(self, n: int) -> None:
         """Both sides generate at least ``n`` tokens per sample (vLLM's min_tokens: the
         stop tokens are masked until then), for responses longer than the task's."""
-        params = sampling_params(self.settings.sampling)
-        if n:
-            params.min_tokens = n
-        self.episodes.params = params
+        from dataclasses import replace
+
+        self.episodes.sampling = replace(self.episodes.sampling, min_tokens=n)
 
     def place_engine_io(self, on_engine: bool) -> int:
         """The engine-core process's threads other than its main one onto the engine's
@@ -101,15 +101,18 @@ class BenchActor(ControlledRolloutActor):
     async def plain_generate(
         self, prompts: list[str], tag: str, inflight: int = 0
     ) -> dict[str, int]:
-        params = self.episodes.params  # exactly what the actor's groups use
+        # vLLM's own requests, on the engine's AsyncLLM: exactly the sampling the actor's
+        # groups use (unseeded), rendered and salted as the actor's are
+        llm = self.engine.llm
+        params = vllm_params(self.episodes.sampling)
+        render = prompt_renderer(llm)
         gate = asyncio.Semaphore(inflight or len(prompts))
 
         async def one(i: int, prompt: str):
             final = None
             async with gate:
-                async for out in self.engine.generate(
-                    self.episodes.render(prompt), params, request_id=f"{tag}-{i}"
-                ):
+                request = render(prompt, version_salt(self.version))
+                async for out in llm.generate(request, params, request_id=f"{tag}-{i}"):
                     final = out
             return final
 

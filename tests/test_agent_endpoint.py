@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -22,8 +21,8 @@ import pytest_asyncio
 
 from asyncrl.actor.agent_log import EpisodeLog
 from asyncrl.actor.endpoint import AgentEndpoint, loopback, parse_tool_calls
+from asyncrl.engine.protocol import Completion, Generation, policy_sampling
 from asyncrl.engine.settings import SamplingSettings
-from asyncrl.engine.vllm_engine import sampling_params
 from asyncrl.envs.agent import parse_report
 
 AGENTS = Path(__file__).parent / "agents"
@@ -76,19 +75,19 @@ class ScriptedEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
-    async def generate(self, request, params, request_id):
-        prompt = list(request["prompt_token_ids"])
+    seed = None
+
+    async def generate(self, prompt, sampling, request_id, salt=None):
         texts = self.replies.pop(0)
         await asyncio.sleep(0.01)  # other calls run meanwhile, as with a real engine
         outs = []
-        for i, text in enumerate(texts[: params.n]):
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            lps = [{t: SimpleNamespace(logprob=-0.1 * (k + 1))} for k, t in enumerate(ids)]
-            span = SimpleNamespace(start=0, end=len(ids), version=self.version)
-            outs.append(SimpleNamespace(index=i, token_ids=ids, logprobs=lps,
-                                        finish_reason="stop", weight_versions=[span]))  # fmt: skip
-        self.requests.append((prompt, [o.token_ids for o in outs]))
-        yield SimpleNamespace(prompt_token_ids=prompt, outputs=outs, num_cached_tokens=0)
+        for i, text in enumerate(texts[: sampling.n]):
+            ids = np.asarray(self.tokenizer.encode(text, add_special_tokens=False), np.int32)
+            lps = np.asarray([-0.1 * (k + 1) for k in range(len(ids))], np.float32)
+            versions = np.full(len(ids), self.version, np.int32)
+            outs.append(Completion(i, ids, lps, versions, "stop"))
+        self.requests.append((list(prompt), [o.token_ids.tolist() for o in outs]))
+        return Generation(list(prompt), outs)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +100,7 @@ def tiny_tokenizer(tiny_model):
 @pytest_asyncio.fixture
 async def scripted(tiny_tokenizer):
     engine = ScriptedEngine(tiny_tokenizer, [])
-    params = sampling_params(SamplingSettings.defaults(n=1, max_tokens=8))
+    params = policy_sampling(SamplingSettings.defaults(n=1, max_tokens=8))
     ep = AgentEndpoint(engine, params, lambda: engine.version, 64, 48, 4, TEMPLATE)
     await ep.start()
     try:
@@ -253,15 +252,11 @@ class Recorder:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    async def generate(self, prompt, params, request_id):
-        from asyncrl.engine.vllm_engine import completion_arrays
-
-        final = None
-        async for out in self.engine.generate(prompt, params, request_id=request_id):
-            final = out
-            yield out
-        outs = [completion_arrays(c, 0)[:2] for c in final.outputs]
-        self.calls[request_id] = (list(final.prompt_token_ids), outs)
+    async def generate(self, prompt, sampling, request_id, salt=None):
+        out = await self.engine.generate(prompt, sampling, request_id, salt)
+        outs = [(c.token_ids, c.logprobs) for c in out.completions]
+        self.calls[request_id] = (list(out.prompt_ids), outs)
+        return out
 
 
 async def run_agents(actor, mode: str, prompt):

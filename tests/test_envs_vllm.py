@@ -78,14 +78,10 @@ class Recorder:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    async def generate(self, prompt, params, request_id):
-        final = None
-        async for out in self.engine.generate(prompt, params, request_id=request_id):
-            final = out
-            yield out
-        self.calls.append(
-            (request_id, list(final.prompt_token_ids), list(final.outputs[0].token_ids))
-        )
+    async def generate(self, prompt, sampling, request_id, salt=None):
+        out = await self.engine.generate(prompt, sampling, request_id, salt)
+        self.calls.append((request_id, out.prompt_ids, out.completions[0].token_ids.tolist()))
+        return out
 
 
 async def test_token_ids_are_the_engines_turn_by_turn(actor, learner):
@@ -139,10 +135,9 @@ class SeedRecorder(Recorder):
         super().__init__(engine)
         self.seeds: dict[str, int] = {}
 
-    async def generate(self, prompt, params, request_id):
-        self.seeds[request_id] = params.seed
-        async for out in super().generate(prompt, params, request_id):
-            yield out
+    async def generate(self, prompt, sampling, request_id, salt=None):
+        self.seeds[request_id] = sampling.seed
+        return await super().generate(prompt, sampling, request_id, salt)
 
 
 async def test_the_same_seed_gives_the_same_episode_tokens(actor):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 
+import numpy as np
 import pytest
 
 from asyncrl.config import ConfigError
@@ -166,35 +167,30 @@ def test_a_refused_prompt_fails_only_its_own_episode():
 
 
 class FakeEngine:
-    """vLLM's AsyncLLM at its process boundary: the renderer refuses a prompt longer
-    than ``max_model_len`` characters (the tiny judge's tokens are characters), as
-    vLLM's does; any other prompt is answered ``SCORE: 6``."""
+    """The engine seam at the judge: a prompt longer than ``max_model_len`` characters
+    (the tiny judge's tokens are characters) is refused before it is queued, as vLLM's
+    renderer refuses it; any other prompt is answered ``SCORE: 6``."""
 
     def __init__(self, max_model_len: int):
         self.max_model_len = max_model_len
         self.served: list[str] = []
 
-    def render(self, text: str) -> dict:
-        if len(text) > self.max_model_len:
+    async def generate(self, prompt, sampling, request_id, salt=None):
+        from asyncrl.engine.protocol import Completion, Generation
+
+        if len(prompt) > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, your prompt contains {len(text)} input tokens"
+                f"However, your prompt contains {len(prompt)} input tokens"
             )
-        return {"prompt": text}
-
-    async def generate(self, prompt, params, request_id):
-        self.served.append(prompt["prompt"])
-
-        class Out:
-            outputs = [type("C", (), {"text": "SCORE: 6"})()]
-
-        yield Out()
+        self.served.append(prompt)
+        empty = np.zeros(0, np.int32)
+        return Generation([], [Completion(0, empty, None, empty, "stop", "SCORE: 6")])
 
 
 def test_the_server_checks_prompts_one_by_one():
     server = JudgeServer("unused", {"max_model_len": 1024}, seed=0)
     server.engine = FakeEngine(1024)
-    server.render = server.engine.render
     prompts = ["short", "z" * 1025, "also short"]
     answers = asyncio.run(server.generate(prompts, temperature=1.0, max_tokens=16))
     assert answers[0] == answers[2] == "SCORE: 6"

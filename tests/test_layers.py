@@ -23,4 +23,29 @@ def test_lint_imports_keeps_every_contract():
     )
     report = out.stdout + out.stderr
     assert out.returncode == 0, report[report.find("Broken contracts") :] or report
-    assert "3 kept, 0 broken" in report
+    assert "4 kept, 0 broken" in report
+
+
+def test_the_engine_library_contract_names_every_package_but_engine():
+    """``engine-library`` (pyproject.toml) forbids vllm to every package it lists: a new
+    package must be listed too."""
+    import tomllib
+
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (contract,) = [c for c in conf["contracts"] if c["id"] == "engine-library"]
+    tops = {p.stem for p in (ROOT / "asyncrl").iterdir()
+            if not p.name.startswith("_") and (p.suffix == ".py" or (p / "__init__.py").exists())}  # fmt: skip
+    assert set(contract["source_modules"]) == {f"asyncrl.{t}" for t in tops - {"engine"}}
+    assert contract["forbidden_modules"] == ["vllm"]
+
+
+def test_only_the_engine_package_imports_vllm():
+    r"""The seam, by text as well: ``grep -rn "import vllm\|from vllm" asyncrl/`` finds
+    only files under asyncrl/engine/."""
+    out = subprocess.run(
+        ["grep", "-rn", r"import vllm\|from vllm", "asyncrl/"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    hits = [line.split(":", 1)[0] for line in out.stdout.splitlines()]
+    assert hits, "the vLLM implementation imports vllm: the grep found nothing at all"
+    assert all(h.startswith("asyncrl/engine/") for h in hits), out.stdout

@@ -14,11 +14,12 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("openenv.core")
+
+from fake_engine import FakeEngine  # noqa: E402
 
 from asyncrl.actor.env_runner import MultiTurnEpisodes  # noqa: E402
 from asyncrl.actor.settings import ActorSettings  # noqa: E402
@@ -157,28 +158,18 @@ def test_garbage_is_an_env_error_and_the_server_stays(tmp_path):
         p.close()
 
 
-class ScriptedEngine:
-    """Answers each request with ``policy(prompt text)`` then EOS (a fake at the engine's
-    process boundary)."""
+class ScriptedEngine(FakeEngine):
+    """Answers each request with ``policy(prompt text)`` then EOS (the engine seam's
+    fake, tests/fake_engine.py)."""
 
     def __init__(self, policy, tok):
-        self.policy, self.tok, self.prompts = policy, tok, []
+        text = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        super().__init__(tok, lambda ids: policy(text(ids)), logprob=-0.5)
+        self.text = text
 
-    def get_tokenizer(self):
-        return self.tok
-
-    async def generate(self, prompt, params, request_id):
-        ids = prompt.get("prompt_token_ids") or self.tok.encode(prompt["prompt"])
-        self.prompts.append(self.tok.decode(ids, skip_special_tokens=True))
-        out = self.tok.encode(self.policy(self.prompts[-1]), add_special_tokens=False)
-        out = out[: params.max_tokens - 1] + [self.tok.eos_token_id]
-        comp = SimpleNamespace(
-            token_ids=out,
-            logprobs=[{t: SimpleNamespace(logprob=-0.5)} for t in out],
-            weight_versions=[SimpleNamespace(start=0, end=len(out), version=0)],
-            finish_reason="stop",
-        )
-        yield SimpleNamespace(prompt_token_ids=ids, outputs=[comp], num_cached_tokens=0)
+    @property
+    def prompts(self) -> list[str]:
+        return [self.text(ids) for ids in self.requests]
 
 
 def test_runner_prompts_with_the_observation_and_scores_a_crash_env_error(pool):

@@ -217,14 +217,14 @@ def test_cpu_model_reads_the_first_processor(tmp_path):
 
 
 def test_group_seeds_follow_the_run_seed_and_the_index():
-    from types import SimpleNamespace
+    from fake_engine import FakeEngine
 
+    from asyncrl.engine.protocol import GROUP_SEED_STRIDE, group_sampling, policy_sampling
     from asyncrl.engine.settings import SamplingSettings
-    from asyncrl.engine.vllm_engine import GROUP_SEED_STRIDE, group_params, sampling_params
 
     sampling = SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=6)
-    params = sampling_params(sampling)
-    engine = SimpleNamespace(model_config=SimpleNamespace(seed=3))
-    assert group_params(engine, params, 5).seed == 3 * GROUP_SEED_STRIDE + 5 * sampling.n
-    assert params.seed is None  # the shared params stay unseeded
-    assert group_params(SimpleNamespace(), params, 5) is params  # an engine without a seed
+    params = policy_sampling(sampling)
+    engine = FakeEngine(seed=3)
+    assert group_sampling(engine, params, 5).seed == 3 * GROUP_SEED_STRIDE + 5 * sampling.n
+    assert params.seed is None  # the shared sampling stays unseeded
+    assert group_sampling(FakeEngine(), params, 5) is params  # an engine without a seed

@@ -8,6 +8,7 @@ import functools
 
 import pytest
 from controlled_actor import ControlledRolloutActor
+from fake_engine import FakeEngine
 
 from asyncrl.actor.episode import SingleTurnEpisodes
 from asyncrl.actor.rollout import RolloutActor
@@ -95,7 +96,7 @@ class _FakeEpisodes:
 def _no_engine_actor(queue, seconds=(0.002, 0.004), **kw) -> ControlledRolloutActor:
     """An actor whose episodes are :class:`_FakeEpisodes`, ready to ``resume``."""
     a = _actor(queue, **kw)
-    a.engine = object()  # resume() only needs a started engine
+    a.engine = FakeEngine()  # resume() only needs a started engine
     a.episodes = _FakeEpisodes(a, seconds)
     return a
 
@@ -330,6 +331,18 @@ def test_flat_and_dict_logprobs_read_the_same():
     assert [len(x) for x in empty] == [0, 0, 0]
 
 
+def test_spans_an_engine_never_labelled_take_the_fallback_version():
+    """vLLM labels spans "default" until asyncrl labels a version (the judge never does):
+    those tokens take the fallback, labelled spans their version."""
+    from types import SimpleNamespace as NS
+
+    from asyncrl.engine.vllm_engine import token_versions
+
+    spans = [NS(start=0, end=2, version="default"), NS(start=2, end=3, version="4")]
+    assert token_versions(NS(weight_versions=spans), 3, 1).tolist() == [1, 1, 4]
+    assert token_versions(NS(weight_versions=None), 2, 0).tolist() == [0, 0]
+
+
 def test_logprobs_not_of_the_sampled_tokens_are_refused():
     from asyncrl.engine.vllm_engine import completion_arrays
 
@@ -343,9 +356,10 @@ def test_logprobs_not_of_the_sampled_tokens_are_refused():
 
 
 def test_groups_ask_vllm_for_flat_logprobs():
-    from asyncrl.engine.vllm_engine import sampling_params
+    from asyncrl.engine.protocol import policy_sampling
+    from asyncrl.engine.vllm_engine import vllm_params
 
-    params = sampling_params(SamplingSettings.defaults(top_k=0))
+    params = vllm_params(policy_sampling(SamplingSettings.defaults(top_k=0)))
     assert params.logprobs == 0 and params.flat_logprobs and params.detokenize is False
     assert params.top_k == -1  # off, in vLLM's terms
 
@@ -571,25 +585,33 @@ def test_engine_cores_outside_the_actors_cores_are_refused():
 
 
 class _FakeEngine:
-    """vLLM's AsyncLLM at the episode seam: each request yields one final output whose
-    completions decode to ``texts``; the first ``aborts`` requests come back aborted,
-    as under a weight update with ``update_mode=abort``."""
+    """The engine seam (asyncrl/engine/protocol.py) at the episode: each request
+    returns one completion per text of ``texts`` (ids ``[100 + i, 200 + i]``, decoding
+    to text ``i``), labelled with ``version``; the first ``aborts`` requests come back
+    aborted, as under a weight update with ``update_mode=abort``."""
 
-    def __init__(self, texts: list[str], aborts: int = 0):
-        self.texts = texts
-        self.aborts = aborts
+    seed = None
+
+    def __init__(self, texts: list[str], aborts: int = 0, version: int = 4):
+        self.texts, self.aborts, self.version = texts, aborts, version
         self.requests: list[tuple] = []
 
-    async def generate(self, prompt, params, request_id):
-        import types
+    async def generate(self, prompt, sampling, request_id, salt=None):
+        import numpy as np
 
-        self.requests.append((prompt, params.n, request_id))
-        ids = [[100 + i, 200 + i] for i in range(len(self.texts))]
-        comps = [_completion(x, [-0.5, -0.25], flat=True) for x in ids]
+        from asyncrl.engine.protocol import Completion, Generation
+
+        self.requests.append((prompt, salt, sampling.n, request_id))
+        comps = [
+            Completion(i, np.asarray([100 + i, 200 + i], np.int32),
+                       np.asarray([-0.5, -0.25], np.float32),
+                       np.full(2, self.version, np.int32), "stop")
+            for i in range(len(self.texts))
+        ]  # fmt: skip
         if self.aborts:
             self.aborts -= 1
             comps[-1].finish_reason = "abort"
-        yield types.SimpleNamespace(prompt_token_ids=[5, 6, 7], outputs=comps)
+        return Generation([5, 6, 7], comps)
 
     def get_tokenizer(self):
         texts = {100 + i: t for i, t in enumerate(self.texts)}
@@ -621,9 +643,7 @@ def test_a_single_turn_episode_is_one_generate_call_scored_per_completion():
     group = asyncio.run(episodes.run_group(Prompt("12+7=", "19")))
     ts = group.trajectories
     # one request, salted with the version the weights carry (the runner's version())
-    assert [(p, n) for p, n, _ in engine.requests] == [
-        ({"prompt": "12+7=", "cache_salt": "policy-v4"}, 3)
-    ]
+    assert [r[:3] for r in engine.requests] == [("12+7=", "policy-v4", 3)]
     assert [t.response_text for t in ts] == ["19", "boom", "7"]
     assert [t.reward for t in ts] == [1.0, 0.0, 0.0]
     assert [t.error for t in ts] == ["", "ValueError: boom", ""]
@@ -666,7 +686,7 @@ def test_an_aborted_episode_is_run_again_and_counted():
         return a, engine
 
     a, engine = asyncio.run(main())
-    assert len(engine.requests) == 3 and len({r for _, _, r in engine.requests}) == 3
+    assert len(engine.requests) == 3 and len({r[-1] for r in engine.requests}) == 3
     ((group, meta),) = a._outbox.groups
     assert meta.traj_ids == [t.traj_id for t in group.trajectories] and meta.actor == "t"
     s = a.stats

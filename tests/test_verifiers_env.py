@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import string
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 pytest.importorskip("verifiers")
+
+from fake_engine import FakeEngine  # noqa: E402
 
 from asyncrl.actor.env_runner import make_runner  # noqa: E402
 from asyncrl.actor.episode import EpisodeAborted  # noqa: E402
@@ -28,34 +29,13 @@ TOK.chat_template = (
 )
 
 
-class ScriptedEngine:
+class ScriptedEngine(FakeEngine):
     """``policy(prompt text) -> text`` answers each request (then EOS); each generated
     token gets log-prob -0.25 and the engine's ``version``. Records every request."""
 
     def __init__(self, policy, version: int = 3):
-        self.policy, self.version = policy, version
-        self.requests: list[list[int]] = []
-        self.outputs: list[list[int]] = []
-        self.abort = False  # answer every request as a weight update's abort
-
-    def get_tokenizer(self):
-        return TOK
-
-    async def generate(self, prompt, params, request_id):
-        ids = list(prompt["prompt_token_ids"])
-        self.requests.append(ids)
-        out = TOK.encode(self.policy(TOK.decode(ids)), add_special_tokens=False)
-        out = out[: params.max_tokens]
-        out += [TOK.eos_token_id] if len(out) < params.max_tokens else []
-        self.outputs.append(out)
-        await asyncio.sleep(0)
-        comp = SimpleNamespace(
-            token_ids=out,
-            logprobs=[{t: SimpleNamespace(logprob=-0.25)} for t in out],
-            weight_versions=[SimpleNamespace(start=0, end=len(out), version=self.version)],
-            finish_reason="abort" if self.abort else "stop",
-        )
-        yield SimpleNamespace(prompt_token_ids=ids, outputs=[comp], num_cached_tokens=0)
+        super().__init__(TOK, lambda ids: policy(TOK.decode(ids)), logprob=-0.25)
+        self.version = version
 
 
 def answer_sum(text: str) -> str:

@@ -63,23 +63,17 @@ def _probe(actor, text: str, max_tokens: int) -> dict:
     """Generate once on the actor's own engine (from Ray's sync-method thread)."""
 
     async def gen():
-        from vllm import SamplingParams
+        from asyncrl.engine.protocol import Sampling
 
-        from asyncrl.engine.vllm_engine import completion_arrays
-
-        params = SamplingParams(n=1, temperature=1.0, max_tokens=max_tokens, logprobs=0)
-        final = None
-        async for out in actor.engine.generate(
-            {"prompt": text}, params, request_id=f"probe-{time.monotonic()}"
-        ):
-            final = out
-        ids, lps, versions = completion_arrays(final.outputs[0], actor.version)
+        sampling = Sampling(n=1, temperature=1.0, max_tokens=max_tokens)
+        out = await actor.engine.generate(text, sampling, f"probe-{time.monotonic()}")
+        (c,) = out.completions
         return {
-            "prompt_ids": np.asarray(final.prompt_token_ids, dtype=np.int32),
-            "ids": ids,
-            "lps": lps,
-            "versions": versions,
-            "cached": int(final.num_cached_tokens or 0),
+            "prompt_ids": np.asarray(out.prompt_ids, dtype=np.int32),
+            "ids": c.token_ids,
+            "lps": c.logprobs,
+            "versions": c.versions,
+            "cached": out.cached_tokens,
         }
 
     loop = actor._loop_task.get_loop()

@@ -23,13 +23,13 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from dataclasses import replace
 
 from asyncrl.actor.agent_log import Branch, EpisodeLog, branch_trajectory
 from asyncrl.actor.endpoint import AgentEndpoint
 from asyncrl.actor.episode import EpisodeAborted, reward_input
 from asyncrl.actor.settings import ActorSettings
-from asyncrl.engine.vllm_engine import sampling_params
+from asyncrl.engine.protocol import Engine, policy_sampling
 from asyncrl.envs.agent import AgentOutcome
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.rewards.base import RewardInput
@@ -44,7 +44,7 @@ class AgentEpisodes:
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         task: Task,
         settings: ActorSettings,
         env: EnvSettings,
@@ -54,10 +54,8 @@ class AgentEpisodes:
         self.task, self.env, self.version = task, env, version
         self.rewards = rewards or RewardClient()
         self.n = settings.sampling.n
-        params = sampling_params(settings.sampling)
-        params.n = 1
         self.endpoint = AgentEndpoint(
-            engine, params, version, settings.engine.max_model_len, env.max_tokens,
+            engine, replace(policy_sampling(settings.sampling), n=1), version, settings.engine.max_model_len, env.max_tokens,
             env.max_turns, chat_template=getattr(env.make(), "chat_template", None),
         )  # fmt: skip
         self._groups = 0

@@ -4,7 +4,7 @@ records every call of a black-box agent's episode (asyncrl/actor/agent_log.py).
     POST http://127.0.0.1:PORT/episodes/<episode id>/v1/chat/completions
          Authorization: Bearer <token>          (401 without it, 403 from off loopback)
       messages (+ tools) ─▶ the chat template ─▶ text ─▶ EpisodeLog.plan
-      ─▶ engine.generate(TokensPrompt(branch ids + segment ids), n choices)
+      ─▶ engine.generate(branch ids + segment ids, n choices)
       ─▶ each choice recorded on a branch ─▶ the OpenAI response (content, tool calls
          parsed from ``<tool_call>{json}</tool_call>``, optional per-token log-probs)
     what waits: the engine's requests, on the actor's event loop (aiohttp runs there,
@@ -27,19 +27,15 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 from jinja2 import TemplateError
 
 from asyncrl.actor.agent_log import Branch, EpisodeLog, Plan
-from asyncrl.actor.episode import turn_params
-from asyncrl.engine.vllm_engine import (
-    completion_arrays,
-    prompt_renderer,
-    tokens_prompt,
-    version_salt,
-)
+from asyncrl.actor.episode import turn_sampling
+from asyncrl.engine.protocol import Completion, Engine, Generation, Sampling, version_salt
 
 HOST = "127.0.0.1"
 MAX_N = 16  # choices per call: each is a branch (a trajectory) of the episode
@@ -93,8 +89,8 @@ class AgentEndpoint:
 
     def __init__(
         self,
-        engine: Any,
-        sampling: Any,  # the actor's SamplingParams (asyncrl.engine.vllm_engine.sampling_params)
+        engine: Engine,
+        sampling: Sampling,  # the actor's (n=1)
         version: Callable[[], int],
         max_model_len: int,
         max_tokens: int | None,  # env.max_tokens: response tokens per branch
@@ -109,7 +105,6 @@ class AgentEndpoint:
         self.port = 0
         self._runner: web.AppRunner | None = None
         self._tokenizer: Any = None
-        self._render: Any = None
 
     async def start(self) -> None:
         """Bind 127.0.0.1 on a free port (once)."""
@@ -180,21 +175,22 @@ class AgentEndpoint:
         prompt, seg_ids = self._prompt(plan)
         room = self._room(plan.base, len(prompt), len(seg_ids), body)
         log.calls += 1
-        params = turn_params(self.engine, self.sampling, log.group, log.sample, log.calls - 1)
-        params.n, params.max_tokens = n, room
-        final = await self._generate(prompt, params, f"agent-{log.episode_id}-{log.calls}")
-        if final is None or any(c.finish_reason == "abort" for c in final.outputs):
+        sampling = turn_sampling(self.engine, self.sampling, log.group, log.sample, log.calls - 1)
+        sampling = replace(sampling, n=n, max_tokens=room)
+        rid = f"agent-{log.episode_id}-{log.calls}"
+        final = await self.engine.generate(prompt, sampling, rid, version_salt(self.version()))
+        if not final.completions or final.aborted:
             log.aborted = True
             raise RequestError(503, "a weight update aborted this request")
         if log.closed:
             raise RequestError(404, "the episode ended while this request ran")
-        outs = sorted(final.outputs, key=lambda c: c.index)
+        outs = sorted(final.completions, key=lambda c: c.index)
         branches = self._branches(log, plan, seg_ids, len(outs))
         lps = bool(body.get("logprobs"))
         choices = [
             self._record(b, c, final, k == 0, lps) for k, (b, c) in enumerate(zip(branches, outs))
         ]
-        used = sum(len(c.token_ids) for c in final.outputs)
+        used = sum(len(c.token_ids) for c in final.completions)
         return {
             "id": f"chatcmpl-{log.episode_id}-{log.calls}",
             "object": "chat.completion",
@@ -225,15 +221,6 @@ class AgentEndpoint:
             raise RequestError(400, "the episode's token budget is spent (env.max_tokens)")
         return room
 
-    async def _generate(self, prompt: list[int], params: Any, rid: str) -> Any:
-        if self._render is None:
-            self._render = prompt_renderer(self.engine)
-        request = self._render(tokens_prompt(prompt), version_salt(self.version()))
-        final = None
-        async for out in self.engine.generate(request, params, request_id=rid):
-            final = out
-        return final
-
     def _branches(self, log: EpisodeLog, plan: Plan, seg_ids: list[int], n: int) -> list[Branch]:
         """The branch each of a call's ``n`` choices goes on: the base extended by the
         segment (or a fork) for the first, a sibling with the same prefix for each other."""
@@ -244,15 +231,17 @@ class AgentEndpoint:
             head.add_segment(seg_ids, plan.segment, self.version())
         return [head] + [log.spawn(head) for _ in range(n - 1)]
 
-    def _record(self, branch: Branch, comp: Any, final: Any, first: bool, lps: bool) -> dict:
+    def _record(
+        self, branch: Branch, comp: Completion, final: Generation, first: bool, lps: bool
+    ) -> dict:
         """Record one choice on its branch and answer it (OpenAI's choice object)."""
-        ids, logps, vers = completion_arrays(comp, self.version())
-        raw = self.tokenizer.decode(comp.token_ids, skip_special_tokens=False)
-        shown = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
-        branch.add_completion(ids, logps, vers, raw, shown)
-        branch.prompt_tokens += len(final.prompt_token_ids)
+        ids, logps = comp.token_ids, comp.logprobs
+        raw = self.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+        shown = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+        branch.add_completion(ids, logps, comp.versions, raw, shown)
+        branch.prompt_tokens += len(final.prompt_ids)
         if first:  # the request's cache hits, counted once
-            branch.cached_tokens += int(final.num_cached_tokens or 0)
+            branch.cached_tokens += final.cached_tokens
         content, calls = parse_tool_calls(shown)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:

@@ -13,7 +13,7 @@ engine's own token ids turn by turn.
     of every group shares the actor's event loop); nothing else.
 
 Every turn's request carries its own sampling seed, from the run's seed, the group's
-place in the actor's start order, the sample and the turn (``turn_params``): the same
+place in the actor's start order, the sample and the turn (``turn_sampling``): the same
 episode with the same seed samples the same tokens, whatever else is in flight.
 
 Observation tokens carry behaviour log-prob 0 and the version of the generated token
@@ -32,7 +32,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -43,18 +43,11 @@ from asyncrl.actor.episode import (
     EpisodeRunner,
     SingleTurnEpisodes,
     reward_input,
-    turn_params,
+    turn_sampling,
 )
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.config import locate_target
-from asyncrl.engine.vllm_engine import (
-    Renderer,
-    completion_arrays,
-    prompt_renderer,
-    sampling_params,
-    tokens_prompt,
-    version_salt,
-)
+from asyncrl.engine.protocol import Completion, Engine, Sampling, policy_sampling, version_salt
 from asyncrl.envs.base import StepResult
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.rewards.pool import RewardClient
@@ -102,7 +95,7 @@ class MultiTurnEpisodes:
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         task: Task,
         settings: ActorSettings,
         env: EnvSettings,
@@ -118,11 +111,10 @@ class MultiTurnEpisodes:
         self.max_model_len = settings.engine.max_model_len
         self.turn_tokens = settings.sampling.max_tokens
         self.version = version
-        self.params = sampling_params(settings.sampling)
-        self.params.n = 1  # each episode diverges after its first turn
+        # n=1: each episode diverges after its first turn
+        self.sampling = replace(policy_sampling(settings.sampling), n=1)
         self._groups = 0  # groups started so far: the sampling seeds count them
         self._tokenizer = None
-        self._render: Renderer | None = None
 
     async def run_group(self, prompt: Prompt) -> TrajectoryGroup:
         index = self._groups  # before any await: the start order decides the seeds
@@ -172,10 +164,10 @@ class MultiTurnEpisodes:
                 ep.finish = "token_budget"
                 return
             comp = await self._generate(prompt, ep, min(self.turn_tokens, room), f"{rid}-{turn}")
-            ids, lps, vers = completion_arrays(comp, self.version())
-            ep.add(ids, lps, vers, trained=True)
+            ids = comp.token_ids
+            ep.add(ids, comp.logprobs, comp.versions, trained=True)
             ep.turns += 1
-            text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
             ep.texts.append(text)
             ep.generated.append(text)
             t_env = time.perf_counter()
@@ -211,25 +203,25 @@ class MultiTurnEpisodes:
         ep.add(ids, np.zeros(len(ids), np.float32), np.full(len(ids), version, np.int32), False)
         return True
 
-    async def _generate(self, prompt: Prompt, ep: _Episode, max_tokens: int, rid: str) -> Any:
+    async def _generate(
+        self, prompt: Prompt, ep: _Episode, max_tokens: int, rid: str
+    ) -> Completion:
         """One turn: the whole sequence so far as the request's prompt (token ids after the
-        first turn, whose prompt the engine renders from text)."""
-        params = turn_params(self.engine, self.params, ep.group, ep.sample, ep.turns)
-        params.max_tokens = max_tokens
+        first turn, whose prompt the engine tokenizes from text), salted with the version
+        the engine's weights carry now (``version_salt``): each turn reuses cached KV of
+        that version only."""
+        sampling = turn_sampling(self.engine, self.sampling, ep.group, ep.sample, ep.turns)
+        sampling = replace(sampling, max_tokens=max_tokens)
         first = not ep.prompt_ids
-        # rendered by the engine's renderer either way (vLLM deprecated raw prompts)
-        text = prompt.text + ep.opening
-        request = self.render(text if first else tokens_prompt(ep.prompt_ids + ep.ids))
-        final = None
-        async for out in self.engine.generate(request, params, request_id=rid):
-            final = out
-        if final is None or not final.outputs or final.outputs[0].finish_reason == "abort":
+        request = prompt.text + ep.opening if first else ep.prompt_ids + ep.ids
+        out = await self.engine.generate(request, sampling, rid, version_salt(self.version()))
+        if not out.completions or out.completions[0].finish_reason == "abort":
             raise EpisodeAborted(f"episode {rid}: a weight update aborted its request")
         if first:
-            ep.prompt_ids = list(final.prompt_token_ids)
-        ep.turn_prompt_tokens += len(final.prompt_token_ids)
-        ep.cached_tokens += int(final.num_cached_tokens or 0)
-        return final.outputs[0]
+            ep.prompt_ids = list(out.prompt_ids)
+        ep.turn_prompt_tokens += len(out.prompt_ids)
+        ep.cached_tokens += out.cached_tokens
+        return out.completions[0]
 
     def _trajectory(
         self, ep: _Episode, prompt: Prompt, gid: str, i: int, t_start: float
@@ -268,14 +260,6 @@ class MultiTurnEpisodes:
             self._tokenizer = self.engine.get_tokenizer()
         return self._tokenizer
 
-    def render(self, prompt: str | dict) -> Any:
-        """Prompt text, or a TokensPrompt, as the engine takes it, salted with the version
-        the engine's weights carry now (``version_salt``): each turn reuses cached KV of
-        that version only (a vLLM without the renderer API takes the salted dict)."""
-        if self._render is None:
-            self._render = prompt_renderer(self.engine)
-        return self._render(prompt, version_salt(self.version()))
-
 
 async def close_env(env: Any) -> None:
     """Await the env's optional ``close()`` (the episode is over, however it ended: its
@@ -292,7 +276,7 @@ async def close_env(env: Any) -> None:
 
 
 def make_runner(
-    engine: Any,
+    engine: Engine,
     task: Task,
     settings: ActorSettings,
     env: EnvSettings | None,
@@ -315,22 +299,21 @@ def make_runner(
 
 def own_loop_runner(
     env_obj: Any,
-    engine: Any,
+    engine: Engine,
     task: Task,
     settings: ActorSettings,
     env: EnvSettings,
     version: Callable[[], int],
 ) -> EpisodeRunner:
     """The runner of an env that runs its own turns (``env=verifiers``): it gets the
-    episode limits, each turn's seeded sampling parameters and the abort signal, and
-    scores with its own rubric."""
+    episode limits, each turn's seeded sampling and the abort signal, and scores with
+    its own rubric."""
     from asyncrl.envs.verifiers_env import Limits
 
-    params = sampling_params(settings.sampling)
-    params.n = 1
+    sampling = replace(policy_sampling(settings.sampling), n=1)
 
-    def turn(group: int, sample: int, k: int) -> Any:
-        return turn_params(engine, params, group, sample, k)
+    def turn(group: int, sample: int, k: int) -> Sampling:
+        return turn_sampling(engine, sampling, group, sample, k)
 
     limits = Limits(env.max_tokens, settings.engine.max_model_len, settings.sampling.max_tokens)
     return env_obj.episodes(engine, task, settings.sampling.n, limits, env.timeout_s, turn,

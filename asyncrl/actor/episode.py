@@ -14,7 +14,7 @@ The contract every runner keeps (the learner and the queue rely on it):
   tokenized again: an episode of several turns builds them turn by turn.
 * ``behaviour_logprobs[i]`` is the log-prob of ``response_ids[i]`` under the
   distribution the engine sampled it from (after temperature / top-k / top-p:
-  ``asyncrl.engine.vllm_engine.completion_arrays``).
+  ``asyncrl.engine.protocol.Completion``).
 * ``versions[i]`` is the policy version of the weights that produced token ``i``,
   as the engine labels it (a sequence may span a weight update).
 * ``loss_mask[i]`` is True for tokens the policy generated, False for tokens it did
@@ -42,15 +42,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from asyncrl.engine.settings import SamplingSettings
-from asyncrl.engine.vllm_engine import (
-    Renderer,
-    completion_arrays,
-    group_params,
-    prompt_renderer,
-    sampling_params,
+from asyncrl.engine.protocol import (
+    Completion,
+    Engine,
+    Sampling,
+    group_sampling,
+    policy_sampling,
     version_salt,
 )
+from asyncrl.engine.settings import SamplingSettings
 from asyncrl.rewards.base import RewardInput
 from asyncrl.rewards.pool import RewardClient
 from asyncrl.tasks.base import Prompt, Task, ascore, score
@@ -71,12 +71,12 @@ class SingleTurnEpisodes:
     """One ``engine.generate(prompt, n)`` call; each completion is one trajectory,
     scored by the task's reward as soon as the group is generated.
 
-    ``version()`` is the version the engine's weights carry now: it labels any token
-    the engine left unlabelled."""
+    ``version()`` is the version the engine's weights carry now: each request's cache
+    salt."""
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         task: Task,
         sampling: SamplingSettings,
         version: Callable[[], int],
@@ -87,28 +87,26 @@ class SingleTurnEpisodes:
         self.rewards = rewards or RewardClient()
         self.n = sampling.n
         self.version = version
-        self.params = sampling_params(sampling)  # vLLM's SamplingParams, the same for every group
-        self._groups = 0  # groups started so far: each samples from its own seed (group_params)
+        self.sampling = policy_sampling(sampling)  # the same for every group, but its seed
+        self._groups = 0  # groups started so far: each samples from its own seed (group_sampling)
         self._tokenizer = None  # the engine's, on first use
-        self._render: Renderer | None = None  # prompt text -> engine input
 
     async def run_group(self, prompt: Prompt) -> TrajectoryGroup:
         # The group's place in the start order leads its id, so that a consumer can put a
         # batch back in a run-independent order (the staleness benchmark does).
         gid = f"{self._groups:08x}{uuid.uuid4().hex[:16]}"
         t_start = time.time()
-        final = None
-        params = group_params(self.engine, self.params, self._groups)  # before any await
+        sampling = group_sampling(self.engine, self.sampling, self._groups)  # before any await
         self._groups += 1
-        async for out in self.engine.generate(
-            self.render(prompt.text), params, request_id=gid + "-" + uuid.uuid4().hex[:6]
-        ):
-            final = out
-        comps = final.outputs if final is not None else []
-        if len(comps) != self.n or any(c.finish_reason == "abort" for c in comps):
+        # salted with the version the engine's weights carry now (version_salt): it
+        # reuses cached KV of that version only
+        out = await self.engine.generate(
+            prompt.text, sampling, gid + "-" + uuid.uuid4().hex[:6], version_salt(self.version())
+        )
+        comps = out.completions
+        if len(comps) != self.n or out.aborted:
             raise EpisodeAborted(f"group {gid}: a weight update aborted its requests")
-        prompt_ids = np.asarray(final.prompt_token_ids, dtype=np.int32)  # one per group
-        version = self.version()
+        prompt_ids = np.asarray(out.prompt_ids, dtype=np.int32)  # one per group
         trajs, inputs = [], []
         texts = self.texts(comps)
         # a task that grades in other processes (the code task's sandboxes) grades the
@@ -118,15 +116,15 @@ class SingleTurnEpisodes:
         else:
             scored = await asyncio.gather(*(ascore(self.task, prompt, t) for t in texts))
         for i, (c, text, (reward, breakdown, err)) in enumerate(zip(comps, texts, scored)):
-            ids, lps, versions = completion_arrays(c, version)
+            ids = c.token_ids
             trajs.append(
                 Trajectory(
                     traj_id=f"{gid}-{i}",
                     group_id=gid,
                     prompt_ids=prompt_ids,
                     response_ids=ids,
-                    behaviour_logprobs=lps,
-                    versions=versions,
+                    behaviour_logprobs=c.logprobs,
+                    versions=c.versions,
                     loss_mask=np.ones(len(ids), dtype=bool),
                     reward=reward,
                     reward_breakdown=breakdown,
@@ -142,20 +140,14 @@ class SingleTurnEpisodes:
         await self.rewards.apply(trajs, inputs)
         return TrajectoryGroup(gid, trajs)
 
-    def render(self, text: str) -> Any:
-        """A prompt as the engine takes it (tokenized by the engine's renderer), salted
-        with the version the engine's weights carry now (``version_salt``): it reuses
-        cached KV of that version only."""
-        if self._render is None:
-            self._render = prompt_renderer(self.engine)
-        return self._render(text, version_salt(self.version()))
-
-    def texts(self, comps: list) -> list[str]:
+    def texts(self, comps: list[Completion]) -> list[str]:
         """Each completion's text, decoded here once per completion (the engine is
         asked not to detokenize): what vLLM's own detokenizer gives, specials left out."""
         if self._tokenizer is None:
             self._tokenizer = self.engine.get_tokenizer()
-        return [self._tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps]
+        return [
+            self._tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True) for c in comps
+        ]
 
 
 def reward_input(
@@ -177,18 +169,18 @@ def turn_seed(seed: int, group: int, sample: int, turn: int) -> int:
     """The sampling seed of one turn of a multi-turn episode: sample ``sample`` of the
     actor's ``group``-th group, its ``turn``-th request, in a run with ``seed``. A hash,
     so no two (group, sample, turn) of a run, nor of runs with other seeds, share one
-    (a single-turn group's seed, ``group_params``, is a counter: one request per group)."""
+    (a single-turn group's seed, ``group_sampling``, is a counter: one request per group)."""
     key = f"asyncrl-turn/{seed}/{group}/{sample}/{turn}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") >> 1
 
 
-def turn_params(engine: Any, params: Any, group: int, sample: int, turn: int) -> Any:
-    """``params`` (n=1) seeded for one turn (:func:`turn_seed`, from the engine's seed,
+def turn_sampling(
+    engine: Engine, sampling: Sampling, group: int, sample: int, turn: int
+) -> Sampling:
+    """``sampling`` (n=1) seeded for one turn (:func:`turn_seed`, from the engine's seed,
     the run's): what an episode samples then depends on its place in the actor's start
-    order, never on what shares the engine's batches. An engine with no seed: a copy of
-    ``params``."""
-    seeded = params.clone()
-    seed = getattr(getattr(engine, "model_config", None), "seed", None)
-    if seed is not None:
-        seeded.seed = turn_seed(int(seed), group, sample, turn)
-    return seeded
+    order, never on what shares the engine's batches. An engine with no seed:
+    ``sampling``."""
+    if engine.seed is None:
+        return sampling
+    return sampling.with_seed(turn_seed(int(engine.seed), group, sample, turn))

@@ -1,4 +1,4 @@
-"""RolloutActor: one vLLM engine generating continuously into the replay queue.
+"""RolloutActor: one engine (asyncrl/engine/) generating continuously into the replay queue.
 
     loop:  queue.acquire_many(free)  ── waits while the queue applies backpressure or
              │                           the staleness window is full (replay/buffer.py),
@@ -42,6 +42,7 @@ from asyncrl.actor.episode import EpisodeAborted, EpisodeRunner
 from asyncrl.actor.handoff import Slots, group_meta
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.broker.messages import CloseGroups, Loaded, ReceiveOrder, Reloaded, WeightState
+from asyncrl.engine.protocol import Engine
 from asyncrl.engine.vllm_engine import make_engine
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.replay.outbox import Outbox
@@ -112,7 +113,7 @@ class RolloutActor:
         self._weights = weights.WeightUpdates(
             name, settings.engine.enable_prefix_caching, self._labelled
         )
-        self.engine = None
+        self.engine: Engine | None = None
         self.episodes: EpisodeRunner | None = None  # built with the engine (start())
         self.rewards = RewardClient()  # the task's reward in-process, until set_rewards
         self.fatal: str = ""
@@ -135,7 +136,7 @@ class RolloutActor:
         self.episodes = make_runner(
             self.engine, self.task, self.settings, self.env, lambda: self.version, self.rewards
         )
-        await self.engine.update_weight_version(str(self.version))
+        await self.engine.label(self.version)
         await introduced
         # the clock of idle_seconds starts with the loop, not with the engine's start-up
         self.stats.started = self._idle_since = time.time()
@@ -205,7 +206,7 @@ class RolloutActor:
             placement=self.placement,
             pid=os.getpid(),
             # the engine's own processes died (vLLM's monitor noticed): asyncrl/fault
-            engine_dead=bool(getattr(self.engine, "errored", False)),
+            engine_dead=self.engine is not None and self.engine.errored,
         )
         return s
 
@@ -360,7 +361,10 @@ class RolloutActor:
 
     async def weight_state(self) -> WeightState:
         """Loaded version, held version (min over workers) and worker count."""
-        states = await weights.rpc(self.engine, "asyncrl_weight_state")
+        call = self.engine.weight_states(weights.RPC_TIMEOUT_S)
+        states = await weights.until_answered(
+            self.engine, call, weights.RPC_TIMEOUT_S, "asyncrl_weight_state"
+        )
         return WeightState(
             self.name, self.version, min(s["held"] for s in states), len(states),
             self.update_mode.value, self.fatal,
@@ -368,4 +372,7 @@ class RolloutActor:
 
     async def close_weight_groups(self, order: CloseGroups) -> None:
         keys = None if order.keys is None else list(order.keys)
-        await weights.rpc(self.engine, "asyncrl_close_groups", {"keys": keys})
+        call = self.engine.close_weight_groups(keys, weights.RPC_TIMEOUT_S)
+        await weights.until_answered(
+            self.engine, call, weights.RPC_TIMEOUT_S, "asyncrl_close_groups"
+        )

@@ -1,11 +1,11 @@
-"""Weight updates on a running vLLM engine: how a rollout actor receives weights,
-over an ``AsyncLLM`` (or a fake with the same methods).
+"""Weight updates on a running engine (asyncrl/engine/protocol.py ``Engine``): how a
+rollout actor receives weights.
 
     WeightUpdates.load_state_dict(state, V)   object-store path: the state dict to a
                                 safetensors file in /dev/shm ──▶ paused_update(reload it)
     WeightUpdates.receive(order)   process-group path (the broker's ReceiveOrder):
                                 paused_update(sync_workers) ──▶ Reloaded
-    sync_workers(order):        one rpc, asyncrl_sync: every worker joins (first use),
+    sync_workers(order):        engine.receive_weights: every worker joins (first use),
                                 receives and reloads in place ──▶ its ReceiveReport
     paused_update(load, V):     pause(mode) ──▶ load() ──▶ label V ──▶ (reset prefix
                                 cache) ──▶ resume   (resume runs in `finally`)
@@ -26,7 +26,6 @@ request ever reads a cached prefix of an older version.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import tempfile
 import time
@@ -34,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from asyncrl.broker.messages import Loaded, ReceiveOrder, Reloaded
+from asyncrl.engine.protocol import Engine
 from asyncrl.transport.endpoint import JoinSpec, ReceiveReport
 
 # Bound on one small control RPC (state, clock, resume); a live engine answers in ms.
@@ -50,19 +50,19 @@ class EngineGone(RuntimeError):
 
 
 async def rpc(
-    engine: Any, method: str, kwargs: dict[str, Any] | None = None, timeout_s: float = RPC_TIMEOUT_S
+    engine: Engine,
+    method: str,
+    kwargs: dict[str, Any] | None = None,
+    timeout_s: float = RPC_TIMEOUT_S,
 ) -> list:
-    """``collective_rpc`` with a client-side deadline (one result per worker); raises
-    :class:`EngineGone` as soon as the engine is known dead."""
+    """``engine.call_workers`` with a client-side deadline (one result per worker);
+    raises :class:`EngineGone` as soon as the engine is known dead."""
     return await until_answered(
-        engine,
-        engine.collective_rpc(method, timeout=timeout_s, kwargs=kwargs or {}),
-        timeout_s,
-        method,
+        engine, engine.call_workers(method, kwargs, timeout_s), timeout_s, method
     )
 
 
-async def until_answered(engine: Any, call: Awaitable[Any], timeout_s: float, what: str) -> Any:
+async def until_answered(engine: Engine, call: Awaitable[Any], timeout_s: float, what: str) -> Any:
     """Await ``call`` (an engine call) for at most ``timeout_s``; raise :class:`EngineGone`
     within ``DEAD_CHECK_S`` of the engine being known dead: a call its dead core never
     answers must not hold a weight sync for the whole pause timeout (300 s by default)."""
@@ -74,7 +74,7 @@ async def until_answered(engine: Any, call: Awaitable[Any], timeout_s: float, wh
             if done:
                 return task.result()
             if engine_dead(engine):
-                raise EngineGone(f"the vLLM engine died during {what}")
+                raise EngineGone(f"the engine died during {what}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what} got no answer within {timeout_s:.0f}s")
     finally:
@@ -90,16 +90,16 @@ class WorkersFailed(RuntimeError):
         self.report, self.held = report, held
 
 
-async def sync_workers(engine: Any, order: ReceiveOrder) -> list[ReceiveReport]:
-    """One ``asyncrl_sync`` call to every worker (join, receive, reload in place), bounded
-    by ``order.deadline_s``. Raises :class:`WorkersFailed` when a worker's receive did."""
+async def sync_workers(engine: Engine, order: ReceiveOrder) -> list[ReceiveReport]:
+    """One ``receive_weights`` call to every worker (join, receive, reload in place),
+    bounded by ``order.deadline_s``. Raises :class:`WorkersFailed` when a worker's
+    receive did."""
     spec = JoinSpec(
         order.key, order.host, order.port, order.rank, order.world_size, order.timeout_s,
         order.join_timeout_s, order.backend, order.hold_copy,
     )  # fmt: skip
-    kwargs = {"spec": dataclasses.asdict(spec), "with_digests": order.with_digests}
-    got = await rpc(engine, "asyncrl_sync", kwargs, order.deadline_s)
-    reports = [ReceiveReport.from_wire(r) for r in got]
+    call = engine.receive_weights(spec, order.with_digests, order.deadline_s)
+    reports = await until_answered(engine, call, order.deadline_s, "asyncrl_sync")
     for r in reports:
         if not r.ok:
             raise WorkersFailed(r, min(x.held for x in reports))
@@ -107,7 +107,7 @@ async def sync_workers(engine: Any, order: ReceiveOrder) -> list[ReceiveReport]:
 
 
 async def paused_update(
-    engine: Any,
+    engine: Engine,
     mode: str,
     version: int,
     load: Callable[[], Awaitable[Any]],
@@ -132,62 +132,40 @@ async def paused_update(
     coming back (both while the engine generates)."""
     t0 = time.monotonic()
     marks = {"start": t0}
-    clock = _clock_call(engine) if mode == "keep" else None
+    clock = engine.worker_clocks if mode == "keep" and engine.timed_pause else None
     resumed, before, after = False, None, None
     try:
         if mode == "keep":  # the pause takes effect at once: the load may follow it
-            sent = await _send_in_order(([clock()] if clock else []) + [_pause(engine, mode)])
+            sent = await _send_in_order(([clock()] if clock else []) + [engine.pause(mode)])
             result = await load()
             got = await until_answered(engine, _all(sent), pause_timeout_s, "the pause")
             before = got[0] if clock else None
         else:  # abort and wait: the engine drains first (wait: still stepping)
-            await until_answered(engine, _pause(engine, mode), pause_timeout_s, "the pause")
+            await until_answered(engine, engine.pause(mode), pause_timeout_s, "the pause")
             marks["pause"] = time.monotonic()
             result = await load()
         marks["load"] = time.monotonic()
         # Every token the engine produces from here on is labelled `version`.
-        calls = [engine.update_weight_version(str(version))]
+        calls = [engine.label(version)]
         if mode == "keep" and prefix_caching:
-            calls.append(engine.reset_prefix_cache(reset_running_requests=True))
+            calls.append(engine.reset_prefix_cache(running=True))
         if clock:
             calls.append(clock())  # read just before the resume, in the same gap
         resumed = True  # the resume is among these calls: `finally` must not send another
-        sent = await _send_in_order([*calls, engine.resume_generation()])
+        sent = await _send_in_order([*calls, engine.resume()])
         got = await until_answered(engine, _all(sent), RPC_TIMEOUT_S, "the resume")
         after = got[-2] if clock else None
         if labelled is not None:
             labelled(version)
     finally:
         if not resumed and not engine_dead(engine):
-            await until_answered(engine, engine.resume_generation(), RPC_TIMEOUT_S, "the resume")
+            await until_answered(engine, engine.resume(), RPC_TIMEOUT_S, "the resume")
         marks["resume"] = time.monotonic()
     if hops is not None:
         hops.update(_spans(marks))
         if before and after:  # one reading per worker: the slowest worker's pause
             hops["engine_paused"] = max(b - a for a, b in zip(before, after))
     return result, marks["resume"] - t0
-
-
-def _clock_call(engine: Any) -> Callable[[], Awaitable[list[float]]] | None:
-    """On a real AsyncLLM: a call reading each worker's monotonic clock (None otherwise;
-    the workers run in the engine core's process or next to it, so the reading marks
-    when the engine core got to that point of its input)."""
-    if not hasattr(getattr(engine, "engine_core", None), "pause_scheduler_async"):
-        return None
-    return lambda: engine.collective_rpc("asyncrl_clock", timeout=RPC_TIMEOUT_S)
-
-
-async def _pause(engine: Any, mode: str) -> None:
-    """``engine.pause_generation(mode)``; for ``keep`` on a real AsyncLLM straight to its
-    engine core: ``pause_generation`` then sleeps 20 ms so that outputs already made reach
-    their streams first (its comment: "not required for correctness"), 20 ms of every
-    update's pause. With ``keep`` nothing is lost or reordered: those outputs still arrive,
-    labelled with the version that made them."""
-    core = getattr(engine, "engine_core", None)
-    if mode == "keep" and hasattr(core, "pause_scheduler_async"):
-        await core.pause_scheduler_async(mode=mode, clear_cache=False)
-    else:
-        await engine.pause_generation(mode=mode, clear_cache=mode != "keep")
 
 
 async def _send_in_order(coros: list[Awaitable[Any]]) -> list[asyncio.Future]:
@@ -215,9 +193,9 @@ def _spans(marks: dict[str, float]) -> dict[str, float]:
     return {names[i]: times[i] - times[i - 1] for i in range(1, len(names))}
 
 
-def engine_dead(engine: Any, exc: BaseException | None = None) -> bool:
+def engine_dead(engine: Engine | None, exc: BaseException | None = None) -> bool:
     """True when the engine can never serve again (its core process died)."""
-    if engine is None or getattr(engine, "errored", False):
+    if engine is None or engine.errored:
         return True
     return isinstance(exc, EngineGone) or type(exc).__name__ == "EngineDeadError"
 
@@ -236,7 +214,7 @@ class WeightUpdates:
 
     async def _paused(
         self,
-        engine: Any,
+        engine: Engine,
         mode: str,
         version: int,
         load,
@@ -248,7 +226,7 @@ class WeightUpdates:
             hops,
         )  # fmt: skip
 
-    async def load_state_dict(self, engine: Any, mode: str, state: dict, version: int) -> Loaded:
+    async def load_state_dict(self, engine: Engine, mode: str, state: dict, version: int) -> Loaded:
         """Load ``state`` (name -> tensor) as ``version``: written once to a
         safetensors file the workers reload from (tensors cannot travel as RPC
         arguments)."""
@@ -266,13 +244,15 @@ class WeightUpdates:
                     engine,
                     mode,
                     version,
-                    lambda: rpc(engine, "asyncrl_load_file", {"path": path}, 600.0),
+                    lambda: until_answered(
+                        engine, engine.load_weights_file(path, 600.0), 600.0, "asyncrl_load_file"
+                    ),
                 )
             finally:
                 os.unlink(path)
             return Loaded(version, time.time() - t0)
 
-    async def receive(self, engine: Any, mode: str, order: ReceiveOrder) -> Reloaded:
+    async def receive(self, engine: Engine, mode: str, order: ReceiveOrder) -> Reloaded:
         """Take part in one process-group sync: pause generation (per ``mode``), one call
         that has every worker receive and reload in place, label, resume. Never raises:
         the answer says ``ok``, or the error and whether the engine is ``dead``."""

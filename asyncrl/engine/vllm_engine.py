@@ -1,20 +1,26 @@
-"""Building a vLLM engine (for an actor, the judge or eval), the sampling parameters of
-its requests, its token prompts, and reading per-token data out of its results.
+"""The vLLM implementation of the engine seam (asyncrl/engine/protocol.py ``Engine``):
+:class:`VLLMEngine` wraps a vLLM AsyncLLM whose workers carry asyncrl's worker extension
+(worker_ext.py). Here vLLM's requests are built (sampling parameters, token prompts,
+the renderer with its cache salt) and its RequestOutputs read into the seam's
+:class:`~asyncrl.engine.protocol.Generation`.
 
 This package is the only place that imports an engine library."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Protocol
 
 import numpy as np
 
-from asyncrl.engine.settings import EngineSettings, SamplingSettings
+from asyncrl.engine.protocol import Completion, Generation, Sampling
+from asyncrl.engine.settings import EngineSettings
 from asyncrl.engine.vllm_plugin import ENV as NAP_ENV
+from asyncrl.transport.endpoint import JoinSpec, ReceiveReport
 
 
-def make_engine(model_path: str, s: EngineSettings, seed: int = 0):
+def make_engine(model_path: str, s: EngineSettings, seed: int = 0) -> VLLMEngine:
     """Start a vLLM AsyncLLM whose workers carry asyncrl's worker extension."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # read by asyncrl's vLLM plugin in the engine's processes, which inherit it
@@ -41,7 +47,7 @@ def make_engine(model_path: str, s: EngineSettings, seed: int = 0):
     else:
         kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
     kwargs.update(s.extra or {})
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    return VLLMEngine(AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)))
 
 
 CPU_SPIN_NAP_S = 0.0002  # a message waits <= ~0.4 ms; an idle reader costs ~12% of a core, not 100%
@@ -54,13 +60,21 @@ def spin_nap(s: EngineSettings) -> float:
     return CPU_SPIN_NAP_S if on_cpu() else 0.0
 
 
-def sampling_params(s: SamplingSettings) -> Any:
-    """The vLLM SamplingParams of every group: ``s.n`` samples, the sampled token's
-    log-prob (in vLLM's flat layout: a few lists per sample instead of a dict and an
-    object per token), only the final output."""
+def vllm_params(s: Sampling) -> Any:
+    """vLLM's SamplingParams of one request, only its final output. ``s.logprobs``: the
+    sampled token's log-prob (in vLLM's flat layout: a few lists per sample instead of a
+    dict and an object per token) and no text; else the text, no log-probs."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    if not s.logprobs:
+        return SamplingParams(
+            n=s.n,
+            temperature=s.temperature,
+            max_tokens=s.max_tokens,
+            seed=s.seed,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
     # detokenize=False: vLLM's per-token incremental detokenizer and its decoding of
     # every log-prob's token cost the actor's process more CPU than all the rest of a
     # group's bookkeeping; the episode runner decodes each completion once instead.
@@ -70,30 +84,11 @@ def sampling_params(s: SamplingSettings) -> Any:
         top_p=s.top_p,
         top_k=s.top_k if s.top_k > 0 else -1,
         max_tokens=s.max_tokens,
+        seed=s.seed,
+        min_tokens=s.min_tokens,
         logprobs=0,
         flat_logprobs=True,
         detokenize=False,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
-
-
-# Group j of a run with seed s samples with seed s * GROUP_SEED_STRIDE + j * n; vLLM gives
-# sample i of it seed + i, so no two samples of a run share a seed, and runs with
-# different seeds share none until a run passes 2**32 / n groups.
-GROUP_SEED_STRIDE = 1 << 32
-
-
-def text_params(temperature: float, max_tokens: int, n: int = 1, seed: int | None = None) -> Any:
-    """Plain sampling of ``n`` texts (the judge's and eval's requests): only the final
-    output, no log-probs."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return SamplingParams(
-        n=n,
-        temperature=temperature,
-        max_tokens=max_tokens,
-        seed=seed,
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
 
@@ -103,28 +98,6 @@ def tokens_prompt(ids: list[int]) -> Any:
     from vllm.inputs import TokensPrompt
 
     return TokensPrompt(prompt_token_ids=ids)
-
-
-def version_salt(version: int) -> str:
-    """The prefix-cache salt of a request made while the engine's weights carry policy
-    ``version``. vLLM hashes a request's salt into its first KV block's hash, and every
-    later block's hash chains from it: a request salted with one version never reads a
-    cached block of a request salted with another, while requests of one version still
-    share prefixes."""
-    return f"policy-v{int(version)}"
-
-
-def group_params(engine: Any, params: Any, index: int) -> Any:
-    """``params`` with the group's own sampling seed, from the engine's seed (the run's
-    ``seed``) and ``index``, the group's place in the order the actor started them: what
-    a group samples then does not depend on which other requests share the engine's
-    batches (with one generator for all, it does). An engine with no seed: ``params``."""
-    seed = getattr(getattr(engine, "model_config", None), "seed", None)
-    if seed is None:
-        return params
-    seeded = params.clone()
-    seeded.seed = (seed * GROUP_SEED_STRIDE + index * params.n) % (1 << 63)
-    return seeded
 
 
 class Renderer(Protocol):
@@ -194,7 +167,126 @@ def completion_arrays(comp, version_fallback: int) -> tuple[np.ndarray, np.ndarr
         lps = np.asarray(steps.logprobs, dtype=np.float32)[first]
     else:
         lps = np.asarray([step[int(t)].logprob for step, t in zip(steps, ids)], dtype=np.float32)
-    versions = np.full(len(ids), version_fallback, dtype=np.int32)
+    return ids, lps, token_versions(comp, len(ids), version_fallback)
+
+
+def token_versions(comp: Any, n: int, version_fallback: int) -> np.ndarray:
+    """Each output token's weight version from vLLM's spans; ``version_fallback`` where
+    a span carries no asyncrl label (an engine never labelled, e.g. the judge's: vLLM's
+    "default")."""
+    versions = np.full(n, version_fallback, dtype=np.int32)
     for span in comp.weight_versions or []:
-        versions[span.start : span.end] = int(span.version)
-    return ids, lps, versions
+        if str(span.version).lstrip("-").isdigit():
+            versions[span.start : span.end] = int(span.version)
+    return versions
+
+
+def completion(comp: Any, version_fallback: int, logprobs: bool) -> Completion:
+    """One vLLM CompletionOutput as the seam's :class:`Completion`."""
+    if logprobs:
+        ids, lps, versions = completion_arrays(comp, version_fallback)
+    else:
+        ids, lps = np.asarray(comp.token_ids, dtype=np.int32), None
+        versions = token_versions(comp, len(ids), version_fallback)
+    text = comp.text if not logprobs else ""
+    return Completion(int(comp.index), ids, lps, versions, str(comp.finish_reason), text or "")
+
+
+# Bound on the control calls with no deadline of their own (the clock reading); a live
+# engine answers in ms.
+CONTROL_TIMEOUT_S = 60.0
+
+
+class VLLMEngine:
+    """:class:`~asyncrl.engine.protocol.Engine` over a vLLM ``AsyncLLM`` (``llm``).
+
+    ``version`` is the label last set (:meth:`label`): it labels any token vLLM left
+    unlabelled. Each call sends its message to the engine core in its first slice
+    (the callers rely on the order: actor/weights.py)."""
+
+    def __init__(self, llm: Any):
+        self.llm = llm
+        self.seed: int | None = getattr(getattr(llm, "model_config", None), "seed", None)
+        self.version = 0
+        # keep: straight to the engine core (see pause), whose workers' clocks then mark
+        # when it read the pause and the resume
+        self.timed_pause = hasattr(getattr(llm, "engine_core", None), "pause_scheduler_async")
+        self._render: Renderer | None = None
+        self._shut = False
+
+    @property
+    def errored(self) -> bool:
+        """Never to serve again: shut down, or vLLM's monitor saw its processes die."""
+        return self._shut or bool(getattr(self.llm, "errored", False))
+
+    async def generate(
+        self, prompt: str | list[int], sampling: Sampling, request_id: str, salt: str | None = None
+    ) -> Generation:
+        if self._render is None:
+            self._render = prompt_renderer(self.llm)
+        request = self._render(prompt if isinstance(prompt, str) else tokens_prompt(prompt), salt)
+        final = None
+        async for out in self.llm.generate(request, vllm_params(sampling), request_id=request_id):
+            final = out
+        if final is None:  # aborted before any output
+            return Generation([], [])
+        version = self.version
+        return Generation(
+            list(final.prompt_token_ids or []),
+            [completion(c, version, sampling.logprobs) for c in final.outputs],
+            int(final.num_cached_tokens or 0),
+        )
+
+    def get_tokenizer(self) -> Any:
+        return self.llm.get_tokenizer()
+
+    async def pause(self, mode: str) -> None:
+        """``pause_generation(mode)``; for ``keep`` straight to the engine core:
+        ``pause_generation`` then sleeps 20 ms so that outputs already made reach their
+        streams first (its comment: "not required for correctness"), 20 ms of every
+        update's pause. With ``keep`` nothing is lost or reordered: those outputs still
+        arrive, labelled with the version that made them."""
+        if mode == "keep" and self.timed_pause:
+            await self.llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=False)
+        else:
+            await self.llm.pause_generation(mode=mode, clear_cache=mode != "keep")
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def label(self, version: int) -> None:
+        await self.llm.update_weight_version(str(version))
+        self.version = int(version)
+
+    async def reset_prefix_cache(self, running: bool = False) -> None:
+        await self.llm.reset_prefix_cache(reset_running_requests=running)
+
+    async def worker_clocks(self) -> list[float]:
+        return await self.call_workers("asyncrl_clock", None, CONTROL_TIMEOUT_S)
+
+    async def receive_weights(
+        self, spec: JoinSpec, with_digests: bool, timeout_s: float
+    ) -> list[ReceiveReport]:
+        kwargs = {"spec": dataclasses.asdict(spec), "with_digests": with_digests}
+        got = await self.call_workers("asyncrl_sync", kwargs, timeout_s)
+        return [ReceiveReport.from_wire(r) for r in got]
+
+    async def load_weights_file(self, path: str, timeout_s: float) -> None:
+        await self.call_workers("asyncrl_load_file", {"path": path}, timeout_s)
+
+    async def weight_states(self, timeout_s: float) -> list[dict[str, int]]:
+        return await self.call_workers("asyncrl_weight_state", None, timeout_s)
+
+    async def close_weight_groups(self, keys: list[str] | None, timeout_s: float) -> None:
+        await self.call_workers("asyncrl_close_groups", {"keys": keys}, timeout_s)
+
+    async def call_workers(
+        self, method: str, kwargs: dict[str, Any] | None, timeout_s: float
+    ) -> list[Any]:
+        return await self.llm.collective_rpc(method, timeout=timeout_s, kwargs=kwargs or {})
+
+    def shutdown(self) -> None:
+        """Stop the engine's processes (once; a second call does nothing)."""
+        if not self._shut:
+            self._shut = True
+            self.llm.shutdown()

@@ -38,19 +38,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import verifiers as vf
 from verifiers.legacy.clients import Client
 from verifiers.legacy.types import Response, ResponseMessage, ToolCall, Usage
 
-from asyncrl.engine.vllm_engine import (
-    completion_arrays,
-    prompt_renderer,
-    tokens_prompt,
-    version_salt,
-)
+from asyncrl.engine.protocol import Engine, Sampling, version_salt
 from asyncrl.tasks.base import Prompt
 from asyncrl.trajectory import Trajectory, TrajectoryGroup, token_fields
 
@@ -192,13 +187,12 @@ class EngineClient(Client):
     """The part of a verifiers client its envs call (``get_response``), backed by the
     actor's engine for one episode: it records every token the engine saw into ``rec``."""
 
-    def __init__(self, engine: Any, rec: Record, params: Callable[[int], Any],
+    def __init__(self, engine: Engine, rec: Record, params: Callable[[int], Sampling],
                  version: Callable[[], int], limits: Limits, aborted: type[Exception]):  # fmt: skip
         super().__init__(engine)
         self.rec, self.params, self.version, self.limits = rec, params, version, limits
         self.aborted = aborted
         self.tok = engine.get_tokenizer()
-        self._render = prompt_renderer(engine)
 
     def setup_client(self, config: Any) -> Any:
         raise VerifiersError("EngineClient is built from the actor's engine, not a config")
@@ -246,26 +240,22 @@ class EngineClient(Client):
         if room < 1:
             rec.budget_hit = True
             raise vf.OverlongPromptError("the episode's token budget is spent")
-        params = self.params(rec.turns)
-        params.max_tokens = room
-        request = self._render(
-            tokens_prompt(rec.prompt_ids + rec.ids), version_salt(self.version())
+        sampling = replace(self.params(rec.turns), max_tokens=room)
+        final = await self.engine.generate(
+            rec.prompt_ids + rec.ids, sampling, uuid.uuid4().hex, version_salt(self.version())
         )
-        final = None
-        async for out in self.engine.generate(request, params, request_id=uuid.uuid4().hex):
-            final = out
-        if final is None or not final.outputs or final.outputs[0].finish_reason == "abort":
+        if not final.completions or final.completions[0].finish_reason == "abort":
             raise self.aborted("a weight update aborted a verifiers episode's request")
-        comp = final.outputs[0]
-        rec.turn_prompt_tokens += len(final.prompt_token_ids)
-        rec.cached_tokens += int(final.num_cached_tokens or 0)
-        ids, lps, vers = completion_arrays(comp, self.version())
-        rec.add(ids.tolist(), lps.tolist(), vers.tolist(), True)
+        comp = final.completions[0]
+        rec.turn_prompt_tokens += len(final.prompt_ids)
+        rec.cached_tokens += final.cached_tokens
+        ids = comp.token_ids.tolist()
+        rec.add(ids, comp.logprobs.tolist(), comp.versions.tolist(), True)
         rec.turns += 1
-        rec.generated = self.tok.decode(comp.token_ids, skip_special_tokens=False)
-        text = self.tok.decode(comp.token_ids, skip_special_tokens=True)
+        rec.generated = self.tok.decode(ids, skip_special_tokens=False)
+        text = self.tok.decode(ids, skip_special_tokens=True)
         rec.texts.append(text)
-        return text, comp.finish_reason, len(final.prompt_token_ids), len(ids)
+        return text, comp.finish_reason, len(final.prompt_ids), len(ids)
 
     @property
     def engine(self) -> Any:
@@ -292,8 +282,8 @@ class VerifiersEpisodes:
     """An episode runner (``run_group(prompt) -> TrajectoryGroup``) over a verifiers env:
     the n samples of a prompt are n concurrent rollouts, one group."""
 
-    def __init__(self, engine: Any, task: VerifiersTask, n: int, limits: Limits,
-                 timeout_s: float, params: Callable[[int, int, int], Any],
+    def __init__(self, engine: Engine, task: VerifiersTask, n: int, limits: Limits,
+                 timeout_s: float, params: Callable[[int, int, int], Sampling],
                  version: Callable[[], int], aborted: type[Exception]):  # fmt: skip
         self.engine, self.task, self.n, self.limits = engine, task, n, limits
         self.env = load_environment(task.id)

@@ -1,4 +1,4 @@
-"""EvalActor: a Ray actor with its own vLLM engine that scores one policy version on
+"""EvalActor: a Ray actor with its own engine that scores one policy version on
 the held-out sets, while training goes on.
 
     evaluate([ref], V):  load the published weights of V (the object-store path the
@@ -18,6 +18,7 @@ import time
 import uuid
 from typing import Any
 
+from asyncrl.engine.protocol import Engine, Sampling, text_sampling
 from asyncrl.engine.settings import EngineSettings
 from asyncrl.eval.settings import EvalSettings
 from asyncrl.tasks.base import Prompt, Task, ascore
@@ -37,19 +38,17 @@ class EvalActor:
         self.settings = settings
         self.sets = sets
         self.max_tokens = max_tokens
-        self.engine = None
+        self.engine: Engine | None = None
         self.version = 0
         self.evaluations = 0
-        self._render = None
 
     async def start(self) -> None:
         from asyncrl.actor import weights
-        from asyncrl.engine.vllm_engine import make_engine, prompt_renderer
+        from asyncrl.engine.vllm_engine import make_engine
 
         self.engine = make_engine(self.model_path, self.engine_settings, self.seed)
-        self._render = prompt_renderer(self.engine)
         self._weights = weights.WeightUpdates("eval", False, self._labelled)
-        await self.engine.update_weight_version("0")
+        await self.engine.label(0)
 
     def _labelled(self, version: int) -> None:
         self.version = version
@@ -93,18 +92,14 @@ class EvalActor:
             "prompts": float(n),
         }
 
-    def _params(self, n: int, temperature: float) -> Any:
-        from asyncrl.engine.vllm_engine import text_params
+    def _params(self, n: int, temperature: float) -> Sampling:
+        return text_sampling(
+            temperature, self.max_tokens, n, self.seed if temperature > 0 else None
+        )
 
-        return text_params(temperature, self.max_tokens, n, self.seed if temperature > 0 else None)
-
-    async def _generate(self, prompt: Prompt, params: Any) -> list[str]:
-        final = None
-        async for out in self.engine.generate(
-            self._render(prompt.text), params, request_id="eval-" + uuid.uuid4().hex[:12]
-        ):
-            final = out
-        return [c.text for c in final.outputs]
+    async def _generate(self, prompt: Prompt, sampling: Sampling) -> list[str]:
+        out = await self.engine.generate(prompt.text, sampling, "eval-" + uuid.uuid4().hex[:12])
+        return [c.text for c in out.completions]
 
     def stop(self) -> dict[str, Any]:
         if self.engine is not None:

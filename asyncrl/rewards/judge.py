@@ -1,4 +1,4 @@
-"""LLM-as-judge (``reward=judge``): a frozen model on its own vLLM engine in its own Ray
+"""LLM-as-judge (``reward=judge``): a frozen model on its own engine in its own Ray
 actor grades each episode by a rubric.
 
 ::
@@ -6,7 +6,7 @@ actor grades each episode by a rubric.
     Judge.score(batch)                    (on a reward worker)
       cache hit (prompt, response)? ──▶ the cached score, no call
       else render(prompt, response)       escaped, fenced, fresh tag (fence.py)
-        ──▶ JudgeServer.generate(prompts) one vLLM request each; the engine batches them
+        ──▶ JudgeServer.generate(prompts) one engine request each; the engine batches them
         ◀── raw texts ── parse_score: exactly one "SCORE: <0-10>" line
       malformed: re-rendered and re-asked up to `retries` times (sampled anew);
       still malformed: the episode's error (the combiner scores it reward.on_error and
@@ -47,7 +47,7 @@ class Refused:
 
 
 class JudgeServer:
-    """The Ray actor holding the judge's vLLM engine (async: calls overlap in it)."""
+    """The Ray actor holding the judge's engine (async: calls overlap in it)."""
 
     def __init__(self, model_dir: str, engine: dict[str, Any], seed: int):
         from asyncrl.engine.settings import EngineSettings
@@ -62,24 +62,22 @@ class JudgeServer:
     ) -> list[str | Refused]:
         """One answer per prompt, in order: the judge's text, or why the engine refused
         that prompt (each prompt is rendered and generated on its own)."""
-        from asyncrl.engine.vllm_engine import make_engine, prompt_renderer, text_params
+        from asyncrl.engine.protocol import text_sampling
+        from asyncrl.engine.vllm_engine import make_engine
 
         if self.engine is None:
             self.engine = make_engine(self.model_dir, self.settings, self.seed)
-            self.render = prompt_renderer(self.engine)
         self.requests += len(prompts)
 
         async def one(text: str) -> str | Refused:
             # no per-request seed: vLLM rewinds a seeded CPU generator when a long
             # prompt's prefill is chunked, which the CPU generator cannot do (the engine
             # dies); unseeded, each retry still samples anew from the engine's generator
-            params = text_params(temperature, max_tokens)
+            sampling = text_sampling(temperature, max_tokens)
             try:  # each prompt on its own: one the engine refuses fails only its episode
-                final = None
-                prompt = self.render(text)  # tokenised and length-checked here
-                async for out in self.engine.generate(prompt, params, uuid.uuid4().hex):
-                    final = out
-                return final.outputs[0].text
+                # tokenised and length-checked by the engine before it is queued
+                out = await self.engine.generate(text, sampling, uuid.uuid4().hex)
+                return out.completions[0].text
             except Exception as e:  # noqa: BLE001 - too long for max_model_len, or engine-side
                 limit = self.settings.max_model_len
                 return Refused(f"judge prompt refused (engine.max_model_len={limit}): "
