@@ -104,6 +104,23 @@ def test_warmup_and_missing_series_stay_quiet():
     assert HealthMonitor(MonitorSettings.defaults(enabled=False)).check(1, {"is/ess": 0.0}) == {}
 
 
+def test_staleness_pinned_follows_the_bound_in_force():
+    """Under replay.max_staleness=auto the monitor is built with the ceiling; the step's
+    replay/bound (where auto steered it) is what samples pile up at, and the alert
+    names it."""
+    s = MonitorSettings.defaults(warmup_steps=1, pinned_steps=2)
+    mon = HealthMonitor(s, max_staleness=8)  # auto's ceiling
+    at_two = {"staleness/mean": 1.95, "replay/bound": 2}
+    fired = [mon.check(step, at_two)["alerts/staleness_pinned"] for step in range(1, 5)]
+    assert fired[-1] == 1
+    (line,) = [w for w in mon.warnings if "staleness_pinned" in w]
+    assert "x replay/bound=2 for" in line
+    # without replay/bound the configured bound rules: 1.95 is far from 8
+    quiet = HealthMonitor(s, max_staleness=8)
+    assert all(quiet.check(step, {"staleness/mean": 1.95})["alerts/staleness_pinned"] == 0
+               for step in range(1, 6))  # fmt: skip
+
+
 def test_staleness_pinned_needs_a_bound():
     mon = HealthMonitor(MonitorSettings.defaults(warmup_steps=1, pinned_steps=2), max_staleness=0)
     assert all(mon.check(s, {"staleness/mean": 0.0})["alerts/staleness_pinned"] == 0

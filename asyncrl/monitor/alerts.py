@@ -201,13 +201,17 @@ class HealthMonitor:
         )  # fmt: skip
 
     def _staleness_pinned(self, m: dict[str, float]) -> Firing | None:
-        v, bound = m.get("staleness/mean"), self.max_staleness
+        # the bound in force this step (replay/bound: what replay.max_staleness=auto
+        # steered it to), else the configured one
+        v, live = m.get("staleness/mean"), m.get("replay/bound")
+        bound = int(live) if live is not None else self.max_staleness
+        name = "replay/bound" if live is not None else "replay.max_staleness"
         pinned = v is not None and bound > 0 and v >= self.s.pinned_frac * bound
         self.h.pinned_run = self.h.pinned_run + 1 if pinned else 0
         if self.h.pinned_run < self.s.pinned_steps:
             return None
         return Firing(
-            "staleness/mean", v, f">= {self.s.pinned_frac:g} x replay.max_staleness={bound} for "
+            "staleness/mean", v, f">= {self.s.pinned_frac:g} x {name}={bound} for "
             f"{self.h.pinned_run} steps", "the learner trains only on samples at the bound: "
             "it falls behind the actors; add learner ranks or fewer actors / smaller groups",
         )  # fmt: skip
