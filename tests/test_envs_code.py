@@ -48,11 +48,7 @@ def runner(engine, env: EnvSettings, n: int) -> MultiTurnEpisodes:
         sampling=SamplingSettings.defaults(n=n, max_tokens=120),
         engine=EngineSettings.defaults(max_model_len=256),
     )
-    r = MultiTurnEpisodes(engine, CodeTask(), settings, env, lambda: 0)
-    r.render(PROMPT.text)  # imports what the runner takes from vLLM, as an actor has
-    from vllm.inputs import TokensPrompt  # noqa: F401  (turn 2's request type)
-
-    return r
+    return MultiTurnEpisodes(engine, CodeTask(), settings, env, lambda: 0)
 
 
 def by_request(answers: list[str]):
