@@ -6,8 +6,8 @@ the others.
     place_engine(engine)            before the engine starts: this process moves to
                                     the engine's cores, so what vLLM spawns starts there
     ── make_engine ──
-    place_frontend(engine, front)   after: the engine's processes stay, this process
-                                    and the engine-core I/O threads move to ``front``
+    place_frontend(engine, front,   after: the engine's processes stay, this process
+                   core_io)         and the engine-core I/O threads move to ``front``
 
 Affinity is per thread; a process or thread started later inherits it from the
 thread that starts it (asyncrl/utils/affinity.py).
@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from asyncrl.engine.vllm_engine import on_cpu
-from asyncrl.utils.affinity import children, pin_threads, process_tree
+from asyncrl.utils.affinity import children, pin_threads, pin_tids, process_tree
 
 
 def place_engine(engine: set[int]) -> tuple[set[int], set[int]]:
@@ -38,7 +38,9 @@ def place_engine(engine: set[int]) -> tuple[set[int], set[int]]:
     return engine, frontend
 
 
-def place_frontend(engine: set[int], frontend: set[int]) -> dict[str, Any]:
+def place_frontend(
+    engine: set[int], frontend: set[int], core_io: list[int] | None = None
+) -> dict[str, Any]:
     """After the engine started: its processes stay on ``engine``; this process moves
     to ``frontend``, where its work no longer delays the engine's steps. Returns the
     placement (the actor reports it in its stats).
@@ -47,13 +49,18 @@ def place_frontend(engine: set[int], frontend: set[int]) -> dict[str, Any]:
     loop): the sockets that take requests in and send outputs out, and ZeroMQ's I/O.
     They are about an eighth of the engine's CPU, and where a new request arrives
     every millisecond or two they would keep interrupting the forward passes on the
-    engine's cores. The engine-core process is the one whose children are the
-    workers; a worker keeps all its threads (OpenMP's) on ``engine``."""
+    engine's cores. With its own worker processes, the engine-core process is the one
+    whose children are the workers; a worker keeps all its threads (OpenMP's) on
+    ``engine``. With the worker inside it (asyncrl/engine/in_core.py), ``core_io``
+    names its I/O threads (the worker's ``asyncrl_io_threads``): its main thread and
+    OpenMP's stay."""
     me = os.getpid()
     for pid in process_tree(me):
         if pid != me:
             pin_threads(pid, engine)
-    io_threads = pin_engine_io(frontend) if frontend != engine else 0
+    io_threads = 0
+    if frontend != engine:
+        io_threads = pin_tids(core_io, frontend) if core_io else pin_engine_io(frontend)
     pin_threads(me, frontend)
     return {
         "engine_cores": sorted(engine),

@@ -43,7 +43,7 @@ from asyncrl.actor.handoff import Slots, group_meta
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.broker.messages import CloseGroups, Loaded, ReceiveOrder, Reloaded, WeightState
 from asyncrl.engine.protocol import Engine
-from asyncrl.engine.vllm_engine import make_engine
+from asyncrl.engine.vllm_engine import CONTROL_TIMEOUT_S, make_engine
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.replay.outbox import Outbox
 from asyncrl.rewards.pool import RewardClient
@@ -132,7 +132,8 @@ class RolloutActor:
         cores = placement.place_engine(self._engine_cores) if self._engine_cores else None
         self.engine = make_engine(self._model_path, self.settings.engine, self._seed)
         if cores is not None:
-            self.placement = placement.place_frontend(*cores)
+            core_io = await self.engine.call_workers("asyncrl_io_threads", None, CONTROL_TIMEOUT_S)
+            self.placement = placement.place_frontend(*cores, core_io=core_io[0])
         self.episodes = make_runner(
             self.engine, self.task, self.settings, self.env, lambda: self.version, self.rewards
         )

@@ -48,6 +48,8 @@ class EngineSettings(Settings):
     # takes the learner's core (asyncrl/engine/vllm_plugin.py). Seconds each turn of that
     # wait sleeps instead; null: 0.0002 on a CPU, vLLM's spin on a GPU; 0: vLLM's spin.
     spin_nap_s: float | None = setting("[0, 0.01]")
+    # a CPU engine with one worker runs it in the engine-core process (engine/in_core.py)
+    in_core_worker: bool = setting()
     extra: dict[str, Any] = setting()  # any other EngineArgs field
 
     def __post_init__(self) -> None:

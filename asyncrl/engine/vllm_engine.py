@@ -47,7 +47,27 @@ def make_engine(model_path: str, s: EngineSettings, seed: int = 0) -> VLLMEngine
     else:
         kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
     kwargs.update(s.extra or {})
+    if worker_in_core(s, kwargs):
+        kwargs["distributed_executor_backend"] = IN_CORE_EXECUTOR
     return VLLMEngine(AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)))
+
+
+IN_CORE_EXECUTOR = "asyncrl.engine.in_core.InCoreExecutor"
+
+
+def worker_in_core(s: EngineSettings, kwargs: dict[str, Any]) -> bool:
+    """Whether the engine's one worker runs in the engine-core process: asked for
+    (``in_core_worker``), on a CPU, one worker, no executor named in ``extra``."""
+    workers = int(kwargs.get("tensor_parallel_size", 1)) * int(
+        kwargs.get("pipeline_parallel_size", 1)
+    )
+    return bool(
+        s.in_core_worker
+        and on_cpu()
+        and workers == 1
+        and "distributed_executor_backend" not in kwargs
+        and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "1"
+    )
 
 
 CPU_SPIN_NAP_S = 0.0002  # a message waits <= ~0.4 ms; an idle reader costs ~12% of a core, not 100%

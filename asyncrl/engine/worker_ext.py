@@ -82,6 +82,13 @@ class AsyncRLWorkerExtension:
         self.model_runner.reload_weights(weights_iterator=iter(tensors))
         self._asyncrl_retie()
 
+    def asyncrl_io_threads(self) -> list[int]:
+        """The engine-core process's I/O threads where this worker runs inside it
+        (asyncrl/engine/in_core.py), for the actor's placement; else none."""
+        from asyncrl.engine import in_core
+
+        return in_core.io_threads()
+
     def asyncrl_clock(self) -> float:
         """This process's monotonic clock: the actor reads it just before the pause and
         just before the resume (in the engine core's input order) to time the engine's

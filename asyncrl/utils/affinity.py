@@ -69,6 +69,19 @@ def pin_threads(pid: int, cores: set[int], *, skip_main: bool = False) -> int:
     return n
 
 
+def pin_tids(tids: list[int], cores: set[int]) -> int:
+    """Pin the threads ``tids`` to ``cores``; returns how many (a thread that ended
+    meanwhile is skipped)."""
+    n = 0
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
 def pin_tree(pid: int, cores: set[int]) -> int:
     """Pin every thread of ``pid`` and of its descendants to ``cores``; returns how
     many threads were pinned."""
