@@ -12,6 +12,11 @@ engine's own token ids turn by turn.
     what waits: the engine's requests and the env's steps (both awaited: every episode
     of every group shares the actor's event loop); nothing else.
 
+A message-level env (asyncrl/envs/messages.py ChatEnv) runs through the same loop,
+wrapped in :class:`asyncrl.envs.chat_turns.ChatTurns`: its opening is the whole prompt,
+rendered by the chat template and sent as token ids; its messages after a turn are the
+rendered segment appended as the observation.
+
 Every turn's request carries its own sampling seed, from the run's seed, the group's
 place in the actor's start order, the sample and the turn (``turn_sampling``): the same
 episode with the same seed samples the same tokens, whatever else is in flight.
