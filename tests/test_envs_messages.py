@@ -29,10 +29,13 @@ from asyncrl.models.tiny import build_tokenizer
 from asyncrl.models.tool_calls import FORMATS, ToolCall
 
 TINY_TEMPLATE = compose_config(["env=calculator_chat"]).env.chat_template
-# ChatML that numbers the turns in its system line: each longer history rewrites the start
-NUMBERED = (
-    "<|im_start|>system\nTurn {{ messages|length }}<|im_end|>\n{% for m in messages %}"
-    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+# ChatML-like, but an assistant turn before the last is shown as "(earlier turn)" (as
+# Qwen3's drops earlier reasoning): each longer history rewrites what was sent
+ELIDING = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}"
+    "<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and loop.index0 != ns.last %}"
+    "(earlier turn){% else %}{{ m['content'] }}{% endif %}{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -69,20 +72,35 @@ def test_tool_formats_read_what_they_write_and_report_malformed_calls():
 def test_a_template_that_is_not_append_only_is_refused_at_start_up(
     tiny_model, tmp_path, capsys, monkeypatch
 ):
-    model = tmp_path / "numbered"
+    model = tmp_path / "eliding"
     shutil.copytree(tiny_model, model)
-    (model / "chat_template.jinja").write_text(NUMBERED)
+    (model / "chat_template.jinja").write_text(ELIDING)
     cfg = compose_config(["env=calculator_chat", f"model.path={model}", "env.chat_template=null",
                           "env.tool_format=hermes", "progress=false"])  # fmt: skip
     line = refused_before_ray(cfg, tmp_path, capsys, monkeypatch)
     assert str(model) in line and "not append-only" in line, line
     assert "env.chat_template" in line and "env.turn_split=delta" in line, line
-    # the env says how to split turns: accepted, and each turn renders after a fixed context
-    tok = tiny_tokenizer()
-    tok.chat_template = NUMBERED
-    with pytest.raises(TemplateDrift):
-        ChatRenderer(tok, ChatOptions("hermes", None, "history"), "numbered")
-    ChatRenderer(tok, ChatOptions("hermes", None, "delta"), "numbered")
+    tok = build_tokenizer(string.printable)
+    tok.chat_template = ELIDING
+    with pytest.raises(TemplateDrift, match="after 3 messages it renders '<|im_start|>assist"):
+        ChatRenderer(tok, ChatOptions("hermes", None, "history"), "eliding")
+
+
+def test_an_env_that_splits_turns_itself_runs_exact_on_that_template():
+    """``turn_split=delta``: each segment rendered after a fixed context, so the eliding
+    template gives exact segments (the sequence: the engine's ids and those segments)."""
+    tok = build_tokenizer(string.printable)
+    env = {"tool_format": "hermes", "chat_template": ELIDING, "turn_split": "delta"}
+    turns = ['<tool_call>{"name": "calc", "arguments": {"expression": "59*63"}}</tool_call>',
+             "3717"]  # fmt: skip
+    traj, engine, prompt, _ = run_episode(tok, env, turns)
+    assert prompt.answer == "3717" and traj.finish_reason == "done" and traj.reward == 1.0
+    seq = traj.prompt_ids.tolist() + traj.response_ids.tolist()
+    (q0, o0), (q1, o1) = zip(engine.requests, engine.outputs, strict=True)
+    assert q1[: len(q0) + len(o0)] == q0 + o0 and seq == q1 + o1
+    segment = tok.decode(q1[len(q0) + len(o0) :], skip_special_tokens=False)
+    assert segment == "\n<|im_start|>tool\n3717" + tok.eos_token + "\n<|im_start|>assistant\n"
+    assert traj.loss_mask.sum() == len(o0) + len(o1)
 
 
 class ScriptedEngine(FakeEngine):
@@ -100,10 +118,10 @@ class ScriptedEngine(FakeEngine):
 
 
 def run_episode(tok, env: dict, turns: list[str]):
-    settings = ActorSettings.defaults(sampling=SamplingSettings.defaults(n=1, max_tokens=64),
+    settings = ActorSettings.defaults(sampling=SamplingSettings.defaults(n=1, max_tokens=128),
                                       engine=EngineSettings.defaults(max_model_len=1024))  # fmt: skip
     env = EnvSettings.from_config({"_target_": "asyncrl.envs.calculator.CalculatorChatEnv",
-                                   "max_turns": 4, "max_tokens": 400, "timeout_s": 30, **env})  # fmt: skip
+                                   "max_turns": 4, "max_tokens": 800, "timeout_s": 30, **env})  # fmt: skip
     engine = ScriptedEngine(tok, turns)
     task = CalculatorTask()
     prompt = task.sample(random.Random(0))
