@@ -159,6 +159,7 @@ def prepare(cfg: DictConfig) -> Setup:
 
         check_resume(run.resume)
     model_path = resolve_model(cfg, task)
+    env.check_template(model_path)  # a message-level env: its chat template, append-only
     check_model(model_path, learner.tp)  # learner.tp: a plan, whole heads per rank
     # with eval.every > 0: the held-out sets, and the training task without their prompts
     eval_plan, task = prepare_eval(evaluation, task)

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import json
-import re
 import secrets
 import socket
 import time
@@ -36,10 +34,10 @@ from jinja2 import TemplateError
 from asyncrl.actor.agent_log import Branch, EpisodeLog, Plan
 from asyncrl.actor.episode import turn_sampling
 from asyncrl.engine.protocol import Completion, Engine, Generation, Sampling, version_salt
+from asyncrl.models.tool_calls import HERMES
 
 HOST = "127.0.0.1"
 MAX_N = 16  # choices per call: each is a branch (a trajectory) of the episode
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
 def loopback(host: str | None) -> bool:
@@ -64,23 +62,11 @@ def error_response(status: int, message: str) -> web.Response:
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content, OpenAI tool calls) of a completion: each ``<tool_call>{"name": ...,
-    "arguments": {...}}</tool_call>`` block is a call (Hermes / SmolLM2 format); the
-    text outside them is the content (None if empty). A block that is not such JSON
-    stays in the content."""
-    calls, kept = [], text
-    for k, m in enumerate(TOOL_CALL.finditer(text)):
-        try:
-            obj = json.loads(m.group(1))
-            name, args = str(obj["name"]), obj.get("arguments", {})
-        except (ValueError, KeyError, TypeError):
-            continue
-        args = args if isinstance(args, str) else json.dumps(args)
-        calls.append({"id": f"call_{k}", "type": "function",
-                      "function": {"name": name, "arguments": args}})  # fmt: skip
-        kept = kept.replace(m.group(0), "", 1)
-    content = kept.strip() if calls else text
-    return (content or None), calls
+    """(content, OpenAI tool calls) of a completion, read in the Hermes / SmolLM2 format
+    (asyncrl/models/tool_calls.py); the text outside the calls is the content (None if
+    empty). A block that is not such JSON stays in the content."""
+    parsed = HERMES.parse(text)
+    return (parsed.content or None), [c.openai() for c in parsed.calls]
 
 
 class AgentEndpoint:

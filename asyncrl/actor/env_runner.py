@@ -12,6 +12,11 @@ engine's own token ids turn by turn.
     what waits: the engine's requests and the env's steps (both awaited: every episode
     of every group shares the actor's event loop); nothing else.
 
+A message-level env (asyncrl/envs/messages.py ChatEnv) runs through the same loop,
+wrapped in :class:`asyncrl.envs.chat_turns.ChatTurns`: its opening is the whole prompt,
+rendered by the chat template and sent as token ids; its messages after a turn are the
+rendered segment appended as the observation.
+
 Every turn's request carries its own sampling seed, from the run's seed, the group's
 place in the actor's start order, the sample and the turn (``turn_sampling``): the same
 episode with the same seed samples the same tokens, whatever else is in flight.
@@ -48,7 +53,9 @@ from asyncrl.actor.episode import (
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.config import locate_target
 from asyncrl.engine.protocol import Completion, Engine, Sampling, policy_sampling, version_salt
-from asyncrl.envs.base import StepResult
+from asyncrl.envs.base import Rendered, StepResult
+from asyncrl.envs.chat_turns import ChatRenderer, ChatTurns
+from asyncrl.envs.messages import ChatEnv, ChatOptions
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.rewards.pool import RewardClient
 from asyncrl.tasks.base import Prompt, Task
@@ -61,6 +68,7 @@ class _Episode:
 
     prompt_ids: list[int]
     opening: str = ""  # what env.reset returned: the prompt's text ends with it
+    prompt_text: str = ""  # a Rendered opening's text (the whole prompt); "": the task's
     group: int = 0  # the group's place in the actor's start order (the sampling seed's)
     sample: int = 0  # the episode's place in its group
     ids: list[int] = field(default_factory=list)
@@ -115,6 +123,7 @@ class MultiTurnEpisodes:
         self.sampling = replace(policy_sampling(settings.sampling), n=1)
         self._groups = 0  # groups started so far: the sampling seeds count them
         self._tokenizer = None
+        self._renderer: ChatRenderer | None = None
 
     async def run_group(self, prompt: Prompt) -> TrajectoryGroup:
         index = self._groups  # before any await: the start order decides the seeds
@@ -141,6 +150,8 @@ class MultiTurnEpisodes:
     ) -> tuple[Trajectory, _Episode]:
         t_start = time.time()
         env = self.env.make()
+        if isinstance(env, ChatEnv):  # speaks messages: rendered turn by turn
+            env = ChatTurns(env, self.renderer(env.chat))
         ep = _Episode(prompt_ids=[], group=index, sample=i)
         try:
             await asyncio.wait_for(self._turns(env, prompt, ep, f"{gid}-{i}"), self.env.timeout_s)
@@ -156,7 +167,10 @@ class MultiTurnEpisodes:
 
     async def _turns(self, env: Any, prompt: Prompt, ep: _Episode, rid: str) -> None:
         opening = await env.reset(prompt, self.task)
-        ep.opening = opening if isinstance(opening, str) else ""
+        if isinstance(opening, Rendered):  # a message env's chat: the prompt itself
+            ep.prompt_ids, ep.prompt_text = list(opening.ids), opening.text
+        else:
+            ep.opening = opening if isinstance(opening, str) else ""
         ep.finish = "max_turns"
         for turn in range(self.env.max_turns):
             room = self._room(ep)
@@ -241,7 +255,7 @@ class MultiTurnEpisodes:
             reward_breakdown=ep.breakdown,
             finish_reason=ep.finish,
             error=ep.error,
-            prompt_text=prompt.text + ep.opening,
+            prompt_text=ep.prompt_text or prompt.text + ep.opening,
             response_text="".join(ep.texts),
             t_start=t_start,
             t_end=time.time(),
@@ -259,6 +273,14 @@ class MultiTurnEpisodes:
         if self._tokenizer is None:
             self._tokenizer = self.engine.get_tokenizer()
         return self._tokenizer
+
+    def renderer(self, options: ChatOptions) -> ChatRenderer:
+        """The chat renderer of a message env (one per runner: every episode's env has
+        the same options)."""
+        if self._renderer is None:
+            name = str(getattr(self.tokenizer, "name_or_path", "") or "the model")
+            self._renderer = ChatRenderer(self.tokenizer, options, name)
+        return self._renderer
 
 
 async def close_env(env: Any) -> None:

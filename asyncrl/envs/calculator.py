@@ -31,10 +31,12 @@ import re
 
 from asyncrl.envs.base import StepResult
 from asyncrl.envs.latency import ToolLatency
+from asyncrl.envs.messages import Message, MessageStep, Opening, ToolEnv
 from asyncrl.tasks.base import Prompt, Task
 
 ALPHABET = "0123456789+*=<>/calc"
-CALL = re.compile(r"<calc>(\d{1,6}(?:[+*]\d{1,6}){1,3})</calc>")
+EXPRESSION = re.compile(r"\d{1,6}(?:[+*]\d{1,6}){1,3}")
+CALL = re.compile(f"<calc>({EXPRESSION.pattern})</calc>")
 MAX_VALUE_DIGITS = 12  # a result longer than this is refused (no runaway observations)
 EPISODES = itertools.count()  # episodes reset in this process: each one's latency seed
 
@@ -145,3 +147,65 @@ class CalculatorEnv:
         if len(value) > MAX_VALUE_DIGITS:
             return StepResult(done=True, tool_calls=1, info={"exact": 0.0, "tool_used": 1.0})
         return StepResult(observation=f"={value}", tool_calls=1)
+
+
+CALC_TOOL = {"type": "function", "function": {
+    "name": "calc", "description": "The value of a product or sum of integers, e.g. 37*48.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                   "required": ["expression"]}}}  # fmt: skip
+
+
+class CalculatorChatEnv(ToolEnv):
+    """``env=calculator_chat``: the calculator in message form (asyncrl/envs/messages.py).
+    The user message is the prompt; a ``calc`` call is answered by a tool message with
+    its value (an ``error: ...`` one for an expression it cannot read); the first turn
+    without a call is the final answer, scored by the task's reward. More than
+    ``max_calls`` calls end the episode with reward 0.
+
+    With the tiny model (``tool_format: calc`` and conf/env/calculator_chat.yaml's
+    template) the token sequence is the text env's: ``37*48=`` ``<calc>37*48</calc>``
+    ``=1776`` ``1776``; with ``model=smollm2`` the calls are ``<tool_call>`` JSON and the
+    turns ChatML."""
+
+    tools = (CALC_TOOL,)
+
+    def __init__(
+        self,
+        max_calls: int = 2,
+        system: str = "",  # a system message before the prompt ("": none)
+        tool_format: str = "calc",
+        chat_template: str | None = None,
+        turn_split: str = "history",
+    ):
+        super().__init__(tool_format, chat_template, turn_split)
+        if max_calls < 0:
+            raise ValueError(f"env.max_calls={max_calls}: expected >= 0")
+        self.max_calls, self.system, self.calls = max_calls, system, 0
+        self.sample: Prompt | None = None
+        self.task: Task | None = None
+
+    async def reset(self, sample: Prompt, task: Task) -> Opening:
+        self.sample, self.task, self.calls = sample, task, 0
+        messages = [Message("system", self.system)] if self.system else []
+        return Opening([*messages, Message("user", sample.text)], list(self.tools))
+
+    def calc(self, expression: str) -> str:
+        if not EXPRESSION.fullmatch(str(expression)):
+            raise ValueError(f"expected integers joined by + or *, got {expression!r}")
+        value = str(evaluate(expression))
+        if len(value) > MAX_VALUE_DIGITS:
+            raise ValueError(f"the result has more than {MAX_VALUE_DIGITS} digits")
+        return value
+
+    async def step(self, message: Message) -> MessageStep:
+        self.calls += len(message.tool_calls) + len(message.errors)
+        if self.calls > self.max_calls:
+            info = {"exact": 0.0, "format": 0.0, "tool_used": 1.0}
+            return MessageStep(done=True, tool_calls=len(message.tool_calls), info=info)
+        return await super().step(message)
+
+    async def answer(self, message: Message) -> MessageStep:
+        out = self.task.reward(self.sample, message.content)
+        info = {k: float(v) for k, v in out.items() if k != "reward"}
+        info["tool_used"] = float(self.calls > 0)
+        return MessageStep(reward=float(out["reward"]), done=True, info=info)

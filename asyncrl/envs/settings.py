@@ -127,6 +127,24 @@ class EnvSettings(Settings):
         }
         return cls(**{**fields, **values})
 
+    def check_template(self, model_path: str) -> None:
+        """A message-level env (asyncrl/envs/messages.py ChatEnv) with the model: its
+        chat template must render the env's messages append-only (``env.turn_split``
+        history) or at least render them (ConfigError naming the model and the keys)."""
+        from asyncrl.envs.messages import is_chat_env
+
+        if not is_chat_env(locate_target("env", self.target)):
+            return
+        from transformers import AutoTokenizer
+
+        from asyncrl.envs.chat_turns import ChatRenderer
+
+        tok = AutoTokenizer.from_pretrained(model_path)
+        try:
+            ChatRenderer(tok, self.make().chat, model_path)
+        except ValueError as e:
+            raise ConfigError(f"env._target_={self.target}: {e}") from None
+
     def make(self) -> Any:
         """A fresh env for one episode (with the sandbox pool if it takes one)."""
         if self._cls is None:

@@ -31,7 +31,6 @@ import importlib
 import json
 import math
 import random
-import re
 import signal
 import threading
 import time
@@ -46,11 +45,11 @@ from verifiers.legacy.clients import Client
 from verifiers.legacy.types import Response, ResponseMessage, ToolCall, Usage
 
 from asyncrl.engine.protocol import Engine, Sampling, version_salt
+from asyncrl.models.tool_calls import HERMES
 from asyncrl.tasks.base import Prompt
 from asyncrl.trajectory import Trajectory, TrajectoryGroup, token_fields
 
 MODEL_NAME = "asyncrl-actor"  # the model name verifiers passes to its client (unused)
-TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 _LOADED: dict[str, Any] = {}  # env.id -> its verifiers Environment (one per process)
 _SIGNAL_LOCK = threading.Lock()
 
@@ -169,18 +168,10 @@ def as_dicts(messages: Any) -> list[dict]:
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` spans of ``text``
-    (a span that is not such JSON is skipped: the env sees no call)."""
-    calls = []
-    for k, m in enumerate(TOOL_CALL.finditer(text)):
-        try:
-            obj = json.loads(m.group(1))
-            name, args = obj["name"], obj.get("arguments", {})
-        except (ValueError, KeyError, TypeError):
-            continue
-        if isinstance(name, str):
-            calls.append(ToolCall(id=f"call_{k}", name=name, arguments=json.dumps(args)))
-    return calls
+    """The ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` calls of ``text``
+    (asyncrl/models/tool_calls.py; a block that is not such JSON: the env sees no call)."""
+    return [ToolCall(id=c.id, name=c.name, arguments=json.dumps(c.arguments))
+            for c in HERMES.parse(text).calls]  # fmt: skip
 
 
 class EngineClient(Client):
