@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.engine import moe_reload, vllm_plugin
+from asyncrl.engine import adapter, moe_reload, vllm_plugin
 from asyncrl.transport.endpoint import JoinSpec, ReceiverEndpoint
 
 # vLLM loads the plugin through its entry point; asyncrl run from a checkout that pip
@@ -79,8 +79,20 @@ class AsyncRLWorkerExtension:
         return vllm_plugin.nap_in_effect()
 
     def _asyncrl_load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Reload ``tensors`` in place; a LoRA payload (``learner.lora``: adapter tensors
+        only, asyncrl/engine/adapter.py) is merged into the base weights first."""
+        if tensors and adapter.is_adapter_name(tensors[0][0]):
+            tensors = adapter.merged_weights(tensors, self._asyncrl_base())
         self.model_runner.reload_weights(weights_iterator=iter(tensors))
         self._asyncrl_retie()
+
+    def _asyncrl_base(self) -> adapter.BaseWeights:
+        """The model directory's base weights LoRA payloads merge into (read on use)."""
+        base = self.__dict__.get("_asyncrl_base_weights")
+        if base is None:
+            model_dir = self.model_runner.model_config.model
+            base = self.__dict__["_asyncrl_base_weights"] = adapter.BaseWeights(model_dir)
+        return base
 
     def asyncrl_clock(self) -> float:
         """This process's monotonic clock: the actor reads it just before the pause and

@@ -46,6 +46,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from asyncrl.learner.config import LearnerSettings, Normalisation
 from asyncrl.learner.dist import barrier, broadcast_from_rank0, is_distributed
+from asyncrl.learner.lora import export_adapter
 from asyncrl.learner.safe_dcp import SafeLoadPlanner, SafeReader, read_metadata, reason
 from asyncrl.storage import atomic
 from asyncrl.storage.remote import call, download, remote_sink, staging, upload
@@ -287,10 +288,16 @@ def _first_failure(e: BaseException) -> BaseException:
 
 
 def load(
-    path: str | Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: LambdaLR, rank: int
+    path: str | Path,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: LambdaLR,
+    rank: int,
+    check: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns
-    ``learner.json`` plus ``driver_state``."""
+    ``learner.json`` plus ``driver_state``. ``check(learner.json)`` runs before any state
+    is read (a refusal names the setting instead of a missing tensor)."""
     root = Path(path)
     sink = remote_sink()  # on another node than the driver's: verify there, then fetch
     _checked_by_rank0(root, rank, sink)
@@ -298,6 +305,8 @@ def load(
         root = staging(f"load-rank{rank}") / root.name
         download(sink, path, root, skip=("hf",))
     meta = read_meta(root)
+    if check is not None:
+        check(meta)
     read_state(root, model, opt)
     sched.load_state_dict(meta["scheduler"])
     # The first resumed step's LR comes from the schedule as configured now, not from the
@@ -349,7 +358,9 @@ class Checkpointer:
     ) -> None:
         self.policy, self.opt, self.sched = policy, opt, sched
         self.model_path, self.rank, self.value_head = model_path, rank, settings.value_head
+        self.lora = settings.lora
         self.recorded = {
+            "lora_rank": settings.lora.rank or 0,
             "world_size": settings.world_size,
             "tp": settings.tp,
             "normalisation": Normalisation(settings.normalisation).value,
@@ -368,18 +379,31 @@ class Checkpointer:
         model directory, sealed by the checkpoint's manifest."""
         meta = {"version": version, **self.recorded, "lr_scale": lr_scale}
         extra = None
+        lm, src = self.policy.lm, self.model_path
         if hf_weights is not None and self.rank == 0:
-            lm, src = self.policy.lm, self.model_path
 
             def extra(tmp: Path) -> None:
                 export_hf(tmp / "hf", lm, hf_weights, src)
+
+        elif self.lora.on and self.rank == 0:
+
+            def extra(tmp: Path) -> None:
+                export_adapter(tmp / "adapter", lm, self.lora, src)
 
         return save(path, self.policy, self.opt, self.sched, meta, self.rank, driver_state, extra)
 
     def load(self, path: str) -> dict[str, Any]:
         """Collective. ``learner.json`` plus ``driver_state``; a checkpoint saved with
         another ``learner.value_head`` is refused."""
-        meta = load(path, self.policy, self.opt, self.sched, self.rank)
+
+        def same_lora(meta: dict[str, Any]) -> None:
+            if meta.get("lora_rank", 0) != self.recorded["lora_rank"]:
+                raise CheckpointError(
+                    f"{path}: saved with learner.lora.rank={meta.get('lora_rank', 0)}, "
+                    f"this run has {self.recorded['lora_rank']}"
+                )
+
+        meta = load(path, self.policy, self.opt, self.sched, self.rank, same_lora)
         if meta.get("value_head", False) != self.value_head:
             raise CheckpointError(
                 f"{path}: saved with learner.value_head={meta.get('value_head')}, "
