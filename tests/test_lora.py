@@ -107,7 +107,38 @@ def test_payload_checks():
     with pytest.raises(ValueError, match="not a LoRA adapter tensor"):
         adapter_pairs([("m.weight", a)])
     with pytest.raises(ValueError, match="does not fit"):
-        merged_weights([("m" + LORA_A, a), ("m" + LORA_B, b)], lambda n: torch.zeros(5, 5))
+        merged_weights([("m" + LORA_A, a), ("m" + LORA_B, b)], Base({"m.weight": (5, 5)}))
+
+
+class Base:
+    """Base weights of the given shapes (zeros), as the engine's BaseWeights answers."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        self.shapes = shapes
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return torch.zeros(self.shapes[name])
+
+    def has(self, name: str) -> bool:
+        return name in self.shapes
+
+
+def test_merge_gives_each_packed_engine_layer_all_its_tensors():
+    """An engine layer reloads from what it is given: an adapter on q_proj alone also
+    brings k_proj's and v_proj's base weights (packed into one qkv_proj) and the biases."""
+    layer = "model.layers.0.self_attn."
+    shapes = {layer + f"{x}_proj.{k}": (3, 4) if k == "weight" else (3,)
+              for x in "qkvo" for k in ("weight", "bias") if not (x == "o" and k == "bias")}  # fmt: skip
+    a, b = torch.ones(2, 4), torch.ones(3, 2)
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    out = dict(merged_weights([(layer + "q_proj" + LORA_A, a), (layer + "q_proj" + LORA_B, b)],
+                              Base(shapes), packed))  # fmt: skip
+    assert set(out) == {layer + f"{x}_proj.{k}" for x in "qkv" for k in ("weight", "bias")}
+    assert torch.equal(out[layer + "q_proj.weight"], torch.full((3, 4), 2.0))  # 0 + B @ A
+    assert not out[layer + "k_proj.weight"].any()  # the base weight, unchanged
+    out = dict(merged_weights([(layer + "o_proj" + LORA_A, a), (layer + "o_proj" + LORA_B, b)],
+                              Base(shapes), packed))  # fmt: skip
+    assert set(out) == {layer + "o_proj.weight"}
 
 
 def test_checkpoint_holds_the_adapter(model_dir, tmp_path):

