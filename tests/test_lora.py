@@ -149,6 +149,9 @@ def test_checkpoint_holds_the_adapter(model_dir, tmp_path):
     path = L.save(str(tmp_path / "ck"))
     adir = tmp_path / "ck" / "adapter"
     assert not (tmp_path / "ck" / "hf").exists()
+    state = sum(f.stat().st_size for f in (tmp_path / "ck" / "state").iterdir())
+    base = sum(p.numel() * 4 for n, p in L.model.named_parameters() if "lora_" not in n)
+    assert state < base  # adapters and their AdamW moments; the frozen base is model.path's
     saved = load_file(str(adir / "adapter_model.safetensors"))
     assert len(saved) == 2 * 2 * len(TARGETS)
     ids = torch.tensor([[1, 5, 7, 3, 9, 2]])
@@ -157,6 +160,11 @@ def test_checkpoint_holds_the_adapter(model_dir, tmp_path):
         torch.testing.assert_close(peft(ids).logits, L.model(ids).logits, atol=1e-5, rtol=0)
 
     back = lora_learner(model_dir)
+
+    def lora_b(learner):
+        return [p for n, p in learner.model.named_parameters() if ".lora_B." in n]
+
+    assert not any(torch.equal(p, q) for p, q in zip(lora_b(back), lora_b(L)))  # zeros vs trained
     assert back.load(path)["version"] == 1
     for (n, p), (_, q) in zip(back.model.named_parameters(), L.model.named_parameters()):
         assert torch.equal(p, q), n

@@ -126,12 +126,21 @@ def _fresh_tmp(tmp: Path, rank: int, sink: ActorHandle | None) -> Path:
     return here
 
 
+def state_options(model: torch.nn.Module):
+    """Frozen parameters (the base weights under ``learner.lora``) stay out of the state:
+    they are ``model.path``'s, loaded again at start; a checkpoint holds what trains."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
+
 def write_state(here: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
     """Collective: the shards of model and optimizer, then this rank's RNG states."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    msd, osd = get_state_dict(model, opt)
+    msd, osd = get_state_dict(model, opt, options=state_options(model))
     with _single_process_quiet():
         dcp.save(
             {"model": msd, "optim": osd},
@@ -261,7 +270,8 @@ def read_state(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     state_dir = root / STATE_DIR
-    msd, osd = get_state_dict(model, opt)
+    options = state_options(model)
+    msd, osd = get_state_dict(model, opt, options=options)
     state = {"model": msd, "optim": osd}
     try:
         read_metadata(state_dir)  # refused here with one line, before DCP's retries
@@ -276,7 +286,13 @@ def read_state(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -
         cause = _first_failure(e)
         why = f"{type(cause).__name__}: {reason(cause)}"
         raise CheckpointError(f"cannot load {state_dir}: {why}") from e
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model,
+        opt,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=options,
+    )
 
 
 def _first_failure(e: BaseException) -> BaseException:
