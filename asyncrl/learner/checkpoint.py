@@ -135,12 +135,23 @@ def state_options(model: torch.nn.Module):
     return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
 
 
+def without_frozen(model: torch.nn.Module, msd: dict[str, Any]) -> dict[str, Any]:
+    """``msd`` less the entries that are frozen parameters under another name (a tied LM
+    head: the embedding's tensor, which ``ignore_frozen_params`` does not see)."""
+    frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad}
+    if not frozen:
+        return msd
+    return {k: v for k, v in msd.items()
+            if not (isinstance(v, torch.Tensor) and v.data_ptr() in frozen)}  # fmt: skip
+
+
 def write_state(here: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
     """Collective: the shards of model and optimizer, then this rank's RNG states."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, opt, options=state_options(model))
+    msd = without_frozen(model, msd)
     with _single_process_quiet():
         dcp.save(
             {"model": msd, "optim": osd},
@@ -272,6 +283,7 @@ def read_state(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -
     state_dir = root / STATE_DIR
     options = state_options(model)
     msd, osd = get_state_dict(model, opt, options=options)
+    msd = without_frozen(model, msd)
     state = {"model": msd, "optim": osd}
     try:
         read_metadata(state_dir)  # refused here with one line, before DCP's retries
