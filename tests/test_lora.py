@@ -197,3 +197,12 @@ def test_off_by_default_and_with_null_rank():
 def test_unknown_target_is_named(model_dir):
     with pytest.raises(ValueError, match="learner.lora.targets"):
         lora_learner(model_dir, targets=["no_such_proj"])
+
+
+def test_targets_the_model_lacks_are_refused_before_ray(model_dir):
+    from asyncrl.learner.lora import check_targets
+
+    lora = LearnerSettings.defaults(lora={"rank": 8, "targets": ["q_proj", "input_layernorm"]}).lora
+    with pytest.raises(ConfigError, match=r"\['input_layernorm'\] name no layer .*'q_proj'"):
+        check_targets(str(model_dir), lora)
+    check_targets(str(model_dir), LearnerSettings.defaults(lora={"rank": 8}).lora)  # conf/'s

@@ -117,6 +117,10 @@ class BaseWeights:
     def has(self, name: str) -> bool:
         return name in self._files()
 
+    def names(self) -> list[str]:
+        """Every tensor name of the checkpoint."""
+        return sorted(self._files())
+
     def _files(self) -> dict[str, Path]:
         if self._where is None:
             index = self.dir / "model.safetensors.index.json"

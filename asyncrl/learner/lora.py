@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from asyncrl.engine.adapter import LORA_A, LORA_B
+from asyncrl.config import ConfigError
+from asyncrl.engine.adapter import LORA_A, LORA_B, BaseWeights
 from asyncrl.learner.config import LoraSettings
 
 ADAPTER = "default"  # peft's adapter name
@@ -40,6 +41,26 @@ def lora_config(s: LoraSettings):
         target_modules=list(s.targets),
         bias="none",
     )
+
+
+def check_targets(model_path: str, s: LoraSettings) -> None:
+    """In the driver, before Ray: every ``learner.lora.targets`` entry names a weight
+    matrix (not a norm) of the model's decoder layers (from its safetensors names), else a
+    ConfigError listing the ones it has. A model that is not a local directory of
+    safetensors is left to peft's own check on the learner."""
+    if not s.on or not Path(model_path).is_dir():
+        return
+    names = BaseWeights(model_path).names()
+    leaves = sorted({n.split(".")[-2] for n in names
+                     if ".layers." in n and n.endswith(".weight") and not n.endswith("norm.weight")})  # fmt: skip
+    if not leaves:
+        return
+    missing = [t for t in s.targets if t not in leaves]
+    if missing:
+        raise ConfigError(
+            f"learner.lora.targets: {missing} name no layer of {model_path}; its decoder "
+            f"layers have {leaves}"
+        )
 
 
 def add_adapters(lm: nn.Module, s: LoraSettings) -> nn.Module:
