@@ -10,7 +10,9 @@ table, ``weight_sync.csv`` and ``weight_sync.png`` into ``--out``, and the JSON 
 
 Per model size: v0 full (warm-up, establishes the receivers' copy), then one
 AdamW step before each of: v1 sparse_delta, v2 changed_buckets, v3 full (the
-timed GB/s), v4 rolling sparse_delta (one receiver at a time). The same
+timed GB/s), v4 rolling sparse_delta (one receiver at a time), v5 LoRA: rank-16
+adapters on every matrix but the embedding, all that ``learner.lora`` sends (its
+"of full" is of the whole model's bytes; the engine's merge is not timed here). The same
 SenderEndpoint / ReceiverEndpoint classes serve the WeightBroker and the vLLM
 worker extension. ``--quick``: ~10M parameters (seconds). Without it: a sweep
 from ~10M to ~500M parameters (minutes; ~10 GB of memory at the top).
@@ -45,6 +47,8 @@ HOST = "127.0.0.1"
 TIMEOUT_S = 120.0  # per collective; generous for 1 GB buckets on a loaded box
 JOIN_S = 120.0  # spawned receivers import torch first
 QUICK_PARAMS = [10_000_000]
+LORA_RANK = 16  # `learner.lora.rank=16`
+LORA_VERSION = 5  # after the schedule's v0-v4
 SWEEP_PARAMS = [10_000_000, 50_000_000, 100_000_000, 250_000_000, 500_000_000]
 # Every tensor is trained here (no frozen ones), and one AdamW step at lr 1e-6 moves ~2%
 # of the bf16 elements, spread everywhere: every bucket changes, so `changed_buckets`
@@ -93,6 +97,20 @@ def memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
+
+
+def lora_adapters(model: list[torch.nn.Parameter], rank: int) -> list[tuple[str, torch.Tensor]]:
+    """Rank-``rank`` LoRA adapters on every matrix but the embedding, in the model's
+    dtype, named as ``learner.lora`` sends them (asyncrl/engine/adapter.py): A ``[r, in]``,
+    B ``[out, r]``, both moved off zero as after a few steps."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for i, p in enumerate(model[1:], start=1):
+        if p.dim() == 2:
+            (o, n), d = p.shape, p.dtype
+            out.append((f"p{i}.lora_A.weight", (torch.randn(rank, n, generator=g) * 0.01).to(d)))
+            out.append((f"p{i}.lora_B.weight", (torch.randn(o, rank, generator=g) * 0.01).to(d)))
+    return out
 
 
 # ---- receivers --------------------------------------------------------------------------------
@@ -178,31 +196,44 @@ def run_size(params: int, receivers: int, bucket_mb: float) -> list[dict[str, An
                 stats.append(s)
                 ok &= all(d == want for _, d in got)
             held = version
-            sent = sum(s.bytes_sent for s in stats)
-            seconds = sum(s.seconds for s in stats)
-            rows.append(
-                {
-                    "params": sum(p.numel() for p in model),
-                    "version": version,
-                    "mode": mode + (f" rolling k={k}" if k else ""),
-                    "receivers": receivers,
-                    "bytes_full": snap["nbytes"],
-                    "bytes_sent": sent,
-                    "sent_frac": ratio(sent, snap["nbytes"] * len(sets)),
-                    "buckets": snap["buckets"] * len(sets),
-                    "skipped": sum(s.buckets_skipped for s in stats),
-                    "sparse": sum(s.buckets_sparse for s in stats),
-                    "seconds": seconds,
-                    "gbps": sent / seconds / 1e9,
-                    "pack_seconds": snap["pack_seconds"],
-                    "memcpy_gbps": mcp,
-                    "bitexact": ok,
-                }
-            )
+            rows.append(row(model, version, mode, k, receivers, snap, stats, sets, mcp, ok))
+        # LoRA (`learner.lora.rank=16`): the adapters alone, a full sync of their own
+        adapters = lora_adapters(model, LORA_RANK)
+        snap = ep.snapshot(LORA_VERSION, iter(adapters), retain=[])
+        want = digests(ep.shadows.get(LORA_VERSION).named_tensors())
+        s, got = rx.sync(ep, "lora", everyone, LORA_VERSION, held, "full")
+        ok = all(d == want for _, d in got)
+        r = row(model, LORA_VERSION, f"lora r={LORA_RANK} full", 0, receivers, snap, [s],
+                [everyone], mcp, ok)  # fmt: skip
+        r["sent_frac"] = ratio(r["bytes_sent"], rows[0]["bytes_full"])  # of the whole model's
+        rows.append(r)
     finally:
         rx.close()
         ep.close_all()
     return rows
+
+
+def row(model, version, mode, k, receivers, snap, stats, sets, mcp, ok) -> dict[str, Any]:
+    """One table row: one sync (``stats``: its sets' SendStats, ``sets`` their members)."""
+    sent = sum(s.bytes_sent for s in stats)
+    seconds = sum(s.seconds for s in stats)
+    return {
+        "params": sum(p.numel() for p in model),
+        "version": version,
+        "mode": mode + (f" rolling k={k}" if k else ""),
+        "receivers": receivers,
+        "bytes_full": snap["nbytes"],
+        "bytes_sent": sent,
+        "sent_frac": ratio(sent, snap["nbytes"] * len(sets)),
+        "buckets": snap["buckets"] * len(sets),
+        "skipped": sum(s.buckets_skipped for s in stats),
+        "sparse": sum(s.buckets_sparse for s in stats),
+        "seconds": seconds,
+        "gbps": sent / seconds / 1e9,
+        "pack_seconds": snap["pack_seconds"],
+        "memcpy_gbps": mcp,
+        "bitexact": ok,
+    }
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -221,6 +252,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "sparse_delta_bytes": sparse["bytes_sent"],
         "sparse_delta_frac": sparse["sent_frac"],
         "rolling_bytes": by[4]["bytes_sent"],
+        "lora_bytes": by[LORA_VERSION]["bytes_sent"],
+        "lora_frac": by[LORA_VERSION]["sent_frac"],
         "bitexact": all(r["bitexact"] for r in rows),
     }
 

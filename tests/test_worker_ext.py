@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from asyncrl.engine.worker_ext import AsyncRLWorkerExtension
+from asyncrl.engine.worker_ext import INPLACE_LOG, AsyncRLWorkerExtension
 
 
 class FakeRunner:
@@ -74,3 +74,43 @@ def test_a_sync_nobody_hosts_is_reported_within_the_join_timeout_not_raised():
     assert time.monotonic() - t0 < 10.0
     assert not got.ok and got.peer_ranks == (0,) and "could not join" in got.error, got
     assert got.rank == 1 and got.bucket is None and ext.model_runner.loaded == []
+
+
+class LoggingRunner(FakeRunner):
+    """Says what vLLM's in-place reload says when a layer got nothing."""
+
+    def __init__(self, model_dir: str):
+        super().__init__(torch.float32)
+        self.model_config.model = model_dir
+
+    def reload_weights(self, weights_iterator):
+        super().reload_weights(weights_iterator)
+        logging.getLogger(INPLACE_LOG).warning(
+            "Following weights were not loaded from checkpoint: %s", {"x"}
+        )
+
+
+def test_a_lora_payload_is_merged_into_the_base_weights_and_its_notice_dropped(tmp_path, caplog):
+    """A payload of adapter tensors (learner.lora, also by the object-store file road)
+    reaches vLLM as ``W0 + B @ A`` with ``W0`` from the model directory; vLLM's "not
+    loaded" line is dropped around that reload only, kept after a full one."""
+    from safetensors.torch import save_file
+
+    w0 = torch.randn(6, 4)
+    save_file(
+        {"m.proj.weight": w0, "m.other.weight": torch.zeros(2)}, tmp_path / "model.safetensors"
+    )
+    a, b = torch.randn(2, 4), torch.randn(6, 2)
+    save_file({"m.proj.lora_A.weight": a, "m.proj.lora_B.weight": b}, tmp_path / "lora.safetensors")
+    ext = AsyncRLWorkerExtension()
+    ext.model_runner = LoggingRunner(str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        assert ext.asyncrl_load_file(str(tmp_path / "lora.safetensors")) == 2
+        (name, w), = ext.model_runner.loaded  # fmt: skip
+        assert name == "m.proj.weight"
+        torch.testing.assert_close(w, w0 + b @ a, rtol=0, atol=1e-6)
+        assert not caplog.records
+        ext._asyncrl_load([("m.proj.weight", w0)])
+    assert [r.getMessage() for r in caplog.records] == [
+        "Following weights were not loaded from checkpoint: {'x'}"
+    ]

@@ -14,14 +14,16 @@ Every wait inside is bounded by the spec's timeouts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from asyncrl.engine import moe_reload, vllm_plugin
+from asyncrl.engine import adapter, moe_reload, vllm_plugin
 from asyncrl.transport.endpoint import JoinSpec, ReceiverEndpoint
 
 # vLLM loads the plugin through its entry point; asyncrl run from a checkout that pip
@@ -47,6 +49,28 @@ class NarrowingNotice(logging.Filter):
 
 
 logging.getLogger("vllm.model_executor.models.utils").addFilter(NarrowingNotice())
+
+INPLACE_LOG = "vllm.model_executor.model_loader.reload.inplace"
+
+
+class PartialReloadNotice(logging.Filter):
+    """Drops vLLM's "Following weights were not loaded from checkpoint": a LoRA merge
+    reloads only the adapted layers (the others keep their tensors), so every update
+    would list all the rest. Applied only around such a reload: after a full sync the
+    same line would mean a missing weight."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Following weights were not loaded")
+
+
+@contextlib.contextmanager
+def quiet(logger: str, notice: logging.Filter) -> Iterator[None]:
+    log = logging.getLogger(logger)
+    log.addFilter(notice)
+    try:
+        yield
+    finally:
+        log.removeFilter(notice)
 
 
 class AsyncRLWorkerExtension:
@@ -79,7 +103,15 @@ class AsyncRLWorkerExtension:
         return vllm_plugin.nap_in_effect()
 
     def _asyncrl_load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        self.model_runner.reload_weights(weights_iterator=iter(tensors))
+        """Reload ``tensors`` in place; a LoRA payload (``learner.lora``: adapter tensors
+        only, asyncrl/engine/adapter.py) is merged into the base weights first."""
+        if tensors and adapter.is_adapter_name(tensors[0][0]):
+            packed = getattr(self.model_runner.get_model(), "packed_modules_mapping", None)
+            tensors = adapter.merged_weights(tensors, self._asyncrl_base(), dict(packed or {}))
+            with quiet(INPLACE_LOG, PartialReloadNotice()):
+                self.model_runner.reload_weights(weights_iterator=iter(tensors))
+        else:
+            self.model_runner.reload_weights(weights_iterator=iter(tensors))
         self._asyncrl_retie()
 
     def asyncrl_io_threads(self) -> list[int]:
@@ -88,6 +120,14 @@ class AsyncRLWorkerExtension:
         from asyncrl.engine import in_core
 
         return in_core.io_threads()
+
+    def _asyncrl_base(self) -> adapter.BaseWeights:
+        """The model directory's base weights LoRA payloads merge into (read on use)."""
+        base = self.__dict__.get("_asyncrl_base_weights")
+        if base is None:
+            model_dir = self.model_runner.model_config.model
+            base = self.__dict__["_asyncrl_base_weights"] = adapter.BaseWeights(model_dir)
+        return base
 
     def asyncrl_clock(self) -> float:
         """This process's monotonic clock: the actor reads it just before the pause and

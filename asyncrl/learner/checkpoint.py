@@ -46,6 +46,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from asyncrl.learner.config import LearnerSettings, Normalisation
 from asyncrl.learner.dist import barrier, broadcast_from_rank0, is_distributed
+from asyncrl.learner.lora import export_adapter
 from asyncrl.learner.safe_dcp import SafeLoadPlanner, SafeReader, read_metadata, reason
 from asyncrl.storage import atomic
 from asyncrl.storage.remote import call, download, remote_sink, staging, upload
@@ -125,12 +126,32 @@ def _fresh_tmp(tmp: Path, rank: int, sink: ActorHandle | None) -> Path:
     return here
 
 
+def state_options(model: torch.nn.Module):
+    """Frozen parameters (the base weights under ``learner.lora``) stay out of the state:
+    they are ``model.path``'s, loaded again at start; a checkpoint holds what trains."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
+
+def without_frozen(model: torch.nn.Module, msd: dict[str, Any]) -> dict[str, Any]:
+    """``msd`` less the entries that are frozen parameters under another name (a tied LM
+    head: the embedding's tensor, which ``ignore_frozen_params`` does not see)."""
+    frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad}
+    if not frozen:
+        return msd
+    return {k: v for k, v in msd.items()
+            if not (isinstance(v, torch.Tensor) and v.data_ptr() in frozen)}  # fmt: skip
+
+
 def write_state(here: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
     """Collective: the shards of model and optimizer, then this rank's RNG states."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    msd, osd = get_state_dict(model, opt)
+    msd, osd = get_state_dict(model, opt, options=state_options(model))
+    msd = without_frozen(model, msd)
     with _single_process_quiet():
         dcp.save(
             {"model": msd, "optim": osd},
@@ -260,7 +281,9 @@ def read_state(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     state_dir = root / STATE_DIR
-    msd, osd = get_state_dict(model, opt)
+    options = state_options(model)
+    msd, osd = get_state_dict(model, opt, options=options)
+    msd = without_frozen(model, msd)
     state = {"model": msd, "optim": osd}
     try:
         read_metadata(state_dir)  # refused here with one line, before DCP's retries
@@ -275,7 +298,13 @@ def read_state(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -
         cause = _first_failure(e)
         why = f"{type(cause).__name__}: {reason(cause)}"
         raise CheckpointError(f"cannot load {state_dir}: {why}") from e
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model,
+        opt,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=options,
+    )
 
 
 def _first_failure(e: BaseException) -> BaseException:
@@ -287,10 +316,16 @@ def _first_failure(e: BaseException) -> BaseException:
 
 
 def load(
-    path: str | Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: LambdaLR, rank: int
+    path: str | Path,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: LambdaLR,
+    rank: int,
+    check: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns
-    ``learner.json`` plus ``driver_state``."""
+    ``learner.json`` plus ``driver_state``. ``check(learner.json)`` runs before any state
+    is read (a refusal names the setting instead of a missing tensor)."""
     root = Path(path)
     sink = remote_sink()  # on another node than the driver's: verify there, then fetch
     _checked_by_rank0(root, rank, sink)
@@ -298,6 +333,8 @@ def load(
         root = staging(f"load-rank{rank}") / root.name
         download(sink, path, root, skip=("hf",))
     meta = read_meta(root)
+    if check is not None:
+        check(meta)
     read_state(root, model, opt)
     sched.load_state_dict(meta["scheduler"])
     # The first resumed step's LR comes from the schedule as configured now, not from the
@@ -349,7 +386,9 @@ class Checkpointer:
     ) -> None:
         self.policy, self.opt, self.sched = policy, opt, sched
         self.model_path, self.rank, self.value_head = model_path, rank, settings.value_head
+        self.lora = settings.lora
         self.recorded = {
+            "lora_rank": settings.lora.rank or 0,
             "world_size": settings.world_size,
             "tp": settings.tp,
             "normalisation": Normalisation(settings.normalisation).value,
@@ -368,18 +407,31 @@ class Checkpointer:
         model directory, sealed by the checkpoint's manifest."""
         meta = {"version": version, **self.recorded, "lr_scale": lr_scale}
         extra = None
+        lm, src = self.policy.lm, self.model_path
         if hf_weights is not None and self.rank == 0:
-            lm, src = self.policy.lm, self.model_path
 
             def extra(tmp: Path) -> None:
                 export_hf(tmp / "hf", lm, hf_weights, src)
+
+        elif self.lora.on and self.rank == 0:
+
+            def extra(tmp: Path) -> None:
+                export_adapter(tmp / "adapter", lm, self.lora, src)
 
         return save(path, self.policy, self.opt, self.sched, meta, self.rank, driver_state, extra)
 
     def load(self, path: str) -> dict[str, Any]:
         """Collective. ``learner.json`` plus ``driver_state``; a checkpoint saved with
         another ``learner.value_head`` is refused."""
-        meta = load(path, self.policy, self.opt, self.sched, self.rank)
+
+        def same_lora(meta: dict[str, Any]) -> None:
+            if meta.get("lora_rank", 0) != self.recorded["lora_rank"]:
+                raise CheckpointError(
+                    f"{path}: saved with learner.lora.rank={meta.get('lora_rank', 0)}, "
+                    f"this run has {self.recorded['lora_rank']}"
+                )
+
+        meta = load(path, self.policy, self.opt, self.sched, self.rank, same_lora)
         if meta.get("value_head", False) != self.value_head:
             raise CheckpointError(
                 f"{path}: saved with learner.value_head={meta.get('value_head')}, "

@@ -78,6 +78,47 @@ class OptimSettings(Settings):
         return settings_from(cls, merged(cls, learner["optim"], values), cls.KEY)
 
 
+@dataclass
+class LoraSettings(Settings):
+    """``learner.lora``: LoRA adapters on the ``targets`` linear layers of every decoder
+    layer (asyncrl/learner/lora.py). ``rank`` 0 or None: off."""
+
+    KEY = "learner.lora"
+
+    rank: int | None = setting("[0, 4096]")  # adapter rank r; 0 / None: off
+    alpha: float = setting("(0, 1e6]")  # the update is scaled by alpha / r
+    dropout: float = setting("[0, 1)")  # on the adapter's input, learner only
+    targets: list[str] = setting()  # HF module names (q_proj, ...), one adapter each
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.targets = list(self.targets)
+        if self.on and (
+            not self.targets or not all(isinstance(t, str) and t for t in self.targets)
+        ):
+            raise ConfigError(
+                f"learner.lora.targets must name at least one linear layer (q_proj, ...), "
+                f"got {self.targets!r}"
+            )
+        bad = [t for t in self.targets if t in LORA_REFUSED_TARGETS]
+        if self.on and bad:
+            raise ConfigError(
+                f"learner.lora.targets={bad}: the embedding and the LM head take no adapter "
+                f"(the engine ties and merges decoder-layer linears only)"
+            )
+
+    @property
+    def on(self) -> bool:
+        return bool(self.rank)
+
+    @property
+    def scale(self) -> float:
+        """alpha / r: what the adapter's update is multiplied by."""
+        return self.alpha / self.rank if self.rank else 0.0
+
+
+LORA_REFUSED_TARGETS = ("embed_tokens", "lm_head")
+
 AUTOCAST = (None, "bfloat16")  # learner.autocast's values
 
 
@@ -104,6 +145,7 @@ class LearnerSettings(Settings):
     # Custom Ray resources each rank needs besides its CPUs/GPUs: places the ranks on the
     # nodes that offer them (`ray start --resources='{"node_b": 1}'`; docs/cluster.md).
     resources: dict[str, float] | None = setting()
+    lora: LoraSettings = setting()
     optim: OptimSettings = setting()
     advantage: dict[str, Any] = setting()  # built by the driver (asyncrl.config.build)
 
@@ -125,6 +167,11 @@ class LearnerSettings(Settings):
             raise ConfigError(
                 f"learner.tp={self.tp} does not divide learner.world_size={self.world_size}: "
                 f"the ranks form a (world_size / tp) x tp mesh"
+            )
+        if self.lora.on and self.world_size > 1:
+            raise ConfigError(
+                f"learner.lora.rank={self.lora.rank} needs learner.world_size=1 (LoRA is "
+                f"built and tested for one unsharded rank), got {self.world_size}"
             )
         self.resources = dict(self.resources or {})  # null: none
         check_custom_resources("learner.resources", self.resources)

@@ -53,6 +53,7 @@ from asyncrl.learner.dist import (
     value_param,
 )  # fmt: skip
 from asyncrl.learner.logprobs import to_rows, token_logprobs
+from asyncrl.learner.lora import adapter_stream, add_adapters
 from asyncrl.learner.metrics import MetricSums, trajectory_metrics
 from asyncrl.learner.model import PolicyModel, load_lm, policy_forward
 from asyncrl.learner.optim import build_optimizer, clip_grad_norm, kl_brake
@@ -137,14 +138,18 @@ class Learner:
                 raise ValueError("world_size > 1 needs a rendezvous address (LearnerGroup sets it)")
             init_group(rank, s.world_size, rendezvous, s.collective_timeout_s, self.device)
         torch.manual_seed(seed)  # the value head starts identical on every rank
-        self.policy = PolicyModel(load_lm(model_path, s.attn_implementation), s.value_head)
+        lm = load_lm(model_path, s.attn_implementation)
+        self.lora = s.lora  # on: only the adapters train and go to the brokers (learner/lora.py)
+        if s.lora.on:
+            lm = add_adapters(lm, s.lora)
+        self.policy = PolicyModel(lm, s.value_head)
         if self.sharded:
             shard(self.policy, s.world_size, self.device, s.tp)
         else:
             self.policy.to(self.device)
         self.model = self.policy.lm  # the HF model (HF parameter names)
         self.value_head = self.policy.value_head
-        named = list(self.policy.named_parameters())
+        named = [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
         self.opt, self.sched = build_optimizer(
             (p for n, p in named if not value_param(n)),
             (p for n, p in named if value_param(n)),
@@ -400,13 +405,16 @@ class Learner:
     # ---- weights out (learner/weights.py) and checkpoints (learner/checkpoint.py) -----
     def named_parameters_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(HF name, full tensor)`` one FSDP unit at a time (see ``dist.stream_parameters``:
-        valid until the next item; collective, so every rank iterates)."""
-        return stream_parameters(self.policy, self.sharded)
+        valid until the next item; collective, so every rank iterates). With LoRA: the
+        adapters only, as asyncrl/engine/adapter.py puts them on the wire."""
+        stream = stream_parameters(self.policy, self.sharded)
+        return adapter_stream(stream, self.lora.scale) if self.lora.on else stream
 
     def save(self, path: str, driver_state: dict | None = None, export_hf: bool = True) -> str:
         """Sharded checkpoint (collective); with ``export_hf`` also ``PATH/hf``, an HF model
-        directory of the current weights (what vLLM or ``model.path`` can load)."""
-        hf = self.full_state_dict() if export_hf else None  # collective: every rank streams
+        directory of the current weights (what vLLM or ``model.path`` can load); with LoRA
+        ``PATH/adapter`` instead, a PEFT adapter directory over ``model.path``."""
+        hf = self.full_state_dict() if export_hf and not self.lora.on else None  # collective
         return self.checkpoints.save(path, self.version, self.lr_scale, driver_state, hf)
 
     def load(self, path: str) -> dict[str, Any]:
