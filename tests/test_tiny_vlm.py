@@ -46,7 +46,9 @@ def spec() -> TinyVLMSpec:
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory, spec, tiny_model):
     task = default_task()
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "m", task, spec, default_lm_spec())
+    return build_tiny_vlm(
+        tmp_path_factory.mktemp("vlm") / "m", task, spec, default_lm_spec(), measure=False
+    )
 
 
 def test_one_image_becomes_its_tokens_and_characters_keep_their_ids(spec, task):
@@ -85,8 +87,8 @@ def test_the_build_is_deterministic(tmp_path, spec, tiny_model):
 
     task = default_task()
     small = TinyVLMSpec.defaults(warm_start_steps=2, warm_start_batch=4)
-    a = build_tiny_vlm(tmp_path / "a", task, small, default_lm_spec())
-    b = build_tiny_vlm(tmp_path / "b", task, small, default_lm_spec())
+    a = build_tiny_vlm(tmp_path / "a", task, small, default_lm_spec(), measure=False)
+    b = build_tiny_vlm(tmp_path / "b", task, small, default_lm_spec(), measure=False)
     meta_a, meta_b = (json.loads((d / "asyncrl_build.json").read_text()) for d in (a, b))
     assert meta_a["weights_sha256"] == meta_b["weights_sha256"]
     assert meta_a["warm_start_loss_last"] == meta_b["warm_start_loss_last"]
