@@ -139,7 +139,6 @@ def build_processor(tokenizer, spec: TinyVLMSpec):
 def build_model(spec: TinyVLMSpec, lm_dir: Path, tokenizer):
     """A seeded Idefics3ForConditionalGeneration whose decoder holds the tiny model's
     weights (``lm_dir``, a Qwen2ForCausalLM with a tied head), fp32."""
-    from safetensors.torch import load_file
     from transformers import (
         AutoConfig,
         Idefics3Config,
@@ -186,8 +185,16 @@ def build_model(spec: TinyVLMSpec, lm_dir: Path, tokenizer):
     )
     torch.manual_seed(spec.seed)
     model = Idefics3ForConditionalGeneration(cfg)
+    copy_tiny_weights(model.model.text_model, lm_dir)
+    return model
+
+
+def copy_tiny_weights(decoder, lm_dir: Path) -> None:
+    """The tiny Qwen2 model's weights into the Llama ``decoder`` (its embedding's first
+    rows: the characters'; the o_proj biases Qwen2 lacks set to zero)."""
+    from safetensors.torch import load_file
+
     weights = load_file(str(lm_dir / "model.safetensors"))
-    decoder = model.model.text_model
     with torch.no_grad():
         embed = weights.pop("model.embed_tokens.weight")
         decoder.embed_tokens.weight[: embed.shape[0]].copy_(embed)
@@ -196,7 +203,6 @@ def build_model(spec: TinyVLMSpec, lm_dir: Path, tokenizer):
                 decoder.get_parameter(name.removeprefix("model.")).copy_(w)
         for layer in decoder.layers:
             layer.self_attn.o_proj.bias.zero_()
-    return model
 
 
 def batch_of(prompts: list, processor, tokenizer) -> dict[str, torch.Tensor]:
