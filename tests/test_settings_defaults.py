@@ -27,6 +27,7 @@ def all_settings() -> list[type]:
     import asyncrl.envs.settings
     import asyncrl.eval.settings
     import asyncrl.fault.settings
+    import asyncrl.models.tiny_vlm
     import asyncrl.monitor.settings
     import asyncrl.replay.settings
     import asyncrl.rewards.settings

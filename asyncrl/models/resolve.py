@@ -7,6 +7,8 @@ Ray starts (a wrong model is one ConfigError naming the key, exit 2).
   ``huggingface_hub``: from its cache, or downloaded where a hub is reachable; offline
   and not cached, it fails here with one line.
 - neither: the tiny offline model (:mod:`asyncrl.models.tiny`).
+- ``model.vlm`` (``model=tiny_vlm``): refused for now; runs do not carry images yet
+  (:mod:`asyncrl.models.tiny_vlm` builds the model).
 
 Then the architecture is checked on the meta device (no weights read): the learner must
 find its decoder layers (:func:`asyncrl.models.arch.decoder_layers`), or the model is
@@ -31,6 +33,11 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def resolve_model(cfg: Any, task: Any) -> str:
     """The model directory for ``cfg.model``; binds ``task`` to it (chat template)."""
     preset, path = cfg.model.get("preset"), cfg.model.get("path")
+    if cfg.model.get("vlm") is not None:
+        raise ConfigError(
+            "model=tiny_vlm (model.vlm is set): the actor and learner do not pass images to "
+            "the model yet; build it with `python -m asyncrl.models.tiny_vlm` (docs/vision.md)"
+        )
     if preset and path:
         raise ConfigError(f"model.preset={preset} and model.path={path}: set one of them")
     if preset:

