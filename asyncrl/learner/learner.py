@@ -138,15 +138,8 @@ class Learner:
                 raise ValueError("world_size > 1 needs a rendezvous address (LearnerGroup sets it)")
             init_group(rank, s.world_size, rendezvous, s.collective_timeout_s, self.device)
         torch.manual_seed(seed)  # the value head starts identical on every rank
-        lm = load_lm(model_path, s.attn_implementation)
         self.lora = s.lora  # on: only the adapters train and go to the brokers (learner/lora.py)
-        if s.lora.on:
-            lm = add_adapters(lm, s.lora)
-        self.policy = PolicyModel(lm, s.value_head)
-        if self.sharded:
-            shard(self.policy, s.world_size, self.device, s.tp)
-        else:
-            self.policy.to(self.device)
+        self.policy = self._build_policy(model_path)
         self.model = self.policy.lm  # the HF model (HF parameter names)
         self.value_head = self.policy.value_head
         named = [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
@@ -168,6 +161,19 @@ class Learner:
             self.traj_log = TrajectoryLog(trajectory_log)
         self.weights = WeightsOut(rank, self.sharded, self.named_parameters_stream)
         self.checkpoints = Checkpointer(self.policy, self.opt, self.sched, model_path, s, rank)
+
+    def _build_policy(self, model_path: str) -> PolicyModel:
+        """The policy (LM, LoRA adapters when on, value head), sharded or on the device."""
+        s = self.settings
+        lm = load_lm(model_path, s.attn_implementation)
+        if s.lora.on:
+            lm = add_adapters(lm, s.lora)
+        policy = PolicyModel(lm, s.value_head)
+        if self.sharded:
+            shard(policy, s.world_size, self.device, s.tp)
+        else:
+            policy.to(self.device)
+        return policy
 
     # ---- one step -----------------------------------------------------------------
     def train_step(self, items: list, version: int) -> dict[str, float]:
