@@ -58,7 +58,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
-from asyncrl.actor.placement import pin_engine_io  # noqa: E402
+from asyncrl.actor.placement import move_engine_io  # noqa: E402
 from asyncrl.engine.protocol import version_salt  # noqa: E402
 from asyncrl.engine.vllm_engine import prompt_renderer, vllm_params  # noqa: E402
 from benchmarks.common import (  # noqa: E402
@@ -96,7 +96,8 @@ class BenchActor(ControlledRolloutActor):
         """The engine-core process's threads other than its main one onto the engine's
         cores (``on_engine``) or back onto the actor's, where ``place_frontend`` put
         them. Returns how many threads moved."""
-        return pin_engine_io(set(self.placement["engine_cores" if on_engine else "frontend_cores"]))
+        cores = set(self.placement["engine_cores" if on_engine else "frontend_cores"])
+        return move_engine_io(cores, self.core_io_threads)
 
     async def plain_generate(
         self, prompts: list[str], tag: str, inflight: int = 0

@@ -60,13 +60,20 @@ def place_frontend(
             pin_threads(pid, engine)
     io_threads = 0
     if frontend != engine:
-        io_threads = pin_tids(core_io, frontend) if core_io else pin_engine_io(frontend)
+        io_threads = move_engine_io(frontend, core_io)
     pin_threads(me, frontend)
     return {
         "engine_cores": sorted(engine),
         "frontend_cores": sorted(frontend),
         "engine_io_threads": io_threads,  # engine-core threads moved to frontend_cores
     }
+
+
+def move_engine_io(cores: set[int], core_io: list[int] | None = None) -> int:
+    """The engine-core process's I/O threads onto ``cores``: ``core_io`` by thread id
+    where the worker runs inside that process, else :func:`pin_engine_io`. Returns
+    how many threads moved."""
+    return pin_tids(core_io, cores) if core_io else pin_engine_io(cores)
 
 
 def pin_engine_io(cores: set[int]) -> int:

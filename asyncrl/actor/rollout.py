@@ -118,6 +118,7 @@ class RolloutActor:
         self.rewards = RewardClient()  # the task's reward in-process, until set_rewards
         self.fatal: str = ""
         self.placement: dict[str, Any] = {}  # where engine and frontend run
+        self.core_io_threads: list[int] = []  # placement.move_engine_io's ids ([]: by process)
 
     def _bind(self, queue: Any, seed: int) -> None:
         """Generate into ``queue``, prompts drawn from ``seed``."""
@@ -133,7 +134,8 @@ class RolloutActor:
         self.engine = make_engine(self._model_path, self.settings.engine, self._seed)
         if cores is not None:
             core_io = await self.engine.call_workers("asyncrl_io_threads", None, CONTROL_TIMEOUT_S)
-            self.placement = placement.place_frontend(*cores, core_io=core_io[0])
+            self.core_io_threads = core_io[0]  # the engine core's I/O threads, where listed
+            self.placement = placement.place_frontend(*cores, core_io=self.core_io_threads)
         self.episodes = make_runner(
             self.engine, self.task, self.settings, self.env, lambda: self.version, self.rewards
         )
