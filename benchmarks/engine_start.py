@@ -35,6 +35,7 @@ from benchmarks.common import (  # noqa: E402
     emit_json,
     parser,
     print_table,
+    pyplot,
     ratio,
     run_fingerprint,
     write_csv,
@@ -114,6 +115,7 @@ def main() -> None:
         [[s, med[s]["start_seconds"], med[s]["tokens_per_s"]] for s in SIDES],
     )
     write_csv(a.out / "engine_start.csv", rows, run_fingerprint())
+    plot(a.out / "engine_start.png", rows)
     emit_json({
         "start_seconds_in_core": med["in_core"]["start_seconds"],
         "start_seconds_separate": med["separate"]["start_seconds"],
@@ -123,6 +125,22 @@ def main() -> None:
         "generation_ratio": ratio(med["in_core"]["tokens_per_s"], med["separate"]["tokens_per_s"]),
         "rounds": rounds,
     })  # fmt: skip
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    """Each start's seconds and tokens/s, per side and round."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+    for ax, key in zip(axes, ("start_seconds", "tokens_per_s")):
+        for side in SIDES:
+            mine = [r for r in rows if r["side"] == side]
+            ax.plot([r["round"] for r in mine], [r[key] for r in mine], "o-", label=side)
+        ax.set_xlabel("round")
+        ax.set_title(key)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

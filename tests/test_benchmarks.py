@@ -151,6 +151,21 @@ def test_actor_benchmark_places_the_engine_alone_by_default(monkeypatch):
 
 
 @pytest.mark.slow
+def test_engine_start_benchmark(tmp_path):
+    """Both executors start, generate and are measured (in-core, then separate)."""
+    f = run_bench("engine_start", tmp_path, "--rounds", "1", "--batches", "1")
+    assert finite(*f.values())
+    assert f["rounds"] == 1
+    assert f["start_seconds_in_core"] > 0 and f["start_seconds_separate"] > 0
+    assert f["tokens_per_s_in_core"] > 0 and f["tokens_per_s_separate"] > 0
+    assert f["start_ratio"] == pytest.approx(
+        f["start_seconds_separate"] / f["start_seconds_in_core"]
+    )
+    rows = list(csv.DictReader((tmp_path / "engine_start.csv").open()))
+    assert [r["side"] for r in rows] == ["in_core", "separate"]
+
+
+@pytest.mark.slow
 def test_throughput_benchmark(tmp_path):
     pin = [] if {0, 1} <= os.sched_getaffinity(0) else ["--no-pin"]
     f = run_bench("throughput", tmp_path, "--steps", "4", "--warmup", "1", *pin)
