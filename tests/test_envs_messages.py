@@ -235,12 +235,14 @@ async def test_a_chat_episode_on_vllm_is_the_engines_ids_and_the_rendered_histor
     settings = ActorSettings.defaults(sampling=SamplingSettings.defaults(n=2, max_tokens=6))
     env = EnvSettings.defaults(target=f"{__name__}.EchoChatEnv", max_turns=4, max_tokens=56)
     runner = MultiTurnEpisodes(Recorder(), task, settings, env, lambda: label["v"])
+    start = engine.version  # the session's engine: whatever label the last test left
+    await engine.label(0)
     BETWEEN_TURNS.append(update)
     try:
         group = await runner.run_group(Prompt("3+4=", "7"))
     finally:
         BETWEEN_TURNS.clear()
-        await engine.label(0)
+        await engine.label(start)
     tok = engine.get_tokenizer()
     r = runner.renderer(EchoChatEnv().chat)
     for t in group.trajectories:
