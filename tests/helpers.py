@@ -180,3 +180,26 @@ def write_user_loss(root: Path) -> Path:
     (pkg / "__init__.py").write_text("")
     (pkg / "scaled.py").write_text(USER_LOSS)
     return root / "userlib"
+
+
+def collect_at(ray, queue, version: int, want: int = 8, timeout_s: float = 600.0,
+               poll_s: float = 0.5) -> list:  # fmt: skip
+    """``want`` trajectories generated wholly at ``version`` from the queue actor
+    ``queue`` (older ones are dropped); asserts within ``timeout_s``."""
+    import time
+
+    from asyncrl.replay.queue import resolve_groups
+
+    got = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < want:
+        assert time.monotonic() < deadline, len(got)
+        while len(got) < want and (items := ray.get(queue.get_batch.remote(1, version, 0.05))):
+            for it, g in zip(items, resolve_groups(items)):
+                keep = set(it.traj_ids)
+                got += [
+                    t for t in g.trajectories
+                    if t.traj_id in keep and len(t.versions) and (t.versions == version).all()
+                ]  # fmt: skip
+        time.sleep(poll_s)
+    return got

@@ -13,11 +13,11 @@ learner's tensors (per-tensor sha256).
 from __future__ import annotations
 
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
+from helpers import collect_at
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 pytest.importorskip("peft")
@@ -96,25 +96,6 @@ def lora_world(ray_local, tiny_model, task):
         ray.kill(queue)
 
 
-def _collect_at(ray, queue, version: int, want: int = 8, timeout_s: float = 300.0) -> list:
-    """``want`` trajectories generated wholly at ``version`` (older ones are dropped)."""
-    from asyncrl.replay.queue import resolve_groups
-
-    got = []
-    deadline = time.monotonic() + timeout_s
-    while len(got) < want:
-        assert time.monotonic() < deadline, len(got)
-        while len(got) < want and (items := ray.get(queue.get_batch.remote(1, version, 0.05))):
-            for it, g in zip(items, resolve_groups(items)):
-                keep = set(it.traj_ids)
-                got += [
-                    t for t in g.trajectories
-                    if t.traj_id in keep and len(t.versions) and (t.versions == version).all()
-                ]  # fmt: skip
-        time.sleep(0.2)
-    return got
-
-
 def _max_dlogp(learner, trajs: list) -> float:
     recomputed = learner.logprobs_of(trajs)
     return max(
@@ -133,7 +114,7 @@ def test_adapter_only_sync_keeps_engine_and_learner_logprobs_equal(ray_local, lo
     print(f"adapter {adapter_bytes} B vs full model {full_bytes} B per update")
     assert adapter_bytes < 0.2 * full_bytes
 
-    before = _collect_at(ray, w["queue"], 0)
+    before = collect_at(ray, w["queue"], 0, timeout_s=300.0, poll_s=0.2)
     assert _max_dlogp(learner, before) < FP32_LOGP_TOL  # zero adapters: the base model
 
     for version in (1, 2):  # the second merge starts again from the base weights
@@ -148,7 +129,7 @@ def test_adapter_only_sync_keeps_engine_and_learner_logprobs_equal(ray_local, lo
         assert 0 <= m["broker/bytes_sent"] - adapter_bytes < HEADER_MAX_BYTES
         (loaded,) = ray.get(actor.loaded_digests.remote())
         assert loaded["version"] == version and loaded["digests"] == learner.weight_digests()
-        after = _collect_at(ray, w["queue"], version)
+        after = collect_at(ray, w["queue"], version, timeout_s=300.0, poll_s=0.2)
         assert all((t.versions == version).all() for t in after)
         dlogp = _max_dlogp(learner, after)
         print(f"version {version}: {m['broker/bytes_sent']:.0f} B sent, max |dlogp| "

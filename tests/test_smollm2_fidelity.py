@@ -19,6 +19,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import collect_at
 
 pytestmark = [
     pytest.mark.slow,
@@ -99,25 +100,6 @@ def smollm2_world(ray_local):
         ray.kill(queue)
 
 
-def _collect_at(ray, queue, version: int, want: int = 8, timeout_s: float = 600.0) -> list:
-    """``want`` trajectories generated wholly at ``version`` (older ones are dropped)."""
-    from asyncrl.replay.queue import resolve_groups
-
-    got = []
-    deadline = time.monotonic() + timeout_s
-    while len(got) < want:
-        assert time.monotonic() < deadline, len(got)
-        while len(got) < want and (items := ray.get(queue.get_batch.remote(1, version, 0.05))):
-            for it, g in zip(items, resolve_groups(items)):
-                keep = set(it.traj_ids)
-                got += [
-                    t for t in g.trajectories
-                    if t.traj_id in keep and len(t.versions) and (t.versions == version).all()
-                ]  # fmt: skip
-        time.sleep(0.5)
-    return got
-
-
 def _compare(learner, trajs: list, label: str) -> float:
     recomputed = learner.logprobs_of(trajs)
     diffs = np.concatenate(
@@ -132,7 +114,7 @@ def test_smollm2_logprobs_match_before_and_after_an_in_place_sync(ray_local, smo
     ray = ray_local
     w = smollm2_world
     learner, broker = w["learner"], w["broker"]
-    before = _collect_at(ray, w["queue"], 0)
+    before = collect_at(ray, w["queue"], 0)
     assert all(t.prompt_text.startswith("<|im_start|>system\n") for t in before)  # chat form
     assert _compare(learner, before, "version 0 (both loaded the converted model)") < FP32_LOGP_TOL
 
@@ -147,6 +129,6 @@ def test_smollm2_logprobs_match_before_and_after_an_in_place_sync(ray_local, smo
     assert broker.actor_versions == {"actor0": 1}
     (loaded,) = ray.get(w["actor"].loaded_digests.remote())
     assert loaded["version"] == 1 and loaded["digests"] == learner.weight_digests()
-    after = _collect_at(ray, w["queue"], 1)
+    after = collect_at(ray, w["queue"], 1)
     assert all((t.versions == 1).all() for t in after)
     assert _compare(learner, after, "version 1 (after the in-place sync)") < FP32_LOGP_TOL
