@@ -200,7 +200,8 @@ def nccl_one() -> str:
 @check("NCCL peer that never arrives: named within the timeout")
 def nccl_timeout() -> str:
     from asyncrl.transport.broadcast import WeightSender
-    from asyncrl.transport.group import HEADER_BUCKET, TransferError, make_group
+    from asyncrl.transport.group import TransferError, make_group
+    from asyncrl.transport.spec import HEADER_BUCKET
 
     timeout_s = 3.0
     group = None
@@ -229,8 +230,8 @@ def nccl_timeout() -> str:
 def gloo_from_cuda() -> str:
     from concurrent.futures import ThreadPoolExecutor
 
-    from asyncrl.transport.broadcast import NO_VERSION
-    from asyncrl.transport.endpoint import JoinSpec, ReceiverEndpoint, SenderEndpoint, digests
+    from asyncrl.transport.endpoint import ReceiverEndpoint, SenderEndpoint, digests
+    from asyncrl.transport.spec import NO_VERSION, JoinSpec
 
     ep = SenderEndpoint(HOST, "gloo", 60.0, 60.0, BUCKET_MB, DEV)
     rx = ReceiverEndpoint()
@@ -267,7 +268,8 @@ def gloo_from_cuda() -> str:
 
 
 def _rank1(port: int, q: Any) -> None:
-    from asyncrl.transport.endpoint import JoinSpec, ReceiverEndpoint
+    from asyncrl.transport.endpoint import ReceiverEndpoint
+    from asyncrl.transport.spec import JoinSpec
 
     torch.cuda.set_device(1)
     rx = ReceiverEndpoint()
@@ -284,8 +286,8 @@ def nccl_two() -> str:
         return (
             f"skipped: {torch.cuda.device_count()} GPU(s) visible; two NCCL ranks cannot share one"
         )
-    from asyncrl.transport.broadcast import NO_VERSION
     from asyncrl.transport.endpoint import SenderEndpoint, digests
+    from asyncrl.transport.spec import NO_VERSION
 
     ctx = mp.get_context("spawn")
     q, procs = ctx.Queue(), []

@@ -118,7 +118,8 @@ def _receiver(inbox: Any, outbox: Any) -> None:
     """Loop: ("sync", key, port, rank, world) → one sync ("loading" = digesting what it
     would load) → (ok, digests) back."""
     torch.set_num_threads(1)
-    from asyncrl.transport.endpoint import JoinSpec, ReceiverEndpoint
+    from asyncrl.transport.endpoint import ReceiverEndpoint
+    from asyncrl.transport.spec import JoinSpec
 
     rx = ReceiverEndpoint()
     while (cmd := inbox.get())[0] != "stop":

@@ -30,7 +30,7 @@ import numpy as np
 from ray import cloudpickle
 
 from asyncrl.engine.protocol import Completion, Generation, Sampling
-from asyncrl.transport.endpoint import JoinSpec, ReceiveReport
+from asyncrl.transport.spec import JoinSpec, ReceiveReport
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -23,9 +23,9 @@ from asyncrl.broker.settings import PAYLOAD_MODES, BrokerKind, BrokerSettings
 from asyncrl.config import ConfigError
 from asyncrl.engine.vllm_engine import VLLMEngine
 from asyncrl.learner.weights import CONCURRENCY_GROUPS, WeightsOut
-from asyncrl.transport.broadcast import NO_VERSION
 from asyncrl.transport.delta import Mode
 from asyncrl.transport.endpoint import digests
+from asyncrl.transport.spec import NO_VERSION
 from tests.weight_sync_controls import FaultyWorkerExtension, learner_digests, set_policy
 
 TIMEOUT_S = 3.0

@@ -17,10 +17,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from asyncrl.transport.broadcast import NO_VERSION, WeightSender
+from asyncrl.transport.broadcast import WeightSender
 from asyncrl.transport.buckets import pack
-from asyncrl.transport.group import HEADER_BUCKET, TransferError, free_port, make_group
+from asyncrl.transport.group import TransferError, free_port, make_group
 from asyncrl.transport.receiver import WeightReceiver
+from asyncrl.transport.spec import HEADER_BUCKET, NO_VERSION
 
 HOST = "127.0.0.1"
 BUCKET_MB = 16 / 1024  # 16 KiB buckets: a small model still spans many buckets

@@ -12,9 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from asyncrl.transport.broadcast import NO_VERSION, WeightSender
-from asyncrl.transport.endpoint import JoinSpec, ReceiverEndpoint, SenderEndpoint, digests
-from asyncrl.transport.group import HEADER_BUCKET, TransferError, make_group
+from asyncrl.transport.broadcast import WeightSender
+from asyncrl.transport.endpoint import ReceiverEndpoint, SenderEndpoint, digests
+from asyncrl.transport.group import TransferError, make_group
+from asyncrl.transport.spec import HEADER_BUCKET, NO_VERSION, JoinSpec
 
 HOST = "127.0.0.1"
 BUCKET_MB = 1 / 16

@@ -63,8 +63,8 @@ def test_a_sync_nobody_hosts_is_reported_within_the_join_timeout_not_raised():
     within the join timeout."""
     import time
 
-    from asyncrl.transport.endpoint import JoinSpec, ReceiveReport
     from asyncrl.transport.group import free_port
+    from asyncrl.transport.spec import JoinSpec, ReceiveReport
 
     ext = AsyncRLWorkerExtension()
     ext.model_runner = FakeRunner(torch.float32)

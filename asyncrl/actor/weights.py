@@ -34,7 +34,7 @@ from typing import Any
 
 from asyncrl.broker.messages import Loaded, ReceiveOrder, Reloaded
 from asyncrl.engine.protocol import Engine
-from asyncrl.transport.endpoint import JoinSpec, ReceiveReport
+from asyncrl.transport.spec import JoinSpec, ReceiveReport
 
 # Bound on one small control RPC (state, clock, resume); a live engine answers in ms.
 RPC_TIMEOUT_S = 60.0

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asyncrl.transport.group import HEADER_BUCKET
-from asyncrl.transport.wire import NO_VERSION
+from asyncrl.transport.spec import HEADER_BUCKET, NO_VERSION
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncrl.transport.broadcast import NO_VERSION
+from asyncrl.transport.spec import NO_VERSION
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from asyncrl.broker.messages import Reloaded, SendDone, Snapshot
 from asyncrl.broker.plan import ActorView
-from asyncrl.transport.group import HEADER_BUCKET
+from asyncrl.transport.spec import HEADER_BUCKET
 
 
 @dataclass

@@ -32,7 +32,7 @@ from asyncrl.broker.messages import CloseGroups, Listening, Snapshot, SnapshotOr
 from asyncrl.broker.settings import BrokerSettings
 from asyncrl.broker.sync import SyncTally
 from asyncrl.broker.sync_run import GroupCache, SyncRun
-from asyncrl.transport.broadcast import NO_VERSION
+from asyncrl.transport.spec import NO_VERSION
 
 # Packing a snapshot is a local copy; this many timeouts is a generous bound.
 SNAPSHOT_TIMEOUTS = 5

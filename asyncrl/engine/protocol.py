@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from asyncrl.engine.settings import SamplingSettings
-from asyncrl.transport.endpoint import JoinSpec, ReceiveReport
+from asyncrl.transport.spec import JoinSpec, ReceiveReport
 
 # Group j of a run with seed s samples with seed s * GROUP_SEED_STRIDE + j * n; the engine
 # gives sample i of it seed + i, so no two samples of a run share a seed, and runs with

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from asyncrl.engine import adapter, moe_reload, vllm_plugin
-from asyncrl.transport.endpoint import JoinSpec, ReceiverEndpoint
+from asyncrl.transport.endpoint import ReceiverEndpoint
+from asyncrl.transport.spec import JoinSpec
 
 # vLLM loads the plugin through its entry point; asyncrl run from a checkout that pip
 # never installed has none, so the worker applies it here too (once per process)

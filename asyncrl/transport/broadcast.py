@@ -42,8 +42,9 @@ from asyncrl.transport.delta import (
     encode_sparse,
     plan_bucket,
 )
-from asyncrl.transport.group import HEADER_BUCKET, Heartbeat, TransferError, TransferGroup
-from asyncrl.transport.wire import INFLIGHT, NO_VERSION, SyncEnd, bucket_counts
+from asyncrl.transport.group import Heartbeat, TransferError, TransferGroup
+from asyncrl.transport.spec import HEADER_BUCKET, NO_VERSION
+from asyncrl.transport.wire import INFLIGHT, SyncEnd, bucket_counts
 
 
 @dataclass

@@ -24,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,7 +33,7 @@ from asyncrl.transport.buckets import DEFAULT_BUCKET_MB, pack
 from asyncrl.transport.delta import Mode, ShadowStore
 from asyncrl.transport.group import TransferError, make_group, resolve_backend
 from asyncrl.transport.receiver import HeldCopy, WeightReceiver
-from asyncrl.transport.wire import NO_VERSION
+from asyncrl.transport.spec import NO_VERSION, JoinSpec, ReceiveReport
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -169,51 +168,6 @@ class SenderEndpoint:
     def close_all(self) -> None:
         for key in list(self.senders):
             self.close(key)
-
-
-@dataclass(frozen=True)
-class JoinSpec:
-    """Where one worker takes part in a group's next sync (plain values: it crosses
-    vLLM's RPC encoding as a dict, :meth:`from_wire` rebuilds it)."""
-
-    key: str
-    host: str
-    port: int
-    rank: int
-    world_size: int
-    timeout_s: float
-    join_timeout_s: float
-    backend: str = "auto"
-    hold_copy: bool = True
-    kind: str = "join"
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> JoinSpec:
-        return cls(**d)
-
-
-@dataclass
-class ReceiveReport:
-    """One worker's end of one sync: received and loaded (``ok``), or the error with
-    the failing peer ranks and ``bucket`` (None: before any bucket, e.g. joining).
-    ``held``: the version kept for deltas; ``digests`` only when asked for."""
-
-    ok: bool
-    rank: int
-    version: int = NO_VERSION
-    held: int = NO_VERSION
-    bytes: int = 0
-    seconds: float = 0.0  # join + receive
-    reload_seconds: float = 0.0  # the in-place load alone
-    error: str = ""
-    bucket: int | None = None
-    peer_ranks: tuple[int, ...] = ()
-    digests: dict[str, str] | None = None
-    kind: str = "received"
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> ReceiveReport:
-        return cls(**{**d, "peer_ranks": tuple(d.get("peer_ranks") or ())})
 
 
 class ReceiverEndpoint:

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from asyncrl.transport.spec import HEADER_BUCKET
+
 # Heartbeat period: frequent enough that a dead peer is named within a second,
 # rare enough (a store round trip each) to cost nothing next to a transfer.
 HEARTBEAT_S = 0.1
@@ -44,7 +46,6 @@ SILENCE_S = 5 * HEARTBEAT_S
 LISTEN_BACKLOG = 128
 # Polling period for CUDA work, whose wait() does not block the CPU.
 _CUDA_POLL_S = 0.001
-HEADER_BUCKET = -1  # bucket index used in errors raised before any bucket moved
 
 
 class TransferError(RuntimeError):

@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from asyncrl.transport.buckets import Manifest, unpack
 from asyncrl.transport.delta import BucketPlan, Kind, Mode, apply_sparse
-from asyncrl.transport.group import HEADER_BUCKET, Heartbeat, TransferError, TransferGroup
+from asyncrl.transport.group import Heartbeat, TransferError, TransferGroup
+from asyncrl.transport.spec import HEADER_BUCKET, NO_VERSION
 from asyncrl.transport.wire import (
     INFLIGHT,
-    NO_VERSION,
     SyncEnd,
     bucket_counts,
     payload_nbytes,

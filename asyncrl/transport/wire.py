@@ -24,7 +24,6 @@ from asyncrl.transport.buckets import Manifest
 from asyncrl.transport.delta import BucketPlan, Kind, sparse_nbytes
 from asyncrl.transport.group import Heartbeat, TransferError, TransferGroup, diagnose, wait_work
 
-NO_VERSION = -1  # what a receiver holding no weights reports
 # Two payloads in flight: the wire stays busy while the next one is encoded,
 # and memory stays at two buckets rather than the whole sync.
 INFLIGHT = 2
