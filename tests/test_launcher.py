@@ -12,24 +12,32 @@ import subprocess
 import sys
 
 import pytest
+from helpers import ROOT
 
 from asyncrl.engine import launcher
 from asyncrl.engine.settings import EngineSettings
 from asyncrl.engine.vllm_engine import engine_kwargs, forks_engine_core, on_cpu
 
-from helpers import ROOT
-
 
 def report(queue) -> None:
-    """A forked child's view of its start, put on ``queue``."""
+    """A forked child's view of its start, put on ``queue``; it titles itself as vLLM's
+    engine core does (tests and the supervisor find engine cores by that title)."""
+    import setproctitle
+
+    setproctitle.setproctitle("VLLM::LauncherTest")
+    with open("/proc/self/cmdline", "rb") as f:
+        title = f.read().split(b"\0")[0].decode()
     queue.put(
-        (os.environ.get("ASYNCRL_TEST_CARRIED"), os.getcwd(), sorted(os.sched_getaffinity(0)))
-    )
+        (os.environ.get("ASYNCRL_TEST_CARRIED"), os.getcwd(), sorted(os.sched_getaffinity(0)),
+         os.environ.get("ASYNCRL_TEST_GONE"), title)
+    )  # fmt: skip
 
 
 def test_a_forked_child_runs_with_what_its_starter_had_at_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNCRL_TEST_GONE", "unset before the start")
     launcher.warm()  # the server starts now, with this environment
     monkeypatch.setenv("ASYNCRL_TEST_CARRIED", "set after the server started")
+    monkeypatch.delenv("ASYNCRL_TEST_GONE")
     monkeypatch.chdir(tmp_path)
     allowed = sorted(os.sched_getaffinity(0))
     narrowed = allowed[-1:]  # as the actor's placement narrows it before the start
@@ -42,7 +50,13 @@ def test_a_forked_child_runs_with_what_its_starter_had_at_start(tmp_path, monkey
         p.join(timeout=60)
     finally:
         os.sched_setaffinity(0, allowed)
-    assert got == ("set after the server started", str(tmp_path), narrowed)
+    assert got == (
+        "set after the server started",
+        str(tmp_path),
+        narrowed,
+        None,
+        "VLLM::LauncherTest",
+    )
     assert p.exitcode == 0
     assert os.environ.get("ASYNCRL_TEST_CARRIED") == "set after the server started"
 

@@ -56,8 +56,13 @@ class CarriedProcess(ForkServerProcess):
 
     def run(self) -> None:
         env, cwd, cpus = self.carried
-        os.environ.clear()
-        os.environ.update(env)
+        # by difference: clearing the whole environment moves it away from where
+        # setproctitle finds it, and vLLM's title (VLLM::EngineCore) would not show
+        for k in [k for k in os.environ if k not in env]:
+            del os.environ[k]
+        for k, v in env.items():
+            if os.environ.get(k) != v:
+                os.environ[k] = v
         os.chdir(cwd)
         os.sched_setaffinity(0, cpus)
         super().run()
