@@ -15,7 +15,8 @@ after one untimed batch (``tokens_per_s``). The sides alternate, in this order i
 rounds and reversed in even ones. ``start_ratio`` = separate / in-core start (> 1:
 in-core starts sooner); ``generation_ratio`` = in-core / separate tokens/s (1: no
 cost); ``fork_start_ratio`` = in-core / forked start, ``fork_generation_ratio`` =
-forked / in-core tokens/s. Medians over rounds. Not in a Ray actor (the actor adds its own process and
+forked / in-core tokens/s; ``engine_pss_mb_<side>``: the memory the engine's processes
+(and the fork server) add, PSS while the engine is up. Medians over rounds. Not in a Ray actor (the actor adds its own process and
 imports to both sides alike).
 """
 
@@ -29,6 +30,7 @@ if __package__ in (None, ""):  # run as a file: see the note in benchmarks/commo
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -85,9 +87,27 @@ def child(side: str, batches: int) -> dict:
         return [await batch(f"b{k}") for k in range(batches)]
 
     timed = asyncio.run(run())
+    memory = engine_pss_mb()
     engine.shutdown()
     seconds, tokens = sum(t for t, _ in timed), sum(n for _, n in timed)
-    return {"side": side, "start_seconds": started, "tokens_per_s": tokens / seconds}
+    return {"side": side, "start_seconds": started, "tokens_per_s": tokens / seconds,
+            "engine_pss_mb": memory}  # fmt: skip
+
+
+def engine_pss_mb() -> float:
+    """Proportional memory (PSS, MB) of this process's descendants: the engine's
+    processes, and the fork server where there is one (shared pages split between
+    them, so the sum is what they add to the machine)."""
+    from asyncrl.utils.affinity import process_tree
+
+    total_kb = 0
+    for pid in process_tree(os.getpid())[1:]:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total_kb += next(int(x.split()[1]) for x in f if x.startswith("Pss:"))
+        except (OSError, StopIteration):  # ended meanwhile
+            continue
+    return total_kb / 1024
 
 
 def main() -> None:
@@ -115,13 +135,16 @@ def main() -> None:
                   f"{row['tokens_per_s']:.0f} tokens/s", flush=True)  # fmt: skip
     med = {
         s: {k: statistics.median(x[k] for x in rows if x["side"] == s)
-            for k in ("start_seconds", "tokens_per_s")}
+            for k in ("start_seconds", "tokens_per_s", "engine_pss_mb")}
         for s in SIDES
     }  # fmt: skip
     print_table(
         "engine start and generation (medians)",
-        ["side", "start_seconds", "tokens_per_s"],
-        [[s, med[s]["start_seconds"], med[s]["tokens_per_s"]] for s in SIDES],
+        ["side", "start_seconds", "tokens_per_s", "engine_pss_mb"],
+        [
+            [s, med[s]["start_seconds"], med[s]["tokens_per_s"], med[s]["engine_pss_mb"]]
+            for s in SIDES
+        ],  # fmt: skip
     )
     write_csv(a.out / "engine_start.csv", rows, run_fingerprint())
     plot(a.out / "engine_start.png", rows)
@@ -138,6 +161,7 @@ def main() -> None:
         "fork_generation_ratio": ratio(
             med["forked"]["tokens_per_s"], med["in_core"]["tokens_per_s"]
         ),
+        **{f"engine_pss_mb_{s}": med[s]["engine_pss_mb"] for s in SIDES},
         "rounds": rounds,
     })  # fmt: skip
 

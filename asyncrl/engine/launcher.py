@@ -10,8 +10,8 @@ once and early, imports what the engine core needs and never computes; each engi
 core is forked from it, already imported, in well under a second.
 
 :func:`warm` starts that server in the background (the actor calls it first thing,
-so the server's imports overlap the front end's own); within
-:func:`engine_core_start` vLLM starts its engine-core process through it. A forked child gets what a spawned
+so the server's imports overlap the front end's own); within :func:`engine_core_start`
+vLLM starts its engine-core process through it. A forked child gets what a spawned
 one would inherit from the process that starts it, not the server's: the starter's
 environment (vLLM and asyncrl set variables just before the start), working
 directory and CPU affinity (the actor's placement narrows it), carried by
@@ -43,7 +43,7 @@ LOG_LEVEL_ENV = "VLLM_LOGGING_LEVEL"  # read by vLLM when it is imported
 LOG_LEVEL = "WARNING"
 
 _LOCK = threading.Lock()
-_WARMING: list[threading.Thread] = []
+_WARM = threading.Event()  # set once the server's start is under way
 
 
 class CarriedProcess(ForkServerProcess):
@@ -79,16 +79,15 @@ def warm() -> None:
     """Start the fork server in the background (no wait); a later start waits for it.
     Idempotent."""
     with _LOCK:
-        if _WARMING:
+        if _WARM.is_set():
             return
+        _WARM.set()
         os.environ.setdefault(LOG_LEVEL_ENV, LOG_LEVEL)
         multiprocessing.forkserver.set_forkserver_preload(list(PRELOAD))
-        t = threading.Thread(
+        threading.Thread(
             target=multiprocessing.forkserver.ensure_running, name="engine-forkserver",
             daemon=True,
-        )  # fmt: skip
-        _WARMING.append(t)
-        t.start()
+        ).start()  # fmt: skip
 
 
 @contextlib.contextmanager
