@@ -3,7 +3,9 @@ short real CLI run that several feature tests read."""
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -30,9 +32,56 @@ def uses_vllm_actor(item) -> bool:
     return "vllm_actor" in getattr(item, "fixturenames", ()) or params.get("engine") == "vllm"
 
 
+# Session fixtures worth building once per worker: the test files that name one run on
+# the same pytest-xdist worker, so the fixture is built once there.
+SHARED_FIXTURES = ("vllm_actor", "short_cli_run")
+TESTS = Path(__file__).parent
+
+
+@functools.cache
+def group_of(file: str) -> str:
+    """A test file's unit of work under pytest-xdist: the first shared session fixture
+    its source names, else the file itself."""
+    path = TESTS / Path(file).name
+    text = path.read_text() if path.is_file() else ""
+    return next((f for f in SHARED_FIXTURES if re.search(rf"\b{f}\b", text)), file)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile``: whole files to a worker, with the files that share a session
+    fixture together (:func:`group_of`), in the order the workers collected them."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LoadGroupOfFiles(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid.split("::", 1)[0])
+
+    return LoadGroupOfFiles(config, log)
+
+
+def order_for_workers(items) -> None:
+    """Under pytest-xdist: the groups ordered longest first by the last full run's
+    seconds (tests/durations.json), so that the long ones start at once and the short
+    ones fill the gaps at the end. A serial run keeps pytest's own order."""
+    from durations import load
+
+    seconds = load()
+    files: dict[str, set[str]] = {}
+    first: dict[str, int] = {}
+    for n, i in enumerate(items):
+        files.setdefault(group_of(i.path.name), set()).add(i.path.name)
+        first.setdefault(group_of(i.path.name), n)
+    cost = {g: sum(seconds.get(f, 0.0) for f in fs) for g, fs in files.items()}
+    items.sort(key=lambda i: (-cost[group_of(i.path.name)], first[group_of(i.path.name)]))
+
+
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):
+        order_for_workers(items)
     users = [i for i in items if uses_vllm_actor(i)]
-    config.stash[LAST_VLLM_USER] = users[-1].nodeid if users else ""
+    config.stash[LAST_VLLM_USER] = users[-1] if users else None
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
@@ -41,14 +90,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-LAST_VLLM_USER = pytest.StashKey[str]()
+LAST_VLLM_USER = pytest.StashKey[object]()
 VLLM_ACTOR = pytest.StashKey[object]()
 
 
 def pytest_runtest_teardown(item, nextitem):
     """The session's vLLM engine (``vllm_actor``) shut down after its last test, not at
     the end of the session: the files in between get its memory and cores back."""
-    if item.nodeid != item.config.stash.get(LAST_VLLM_USER, ""):
+    if item is not item.config.stash.get(LAST_VLLM_USER, None):
         return
     actor = item.config.stash.get(VLLM_ACTOR, None)
     if actor is not None and actor.engine is not None:
