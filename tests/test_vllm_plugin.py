@@ -93,3 +93,22 @@ def test_reader_naps_and_misses_nothing():
     nap, _, spin_cpu, _ = _run("")
     assert nap == 0.0
     assert spin_cpu > idle_cpu
+
+
+def test_the_eager_rank_count_is_vllms_count_and_the_cpu_sampler_uses_it():
+    """Each row's count of entries >= the sampled token's log-prob, as a sort gives it,
+    with ties; on this CPU the plugin hands vLLM's sampler that count in place of its
+    compiled one (whose first call compiles for seconds in every engine start)."""
+    import torch
+    from vllm.v1.sample import sampler
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 50, generator=g).log_softmax(-1)
+    x[2, 7] = x[2, 3]  # a tie counts both
+    ids = torch.tensor([[3], [0], [3], [49], [int(x[4].argmax())]])
+    values = x.gather(-1, ids)
+    expect = [sum(e >= v for e in row) for row, v in zip(x.tolist(), values.flatten().tolist())]
+    assert vllm_plugin.count_at_least(x, values).tolist() == expect
+    assert expect[4] == 1 and expect[2] >= 2
+    vllm_plugin.register()
+    assert sampler.batched_count_greater_than is vllm_plugin.count_at_least

@@ -18,12 +18,22 @@ the engine: the first weight sync waited out vLLM's 5 s re-check over and over.)
 The environment carries the setting, so the engine's spawned processes inherit it;
 the actor sets it from ``actor.engine.spin_nap_s``. Unset or 0: vLLM's own spin. A
 vLLM without the class this wraps: nothing happens.
+
+On a CPU it also gives the sampler an eager count of each sampled token's rank
+(:func:`count_at_least`, the same sum vLLM writes). vLLM's is ``torch.compile``d with
+Inductor, and the first step that returns log-probs compiles it: 4-10 s of one core
+on this 2-core machine, in every engine start, while the engine answers nothing else
+(the broker's first question to the actor waited that long).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 ENV = "ASYNCRL_VLLM_NAP_S"
 
@@ -38,8 +48,16 @@ def nap_seconds() -> float:
     return value if 0.0 < value <= 0.01 else 0.0
 
 
+def count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per row of ``x`` (batch, vocab): how many entries are >= that row's ``values``
+    (batch, 1), i.e. the sampled token's rank; vLLM's ``batched_count_greater_than``
+    without the compile."""
+    return (x >= values).sum(-1)
+
+
 def register() -> None:
     """vLLM's plugin hook (called once per process, before any engine part is built)."""
+    eager_rank_count()
     nap = nap_seconds()
     if not nap:
         return
@@ -60,6 +78,18 @@ def register() -> None:
 
     wait._asyncrl = nap  # type: ignore[attr-defined]
     SpinCondition.wait = wait
+
+
+def eager_rank_count() -> None:
+    """On a CPU, the sampler's rank count without ``torch.compile`` (see the module's
+    docstring). A vLLM without that function: nothing happens."""
+    try:
+        from vllm.platforms import current_platform
+        from vllm.v1.sample import sampler
+    except ImportError:
+        return
+    if current_platform.is_cpu() and hasattr(sampler, "batched_count_greater_than"):
+        sampler.batched_count_greater_than = count_at_least
 
 
 def nap_in_effect() -> float:
