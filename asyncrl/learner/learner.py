@@ -170,7 +170,7 @@ class Learner:
             lm = add_adapters(lm, s.lora)
         policy = PolicyModel(lm, s.value_head)
         if self.sharded:
-            shard(policy, s.world_size, self.device, s.tp)
+            shard(policy, s.world_size, self.device, s.tp, s.ep)
         else:
             policy.to(self.device)
         return policy
