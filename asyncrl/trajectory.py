@@ -9,6 +9,12 @@ Per-token arrays are numpy and all have the response length ``R``:
   may span versions when weights change in flight)
 * ``loss_mask``        bool  [R]  True for tokens the learner trains on (env/tool tokens False)
 
+``routed_experts`` (mixture-of-experts models, optional) is uint8 ``[n, layers, top_k]``:
+the experts the engine's router chose for the token at each of the first ``n`` positions
+of prompt + response as model input, ``n <= num_tokens`` (vLLM's
+``CompletionOutput.routed_experts`` layout); the learner replays them with
+``learner.moe.routing_replay`` (asyncrl/learner/routing.py).
+
 A multi-turn episode (asyncrl/actor/env_runner.py) is one trajectory: its response holds
 every turn's generated tokens (mask True) and the observations between them (mask
 False, behaviour log-prob 0, the version of the generated token before them).
@@ -56,10 +62,18 @@ class Trajectory:
     # requests turn_prompt_tokens and cached_tokens (the prefix cache's hits), and
     # env_seconds (awaiting the env's steps)
     episode: dict[str, float] = field(default_factory=dict)
+    routed_experts: np.ndarray | None = None  # uint8 [n, layers, top_k], n <= num_tokens
 
     def __post_init__(self) -> None:
         for name, dtype in _ARRAY_FIELDS.items():
             setattr(self, name, np.asarray(getattr(self, name), dtype=dtype))
+        if self.routed_experts is not None:
+            self.routed_experts = np.asarray(self.routed_experts, dtype=np.uint8)
+            if self.routed_experts.ndim != 3 or len(self.routed_experts) > self.num_tokens:
+                raise ValueError(
+                    f"routed_experts has shape {self.routed_experts.shape}, expected "
+                    f"[n <= {self.num_tokens}, layers, top_k]"
+                )
         r = len(self.response_ids)
         for name in ("behaviour_logprobs", "versions", "loss_mask"):
             if len(getattr(self, name)) != r:
@@ -132,7 +146,8 @@ def to_bytes(trajs: list[Trajectory]) -> bytes:
         flat = np.concatenate(xs).astype(dtype, copy=False) if xs else np.empty(0, dtype)
         arrays[name] = [[len(x) for x in xs], flat.tobytes()]
     cols = {name: [getattr(t, name) for t in trajs] for name in _SCALAR_FIELDS}
-    return msgpack.packb({"n": len(trajs), "cols": cols, "arrays": arrays}, use_bin_type=True)
+    obj = {"n": len(trajs), "cols": cols, "arrays": arrays}
+    return msgpack.packb(obj, default=_pack, use_bin_type=True)  # routed_experts: arrays
 
 
 def from_bytes(data: bytes) -> list[Trajectory]:

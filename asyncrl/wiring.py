@@ -163,7 +163,7 @@ def prepare(cfg: DictConfig) -> Setup:
     model_path = resolve_model(cfg, task)
     env.check_template(model_path)  # a message-level env: its chat template, append-only
     check_model(model_path, learner.tp)  # learner.tp: a plan, whole heads per rank
-    check_experts(model_path, learner.ep)  # learner.ep: experts, ep of them dividing theirs
+    check_experts(model_path, learner.ep, learner.moe.routing_replay)  # a MoE model to split
     check_targets(model_path, learner.lora)  # learner.lora: layers the model has
     # with eval.every > 0: the held-out sets, and the training task without their prompts
     eval_plan, task = prepare_eval(evaluation, task)

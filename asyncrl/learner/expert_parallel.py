@@ -29,8 +29,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn import functional as F
 
-from asyncrl.learner.dist import local
-
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # HF's fused 3-D expert tensors [E, ., .]
 
 
@@ -118,7 +116,7 @@ def run_experts(m: nn.Module, rows: torch.Tensor, ids: torch.Tensor) -> torch.Te
     """SwiGLU of this rank's experts on the rows sent to them (``ids``: local expert of
     each row) -> [R, H]. With no rows the weights still join the graph (a zero term), so
     every rank's expert weights get a gradient, as on one rank."""
-    gu, dn = local(m.gate_up_proj), local(m.down_proj)
+    gu, dn = m.gate_up_proj.to_local(), m.down_proj.to_local()  # DTensors: this rank's experts
     rows = rows.to(gu.dtype)
     out = rows.new_zeros((rows.shape[0], dn.shape[1]))
     if rows.shape[0] == 0:
