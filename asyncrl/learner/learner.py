@@ -320,9 +320,8 @@ class Learner:
             out.loss.backward()
             losses.append(float(out.loss.detach()))
             ent = entropy_metric(logits, pk, lb.mask, self.temperature, self.top_k, self.top_p)
-            sums.add(
-                {**out.metrics, **ent, **self.routing.take()}, share=float(lb.mask.sum()) / n_all
-            )
+            sums.add({**out.metrics, **ent}, share=float(lb.mask.sum()) / n_all)
+            sums.add(*self.routing.take())  # moe/expert_disagreement, weighted by its tokens
             if local is not None:
                 isw = is_weights(self.loss, lb, ModelOutputs(logprobs=logp, values=vals))
                 self.tokens.add([local[j] for j in pk.seqs], lb, logp, isw)

@@ -96,14 +96,16 @@ class Routing:
             for f in self.forwards:
                 f.recorded = None
 
-    def take(self) -> dict[str, float]:
-        """``moe/expert_disagreement``: the fraction of (recorded token, MoE layer) pairs
-        whose own top-k set differs from the record, since the last take; {} if none."""
+    def take(self) -> tuple[dict[str, float], float]:
+        """``({"moe/expert_disagreement": fraction}, pairs)`` since the last take: the
+        fraction of (recorded position, MoE layer) pairs whose own top-k set differs from
+        the record, and how many pairs were counted (its weight in a mean over
+        micro-batches and ranks); ``({}, 0)`` when none were."""
         differ = sum(f.differ for f in self.forwards)
         counted = sum(f.counted for f in self.forwards)
         for f in self.forwards:
             f.differ, f.counted = 0, 0
-        return {"moe/expert_disagreement": differ / counted} if counted else {}
+        return ({"moe/expert_disagreement": differ / counted} if counted else {}), float(counted)
 
 
 def packed_routes(batch: TrainBatch | None, pk: PackedRows, layers: int) -> torch.Tensor | None:
