@@ -90,11 +90,11 @@ def test_the_model_must_have_experts_ep_divides(moe_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_ep2_matches_one_rank(ray_local, moe_dir):
+def test_ep2_matches_one_rank(ray_local, moe_dir, tmp_path):
     """Two steps (a collated batch every rank holds, then queue items shared between the
     ranks, carrying recorded experts that both sides replay) on EP2 and on one rank: same
     loss, grad norm, update norm, expert disagreement; the exported full weights (what
-    the brokers send) and log-probs agree."""
+    the brokers send) and log-probs agree. Its checkpoint loads on one rank."""
     torch.set_num_threads(1)
     first = collate(trajs(24, seed=3, max_prompt=9, max_response=12))
     recorded = trajs(24, seed=5, max_prompt=9, max_response=12)
@@ -137,5 +137,10 @@ def test_ep2_matches_one_rank(ray_local, moe_dir):
         d = max(float(np.abs(a - b).max()) for a, b in zip(one.logprobs_of(ts), ep.logprobs_of(ts)))
         print("log-probs, max |diff|:", d)
         assert d < LOGP_ATOL
+        ep.save(str(tmp_path / "ck"))  # each rank's experts into one global tensor
     finally:
         ep.close()
+    single = Learner(str(moe_dir), ClippedISLoss(), GroupNormalized(),
+                     settings(micro_batch_tokens=10_000))  # fmt: skip
+    assert single.load(str(tmp_path / "ck"))["version"] == 2
+    assert max_diff(single.full_state_dict(), p2) == 0.0  # resumes on one rank, bit-exact
