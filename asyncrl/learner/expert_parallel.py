@@ -81,7 +81,7 @@ class ExpertsForward:
         order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert, so by rank
         token = order // K
         sizes = torch.bincount(flat[order] // m.local_experts, minlength=m.ep_size).tolist()
-        recv = exchange_counts(sizes, m.ep_group)
+        recv = exchange_counts(sizes, m.ep_group, x.device)
         ids = all_to_all(flat[order] % m.local_experts, recv, sizes, m.ep_group)
         rows = all_to_all(x.index_select(0, token), recv, sizes, m.ep_group)
         out = run_experts(m, rows, ids)
@@ -90,9 +90,10 @@ class ExpertsForward:
         return x.new_zeros(x.shape).index_add(0, token, back)
 
 
-def exchange_counts(sizes: list[int], group: Any) -> list[int]:
-    """How many rows each rank sends this one, given what this one sends each rank."""
-    send = torch.tensor(sizes, dtype=torch.int64)
+def exchange_counts(sizes: list[int], group: Any, device: torch.device) -> list[int]:
+    """How many rows each rank sends this one, given what this one sends each rank
+    (on ``device``: NCCL exchanges GPU tensors only)."""
+    send = torch.tensor(sizes, dtype=torch.int64, device=device)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     return recv.tolist()
