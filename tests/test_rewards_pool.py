@@ -10,8 +10,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from asyncrl.rewards.base import Reward, RewardInput
-from asyncrl.rewards.pool import RewardClient, RewardWorker, start_workers, stop_workers
+from asyncrl.rewards.base import RewardInput
+from asyncrl.rewards.pool import RewardClient, start_workers, stop_workers
 from asyncrl.rewards.settings import RewardSettings
 from asyncrl.trajectory import Trajectory
 
@@ -72,24 +72,6 @@ def test_a_timeout_and_a_dead_worker_are_recorded_not_raised(ray_local):
         assert all(t.error.startswith("reward worker ") for t in trajs), trajs[0].error
     finally:
         stop_workers(workers)
-
-
-class Starting(Reward):
-    """Counts the worker's ``start`` calls (a served model would start here)."""
-
-    starts = 0
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def start(self) -> None:
-        type(self).starts += 1
-
-
-def test_a_worker_starts_each_component_once_it_is_built():
-    spec = [{"_target_": f"{__name__}.Starting", "weight": 1.0, "name": n} for n in "ab"]
-    RewardWorker(RewardSettings.defaults(workers=1, components=spec))
-    assert Starting.starts == 2
 
 
 def test_the_task_reward_alone_starts_no_worker(ray_local):

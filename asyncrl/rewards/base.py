@@ -61,12 +61,6 @@ class Reward:
         """One output per input, in order."""
         raise NotImplementedError(f"{type(self).__name__}.score")
 
-    def start(self) -> None:
-        """Start what scoring needs without waiting for it (optional): a reward worker
-        calls it once it has built its components, so a served model or judge engine
-        starts beside the policy's engines instead of on the first batch."""
-        return None
-
     async def close(self) -> None:
         """Free engines/actors (optional)."""
         return None

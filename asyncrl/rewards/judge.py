@@ -24,15 +24,12 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from asyncrl.config import ConfigError, check_model_dir
 from asyncrl.rewards import fence
 from asyncrl.rewards.base import Reward, RewardInput, RewardOutput
 from asyncrl.rewards.serving import actor_name, kill_actor, shared_actor
-
-if TYPE_CHECKING:
-    from asyncrl.engine.protocol import Engine
 
 # The judge's engine: its prompt is the rubric plus two fenced blocks (~500 characters
 # with the tiny judge's one-character tokens), far longer than the policy's 64.
@@ -57,20 +54,8 @@ class JudgeServer:
 
         self.model_dir, self.seed = model_dir, seed
         self.settings = EngineSettings.defaults(**engine)  # actor.engine's values, then these
-        self.engine: Engine | None = None
+        self.engine: Any = None
         self.requests = 0
-
-    async def start(self) -> None:
-        """Build the engine now (``Judge.start``), not on the first request."""
-        self.started()
-
-    def started(self) -> Engine:
-        """The engine, built on first use."""
-        from asyncrl.engine.vllm_engine import make_engine
-
-        if self.engine is None:
-            self.engine = make_engine(self.model_dir, self.settings, self.seed)
-        return self.engine
 
     async def generate(
         self, prompts: list[str], temperature: float, max_tokens: int
@@ -78,8 +63,10 @@ class JudgeServer:
         """One answer per prompt, in order: the judge's text, or why the engine refused
         that prompt (each prompt is rendered and generated on its own)."""
         from asyncrl.engine.protocol import text_sampling
+        from asyncrl.engine.vllm_engine import make_engine
 
-        engine = self.started()
+        if self.engine is None:
+            self.engine = make_engine(self.model_dir, self.settings, self.seed)
         self.requests += len(prompts)
 
         async def one(text: str) -> str | Refused:
@@ -89,7 +76,7 @@ class JudgeServer:
             sampling = text_sampling(temperature, max_tokens)
             try:  # each prompt on its own: one the engine refuses fails only its episode
                 # tokenised and length-checked by the engine before it is queued
-                out = await engine.generate(text, sampling, uuid.uuid4().hex)
+                out = await self.engine.generate(text, sampling, uuid.uuid4().hex)
                 return out.completions[0].text
             except Exception as e:  # noqa: BLE001 - too long for max_model_len, or engine-side
                 limit = self.settings.max_model_len
@@ -99,7 +86,7 @@ class JudgeServer:
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
     def stats(self) -> dict[str, int]:
-        return {"requests": self.requests, "engine_up": int(self.engine is not None)}
+        return {"requests": self.requests}
 
     def shutdown(self) -> None:
         if self.engine is not None:
@@ -196,11 +183,6 @@ class Judge(Reward):
                 self.seed,
             )
         return self._server
-
-    def start(self) -> None:
-        """The judge's engine starts in its actor while the policy's engines start (a
-        failure there shows again on the first request, as that episode's error)."""
-        self.server().start.remote()
 
     async def _remote_generate(self, prompts: list[str]) -> list[str | Refused]:
         return await self.server().generate.remote(prompts, self.temperature, self.max_tokens)

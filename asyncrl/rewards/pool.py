@@ -39,8 +39,6 @@ class RewardWorker:
 
     def __init__(self, settings: RewardSettings):
         self.combiner = Combiner(build_components(settings.specs()), settings.on_error)
-        for reward, _ in self.combiner.components:
-            reward.start()
 
     async def score(self, inputs: list[RewardInput]) -> list[Scored]:
         return await self.combiner.score(inputs)

@@ -176,10 +176,6 @@ class RewardModel(Reward):
             )
         return self._server
 
-    def start(self) -> None:
-        """The served model loads in its actor while the engines start."""
-        self.server()
-
     async def score(self, batch: list[RewardInput]) -> list[RewardOutput]:
         values = await self.server().score.remote([x.prompt + x.response for x in batch])
         return [RewardOutput(value=self.scale * v) for v in values]
