@@ -118,3 +118,26 @@ def test_the_packed_forward_with_images_is_each_sequence_alone(vlm_dir):
         px = policy.pixel_inputs(pk, torch.device("cpu"))
         moved, _ = policy_forward(lm, None, pk.input_ids, pk.position_ids, pk.flat_pos, px)
     assert (token_logprobs(moved, pk.targets, 1.0, 0, 1.0) - got).abs().max().item() > 1e-3
+
+
+def test_the_log_the_inspector_and_the_report_show_the_images(tmp_path):
+    import base64
+
+    from asyncrl.tools.inspect_run import load_rows, token_table
+    from asyncrl.tools.report import write_report
+    from asyncrl.utils.runlog import LogSettings, TrajectoryLog
+
+    vis = default_task()
+    png = vis.sample(random.Random(2)).meta["images"][0]
+    image = Image.of(png)
+    log = TrajectoryLog(LogSettings.defaults().spec(tmp_path))
+    shown = [Trajectory(f"g-{i}", "g", [15, 16], [5, 6], np.zeros(2), np.zeros(2),
+                        np.ones(2, bool), 1.0, response_text="12", images=[image])
+             for i in range(2)]  # fmt: skip
+    log.write(1, shown, 1)
+    log.close()
+    rows = load_rows(tmp_path)
+    assert [r["images"] for r in rows] == [[f"images/{image.key}.png"]] * 2
+    assert f"images/{image.key}.png" in token_table(rows[0])
+    page = write_report(tmp_path, rows, tmp_path / "report.html").read_text()
+    assert "Images and responses" in page and base64.b64encode(png).decode() in page

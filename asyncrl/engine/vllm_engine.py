@@ -326,10 +326,21 @@ class VLLMEngine:
     ) -> list[ReceiveReport]:
         kwargs = {"spec": dataclasses.asdict(spec), "with_digests": with_digests}
         got = await self.call_workers("asyncrl_sync", kwargs, timeout_s)
+        await self.forget_encoder_outputs()
         return [ReceiveReport.from_wire(r) for r in got]
 
     async def load_weights_file(self, path: str, timeout_s: float) -> None:
         await self.call_workers("asyncrl_load_file", {"path": path}, timeout_s)
+        await self.forget_encoder_outputs()
+
+    async def forget_encoder_outputs(self) -> None:
+        """After a reload, a multi-modal model's cached image features are stale: vLLM's
+        reload clears the workers' encoder cache but not the scheduler's record of it,
+        which then schedules no encoder run for an image it believes cached (vLLM:
+        "Encoder cache miss", the engine dies). Clear both (generation is paused: the
+        scheduler runs again its encoder for a request still prefilling)."""
+        if getattr(getattr(self.llm, "model_config", None), "is_multimodal_model", False):
+            await self.llm.reset_encoder_cache()
 
     async def weight_states(self, timeout_s: float) -> list[dict[str, int]]:
         return await self.call_workers("asyncrl_weight_state", None, timeout_s)
