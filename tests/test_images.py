@@ -141,3 +141,9 @@ def test_the_log_the_inspector_and_the_report_show_the_images(tmp_path):
     assert f"images/{image.key}.png" in token_table(rows[0])
     page = write_report(tmp_path, rows, tmp_path / "report.html").read_text()
     assert "Images and responses" in page and base64.b64encode(png).decode() in page
+    # asyncrl-replay rebuilds the trajectories with their images from the files
+    from asyncrl.tools.replay import trajectories_of
+
+    back = trajectories_of({1: {r["traj_id"]: r for r in rows}}, ["g-1"], 1,
+                           tmp_path / "trajectories")  # fmt: skip
+    assert back[0].images == [image]
