@@ -90,9 +90,24 @@ def trajectories_of(table: Any, ids: list[str], step: int, log_dir: Path | None 
     return out
 
 
+REPLAY_COLUMNS = [
+    "step", "traj_id", "group_id", "reward", "prompt_ids", "response_ids",
+    "behaviour_logprobs", "versions", "loss_mask",
+]  # fmt: skip
+
+
+def replay_columns(run_dir: Path) -> list[str]:
+    """The log columns replay reads; ``images`` too for a run that logs them."""
+    import pyarrow.parquet as pq
+
+    parts = trajectory_parts(run_dir)
+    if parts and "images" in pq.read_schema(parts[-1]).names:
+        return [*REPLAY_COLUMNS, "images"]
+    return list(REPLAY_COLUMNS)
+
+
 def replay(run_dir: str | Path, from_step: int, steps: int) -> list[dict[str, Any]]:
     """Per replayed step: the replayed and the logged loss and grad norm."""
-    import pyarrow.parquet as pq
     from omegaconf import OmegaConf
 
     from asyncrl.config import compose_config
@@ -109,20 +124,7 @@ def replay(run_dir: str | Path, from_step: int, steps: int) -> list[dict[str, An
     ckpt = checkpoint_at(run_dir, from_step)
     # a run saved before a key existed: conf/'s value fills it (as the CLI would)
     setup = prepare(OmegaConf.merge(compose_config(), OmegaConf.load(run_dir / "config.yaml")))
-    cols = [
-        "step",
-        "traj_id",
-        "group_id",
-        "reward",
-        "prompt_ids",
-        "response_ids",
-        "behaviour_logprobs",
-        "versions",
-        "loss_mask",
-    ]
-    parts = trajectory_parts(run_dir)
-    if parts and "images" in pq.read_schema(parts[-1]).names:  # runs that log images
-        cols.append("images")
+    cols = replay_columns(run_dir)
     by_step: dict[int, dict[str, dict]] = {}
     for r in read_trajectories(run_dir, columns=cols).to_pylist():
         if r["step"] in wanted:
