@@ -22,10 +22,18 @@ Staleness is over generated tokens only (``min_version``/``max_version``).
 
 A group (all samples of one prompt) travels as one object: the actor ``ray.put``s
 it once and only the reference moves through the queue.
+
+Images (a prompt's or an observation's, PNG bytes): ``images`` lists the
+:class:`Image` s a trajectory's prompt ids show, in the order their placeholder tokens
+appear. The samples of one group share the same :class:`Image` objects (never copied
+per sample or per step); :func:`to_bytes` writes each distinct image once (a table
+keyed by :attr:`Image.key`) and every trajectory only its keys. A text-only batch
+writes no table: its bytes are what they are without images.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
@@ -39,6 +47,19 @@ _ARRAY_FIELDS = {
     "versions": np.int32,
     "loss_mask": np.bool_,
 }
+
+
+@dataclass(frozen=True)
+class Image:
+    """One image as PNG bytes, named by ``key`` (a hash of the bytes: equal bytes, one
+    key, stored once)."""
+
+    key: str
+    png: bytes
+
+    @classmethod
+    def of(cls, png: bytes) -> Image:
+        return cls(hashlib.blake2b(png, digest_size=8).hexdigest(), bytes(png))
 
 
 @dataclass
@@ -62,6 +83,8 @@ class Trajectory:
     # requests turn_prompt_tokens and cached_tokens (the prefix cache's hits), and
     # env_seconds (awaiting the env's steps)
     episode: dict[str, float] = field(default_factory=dict)
+    # the images the prompt ids show, in placeholder order (shared by the group's samples)
+    images: list[Image] = field(default_factory=list)
     routed_experts: np.ndarray | None = None  # uint8 [n, layers, top_k], n <= num_tokens
 
     def __post_init__(self) -> None:
@@ -104,16 +127,22 @@ class Trajectory:
 def _pack(obj):
     if isinstance(obj, np.ndarray):
         return {"__nd__": True, "d": obj.dtype.str, "s": list(obj.shape), "b": obj.tobytes()}
+    if isinstance(obj, Image):
+        return {"__img__": obj.key, "png": obj.png}
     raise TypeError(f"cannot serialise {type(obj)}")
 
 
 def _unpack(obj):
     if obj.get("__nd__"):
         return np.frombuffer(obj["b"], dtype=np.dtype(obj["d"])).reshape(obj["s"]).copy()
+    if "__img__" in obj:
+        return Image(obj["__img__"], obj["png"])
     return obj
 
 
-_SCALAR_FIELDS = [f.name for f in fields(Trajectory) if f.name not in _ARRAY_FIELDS]
+_SCALAR_FIELDS = [
+    f.name for f in fields(Trajectory) if f.name not in _ARRAY_FIELDS and f.name != "images"
+]
 
 
 def token_fields(
@@ -146,8 +175,11 @@ def to_bytes(trajs: list[Trajectory]) -> bytes:
         flat = np.concatenate(xs).astype(dtype, copy=False) if xs else np.empty(0, dtype)
         arrays[name] = [[len(x) for x in xs], flat.tobytes()]
     cols = {name: [getattr(t, name) for t in trajs] for name in _SCALAR_FIELDS}
-    obj = {"n": len(trajs), "cols": cols, "arrays": arrays}
-    return msgpack.packb(obj, default=_pack, use_bin_type=True)  # routed_experts: arrays
+    out = {"n": len(trajs), "cols": cols, "arrays": arrays}
+    if any(t.images for t in trajs):  # each distinct image once, every trajectory its keys
+        out["images"] = {im.key: im.png for t in trajs for im in t.images}
+        out["image_keys"] = [[im.key for im in t.images] for t in trajs]
+    return msgpack.packb(out, default=_pack, use_bin_type=True)  # routed_experts: arrays
 
 
 def from_bytes(data: bytes) -> list[Trajectory]:
@@ -161,13 +193,18 @@ def from_bytes(data: bytes) -> list[Trajectory]:
         flat = np.frombuffer(raw, dtype=dtype).copy()  # writable, owned by this process
         ends = np.cumsum(lens).tolist()
         per[name] = [flat[e - k : e] for e, k in zip(ends, lens)]
-    return [
+    trajs = [
         Trajectory(
             **{name: col[i] for name, col in cols.items()},
             **{name: arrs[i] for name, arrs in per.items()},
         )
         for i in range(n)
     ]
+    if "images" in obj:  # one Image object per key, shared by every trajectory showing it
+        table = {key: Image(key, png) for key, png in obj["images"].items()}
+        for t, keys in zip(trajs, obj["image_keys"], strict=True):
+            t.images = [table[key] for key in keys]
+    return trajs
 
 
 @dataclass

@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from helpers import SHORT_RUN_EVAL, SHORT_RUN_STEPS, engine_actor, run_cli, write_user_loss
+from helpers import (
+    SHORT_RUN_AUTO_BOUND,
+    SHORT_RUN_EVAL,
+    SHORT_RUN_STEPS,
+    engine_actor,
+    run_cli,
+    write_user_loss,
+)
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -159,15 +166,16 @@ async def vllm_actor(tiny_model, task, request):
 def short_cli_run(tmp_path_factory, tiny_model) -> Path:
     """One short real ``python -m asyncrl.train`` (an engine start and SHORT_RUN_STEPS
     steps) shared by the tests that each check one feature through the CLI: evaluation
-    on (tests/test_eval.py) and a researcher's loss class from their own module, found
-    through PYTHONPATH, with ``+loss.alpha=0.3`` (tests/test_user_loss.py)."""
+    on (tests/test_eval.py), a researcher's loss class from their own module, found
+    through PYTHONPATH, with ``+loss.alpha=0.3`` (tests/test_user_loss.py), and a
+    staleness bound that steers itself (tests/test_steer_run.py)."""
     base = tmp_path_factory.mktemp("short_cli_run")
     userlib = write_user_loss(base)
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(userlib), os.environ.get("PYTHONPATH", "")])
     )
     out = base / "run"
-    r = run_cli(out, f"max_steps={SHORT_RUN_STEPS}", *SHORT_RUN_EVAL,
+    r = run_cli(out, f"max_steps={SHORT_RUN_STEPS}", *SHORT_RUN_EVAL, *SHORT_RUN_AUTO_BOUND,
                 "loss._target_=my_losses.scaled.ScaledPG", "+loss.alpha=0.3", env=env)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     return out

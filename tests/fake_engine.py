@@ -23,7 +23,7 @@ import asyncio
 import hashlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,7 @@ class FakeEngine:
         self.requests: list[list[int]] = []  # each request's prompt ids
         self.samplings: list[Sampling] = []  # each request's sampling
         self.salts: list[str | None] = []
+        self.images: list[list[bytes]] = []  # each request's images (PNG bytes)
         self.outputs: list[list[int]] = []  # each request's first sample's ids
         self.log: list[str] = []
         self.abort = False  # True: every request ends "abort" (a test's update under abort)
@@ -71,8 +72,10 @@ class FakeEngine:
         return self.tok
 
     async def generate(
-        self, prompt: str | list[int], sampling: Sampling, request_id: str, salt: str | None = None
-    ) -> Generation:
+        self, prompt: str | list[int], sampling: Sampling, request_id: str,
+        salt: str | None = None, images: Sequence[bytes] = (),
+    ) -> Generation:  # fmt: skip
+        self.images.append(list(images))
         if self._shut:
             raise RuntimeError("the engine is shut down")
         ids = list(self.tok.encode(prompt)) if isinstance(prompt, str) else list(prompt)

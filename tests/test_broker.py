@@ -18,11 +18,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from asyncrl.broker.messages import CONCURRENCY_GROUPS
 from asyncrl.broker.plan import ActorView, SyncSet, plan_waves
 from asyncrl.broker.settings import PAYLOAD_MODES, BrokerKind, BrokerSettings
 from asyncrl.config import ConfigError
 from asyncrl.engine.vllm_engine import VLLMEngine
-from asyncrl.learner.weights import CONCURRENCY_GROUPS, WeightsOut
+from asyncrl.learner.weights import WeightsOut
 from asyncrl.transport.delta import Mode
 from asyncrl.transport.endpoint import digests
 from asyncrl.transport.spec import NO_VERSION

@@ -27,6 +27,7 @@ from asyncrl.learner.expert_parallel import expert_modules
 from asyncrl.learner.group import LearnerGroup
 from asyncrl.learner.learner import Learner
 from asyncrl.learner.moe_check import check_model
+from asyncrl.learner.rank import LearnerRank
 from asyncrl.losses.advantages import GroupNormalized
 from asyncrl.losses.clipped import ClippedISLoss
 from asyncrl.models.tiny import random_qwen2, random_qwen3_moe
@@ -105,10 +106,10 @@ def test_ep2_matches_one_rank(ray_local, moe_dir, tmp_path):
     ep = LearnerGroup(str(moe_dir), ClippedISLoss(), GroupNormalized(),
                       settings(world_size=2, ep=2, micro_batch_tokens=40))  # fmt: skip
 
-    def first_experts(rank: Learner) -> tuple[int, float]:
-        """On a rank (a closure: Ray sends it by value): how many experts of layer 0 it
-        holds, and their weights' sum."""
-        w = expert_modules(rank.model)[0].gate_up_proj.to_local()
+    def first_experts(rank: LearnerRank) -> tuple[int, float]:
+        """On a rank (a closure: Ray sends it by value): how many experts of layer 0 its
+        learner holds, and their weights' sum."""
+        w = expert_modules(rank.learner.model)[0].gate_up_proj.to_local()
         return w.shape[0], float(w.detach().sum())
 
     try:

@@ -58,7 +58,7 @@ from hydra import compose, initialize_config_dir
 from asyncrl.actor.launch import new_actor
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.confdir import conf_dir
-from asyncrl.learner import learner as learner_module
+from asyncrl.learner import rank as rank_module
 from asyncrl.learner.config import LearnerSettings
 from asyncrl.learner.group import LearnerGroup
 from asyncrl.losses.clipped import ClippedISLoss
@@ -75,7 +75,7 @@ class Probe:
         return [str(g) for g in ray.get_runtime_context().get_accelerator_ids()["GPU"]]
 
 
-learner_module.Learner = Probe  # LearnerGroup takes the rank class from there
+rank_module.LearnerRank = Probe  # LearnerGroup takes the rank class from there
 with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
     cfg = compose("config", overrides=["+experiment=gpu_cluster"])
 actor = ActorSettings.from_config(cfg.actor)

@@ -92,10 +92,12 @@ def test_forked_with_the_worker_in_the_engine_core_unless_told_otherwise(monkeyp
 
 def test_the_processes_that_only_hold_an_actor_handle_do_not_import_torch():
     """Ray imports an actor's class module wherever its handle is deserialised (the
-    queue and the broker get the actors' handles): none of these import torch."""
+    queue and the broker get the actors' handles; the broker, the evaluator and the
+    supervisor the learner ranks'): none of these import torch."""
     program = (
         "import sys\n"
         "import asyncrl.actor.rollout, asyncrl.replay.queue, asyncrl.broker.weight_broker\n"
+        "import asyncrl.learner.rank\n"
         "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))\n"
     )
     out = subprocess.run(

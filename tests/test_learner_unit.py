@@ -157,6 +157,25 @@ def test_the_rank_exposes_its_held_parts_methods_as_its_own():
         assert mine.__doc__ == held.__doc__, name
 
 
+def test_the_ray_class_of_a_rank_calls_the_learner_with_its_signatures():
+    """``LearnerRank`` (what Ray makes remote) has every method the driver and the
+    brokers call on a rank, each with the Learner's signature, and a generator where
+    Ray streams; the transfers in the weights concurrency group."""
+    import inspect
+
+    from asyncrl.broker.messages import WEIGHTS_GROUP
+    from asyncrl.learner.rank import LearnerRank
+
+    names = [n for n in vars(LearnerRank) if not n.startswith("_")]
+    assert len(names) == 17, names
+    for name in names:
+        mine, theirs = getattr(LearnerRank, name), getattr(Learner, name)
+        assert inspect.signature(mine) == inspect.signature(theirs), name
+    assert inspect.isgeneratorfunction(LearnerRank.stream_weights)
+    for name in ("send_weights", "close_send_groups"):
+        assert getattr(LearnerRank, name).__ray_concurrency_group__ == WEIGHTS_GROUP
+
+
 def test_a_batch_without_a_trained_token_takes_no_step(model_dir):
     """Every episode ended before the model wrote a token (an env failing at its start,
     an agent that never called): no gradient, so no optimizer step (AdamW's decay would

@@ -30,8 +30,9 @@ TARGETS = "[q_proj,v_proj,gate_proj,down_proj]"
 HEADER_MAX_BYTES = 4096  # a sync's header (version, mode, plan): ~100 B here
 
 
-def _move_adapters(learner, seed: int) -> None:
+def _move_adapters(rank, seed: int) -> None:
     """Random adapters, large enough to move log-probs far beyond the tolerance."""
+    learner = rank.learner
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in learner.model.named_parameters():
@@ -39,8 +40,9 @@ def _move_adapters(learner, seed: int) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
-def _sent_bytes(learner) -> tuple[int, int, list[str]]:
+def _sent_bytes(rank) -> tuple[int, int, list[str]]:
     """(bytes of the stream the brokers get, bytes of the whole model, stream names)."""
+    learner = rank.learner
     sent = list(learner.named_parameters_stream())
     full = sum(p.numel() * p.element_size() for n, p in learner.model.named_parameters()
                if ".lora_" not in n)  # fmt: skip

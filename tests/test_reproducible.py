@@ -111,18 +111,20 @@ def test_two_fresh_builds_give_the_recorded_weights(tmp_path):
     """Built from scratch (never copied) in fresh processes with 1 and 2 threads, the
     default model is byte for byte the shipped one: on this machine's kind of CPU the
     build does not depend on the thread count (nor on anything else but the seed)."""
-    shas = []
-    for threads in (1, 2):
+
+    def build(threads: int) -> str:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         out = subprocess.run(
             [sys.executable, "-m", "asyncrl.models.tiny", "--rebuild", str(tmp_path / f"t{threads}")],
             capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200, check=True,
         ).stdout.split()  # fmt: skip
-        shas.append(out[-1])
-    if shas[0] != RECORDED and torch.backends.cpu.get_cpu_capability() != "AVX2":
+        return out[-1]
+
+    first = build(1)
+    if first != RECORDED and torch.backends.cpu.get_cpu_capability() != "AVX2":
         pytest.skip(f"this CPU's kernels ({torch.backends.cpu.get_cpu_capability()}) build "
-                    f"another model ({shas[0][:12]}): why the default one ships")  # fmt: skip
-    assert shas == [RECORDED, RECORDED]
+                    f"another model ({first[:12]}): why the default one ships")  # fmt: skip
+    assert [first, build(2)] == [RECORDED, RECORDED]
 
 
 # ---- what a seed decides -----------------------------------------------------------------

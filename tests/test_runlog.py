@@ -175,3 +175,25 @@ def test_learner_logs_what_the_loss_used(ray_local, tmp_path):
         np.testing.assert_allclose(got, lp, atol=1e-5)
         np.testing.assert_allclose(row["is_weights"], np.exp(got - t.behaviour_logprobs), rtol=1e-5)
         np.testing.assert_allclose(row["advantages"], [float(a)] * len(got), rtol=1e-6)
+
+
+def test_images_are_written_once_beside_the_parts_and_named_by_a_column(tmp_path):
+    from asyncrl.trajectory import Image
+
+    log = TrajectoryLog(_spec(tmp_path, part_every=1))
+    ts = trajs(4)
+    a, b = Image.of(b"\x89PNG a"), Image.of(b"\x89PNG b")
+    for t in ts[:3]:
+        t.images = [a]  # one group's samples share their prompt's image
+    ts[3].images = [a, b]
+    log.write(1, ts, 1)
+    log.close()
+    table = read_trajectories(tmp_path)
+    names = table.column("images").to_pylist()
+    assert names[:3] == [[f"images/{a.key}.png"]] * 3 and names[3][1] == f"images/{b.key}.png"
+    files = sorted((tmp_path / "trajectories" / "images").iterdir())
+    assert [f.read_bytes() for f in files] == sorted([a.png, b.png], key=lambda x: Image.of(x).key)
+    text = TrajectoryLog(_spec(tmp_path / "text"))
+    text.write(1, trajs(2), 1)
+    text.close()
+    assert read_trajectories(tmp_path / "text").column("images").to_pylist() == [[], []]

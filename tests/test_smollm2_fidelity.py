@@ -36,8 +36,9 @@ FP32_LOGP_TOL = 2e-3
 TEMPERATURE = 0.8  # model=smollm2's; the learner applies the same
 
 
-def _perturb(learner, seed: int) -> None:
+def _perturb(rank, seed: int) -> None:
     """Move layer 0's MLP: log-probs move far beyond the tolerance."""
+    learner = rank.learner  # the rank's Ray actor holds its Learner
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in learner.model.named_parameters():

@@ -1,6 +1,7 @@
-"""``replay.max_staleness=auto`` through the command line: ``replay/bound`` in TensorBoard
-at every step, no batch staler than the bound it was taken under, one log line per change
-with its reason, the summary's bound figures and exact accounting."""
+"""``replay.max_staleness=auto`` through the command line (the shared short run,
+tests/conftest.py ``short_cli_run``): ``replay/bound`` in TensorBoard at every step, no
+batch staler than the bound it was taken under, one log line per change with its reason,
+the summary's bound figures and exact accounting."""
 
 from __future__ import annotations
 
@@ -8,21 +9,19 @@ import json
 import re
 
 import pytest
-from helpers import run_cli
+from helpers import SHORT_RUN_AUTO_BOUND, SHORT_RUN_STEPS
 
-pytestmark = pytest.mark.slow  # an engine start and a short run
+pytestmark = pytest.mark.slow  # the shared short run
 
-STEPS = 12
+STEPS = SHORT_RUN_STEPS
 CHANGE = re.compile(r"replay\.max_staleness (\d+) -> (\d+): (.+) \(step (\d+)\)$")
 
 
-def test_an_auto_bound_steers_and_is_logged(tmp_path, tiny_model):
+def test_an_auto_bound_steers_and_is_logged(short_cli_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = tmp_path / "run"
-    r = run_cli(out, "replay.max_staleness=auto", f"max_steps={STEPS}",
-                "replay.auto_widen_after=2")  # fmt: skip
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert SHORT_RUN_AUTO_BOUND == ("replay.max_staleness=auto", "replay.auto_widen_after=2")
+    out = short_cli_run
     s = json.loads((out / "summary.json").read_text())
     assert s["trajectories_produced"] == (
         s["trajectories_trained"] + s["trajectories_dropped_stale"] + s["trajectories_in_flight"]

@@ -79,3 +79,24 @@ def test_arrays_that_are_not_per_token_go_record_by_record():
     back = from_bytes(to_bytes([t, make(1)]))
     assert back[0].prompt_ids.shape == (2, 3) and np.array_equal(back[0].prompt_ids, t.prompt_ids)
     assert np.array_equal(back[1].response_ids, make(1).response_ids)
+
+
+def test_images_travel_once_per_group_by_key_and_text_bytes_are_unchanged():
+    from asyncrl.trajectory import Image
+
+    text = [make(0), make(1)]
+    plain = to_bytes(text)
+    assert b"image" not in plain  # a text-only batch writes no image table or keys
+    big, small = Image.of(bytes(range(256)) * 40), Image.of(b"\x89PNG tiny")
+    shown = [make(i) for i in range(4)]
+    for t in shown:
+        t.images = [big, small]  # one group: the samples share the Image objects
+    data = to_bytes(shown)
+    assert len(plain) < len(data) < len(to_bytes([make(0), make(1), make(2), make(3)])) + 10_500
+    back = from_bytes(data)
+    assert [im.key for im in back[3].images] == [big.key, small.key]
+    assert back[0].images[0] == big and back[0].images[0] is back[3].images[0]
+    assert from_bytes(to_bytes([make(5)]))[0].images == []
+    rec = make(9)
+    rec.prompt_ids, rec.images = np.zeros((2, 2), np.int32), [small]  # record by record
+    assert from_bytes(to_bytes([rec]))[0].images == [small]

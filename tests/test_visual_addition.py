@@ -109,9 +109,14 @@ def test_the_config_builds_it_and_refuses_a_bad_value_at_start_up():
         build_task(compose_config(["task=visual_addition", "task.noise=500"]))
 
 
-def test_a_run_with_the_vlm_stops_at_start_up_with_one_line():
+def test_the_vlm_resolves_for_its_task_and_is_refused_for_another():
+    import json
+
     from asyncrl.models.resolve import resolve_model
+    from asyncrl.tasks.arithmetic import AdditionTask
 
     cfg = compose_config(["model=tiny_vlm", "task=visual_addition"])
     with pytest.raises(ConfigError, match="model=tiny_vlm"):
-        resolve_model(cfg, VisualAdditionTask())
+        resolve_model(cfg, AdditionTask())
+    got = resolve_model(cfg, VisualAdditionTask())  # built once into the cache
+    assert json.loads(open(f"{got}/config.json").read())["model_type"] == "idefics3"

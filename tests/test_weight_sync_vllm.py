@@ -46,9 +46,10 @@ class SharedPrefixTask:
 
 
 # ----------------------------------------------------------------- helpers run in actors
-def _perturb(learner, seed: int) -> None:
+def _perturb(rank, seed: int) -> None:
     """Move layer 0's MLP (dense buckets) and 5% of the embedding (sparse); leave the
     rest (skipped buckets). Enough to move log-probs far beyond FP32_LOGP_TOL."""
+    learner = rank.learner  # the rank's Ray actor holds its Learner
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in learner.model.named_parameters():

@@ -17,6 +17,10 @@ The contract every runner keeps (the learner and the queue rely on it):
   ``asyncrl.engine.protocol.Completion``).
 * ``versions[i]`` is the policy version of the weights that produced token ``i``,
   as the engine labels it (a sequence may span a weight update).
+* A prompt's images (``Prompt.meta["images"]``, PNG bytes) go to the engine with it;
+  ``prompt_ids`` hold the placeholder tokens the engine expanded them into (never
+  trained: only ``response_ids`` carry ``loss_mask``), and every sample of the group
+  shares the same ``Trajectory.images``.
 * ``loss_mask[i]`` is True for tokens the policy generated, False for tokens it did
   not (an environment's observation, a tool's output): the learner trains on the
   first only.
@@ -54,7 +58,7 @@ from asyncrl.engine.settings import SamplingSettings
 from asyncrl.rewards.base import RewardInput
 from asyncrl.rewards.pool import RewardClient
 from asyncrl.tasks.base import Prompt, Task, ascore, score
-from asyncrl.trajectory import Trajectory, TrajectoryGroup
+from asyncrl.trajectory import Image, Trajectory, TrajectoryGroup
 
 
 class EpisodeAborted(Exception):
@@ -100,9 +104,12 @@ class SingleTurnEpisodes:
         self._groups += 1
         # salted with the version the engine's weights carry now (version_salt): it
         # reuses cached KV of that version only
-        out = await self.engine.generate(
-            prompt.text, sampling, gid + "-" + uuid.uuid4().hex[:6], version_salt(self.version())
-        )
+        # a prompt's images (PNG bytes): one Image each, shared by the group's samples
+        pngs = prompt.meta.get("images")
+        images = [Image.of(png) for png in pngs] if pngs else []
+        kw = {"images": [im.png for im in images]} if images else {}
+        rid, salt = gid + "-" + uuid.uuid4().hex[:6], version_salt(self.version())
+        out = await self.engine.generate(prompt.text, sampling, rid, salt, **kw)
         comps = out.completions
         if len(comps) != self.n or out.aborted:
             raise EpisodeAborted(f"group {gid}: a weight update aborted its requests")
@@ -134,6 +141,7 @@ class SingleTurnEpisodes:
                     response_text=text,
                     t_start=t_start,
                     t_end=time.time(),
+                    images=images,
                 )
             )
             inputs.append(reward_input(self.task, prompt, text, ids, breakdown, reward))

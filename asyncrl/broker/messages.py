@@ -17,6 +17,12 @@ from dataclasses import dataclass, field
 
 from asyncrl.transport.spec import HEADER_BUCKET, NO_VERSION
 
+# Learner rank 0 takes SendOrder and CloseGroups in this concurrency group of its Ray
+# actor (one thread), beside its default queue where train steps and snapshots run in
+# order; the rank's actor class is made with CONCURRENCY_GROUPS.
+WEIGHTS_GROUP = "weights"
+CONCURRENCY_GROUPS = {WEIGHTS_GROUP: 1}
+
 
 @dataclass(frozen=True)
 class SnapshotOrder:

@@ -2,7 +2,8 @@
 
     caller                         Engine                          engine's processes
     generate(prompt, Sampling,  ─▶ render (text or token ids,   ─▶ sample, label each
-             request_id, salt)     cache salt) and submit          token with the weights'
+             request_id, salt,     cache salt, images) and         token with the weights'
+             images)               submit
     ◀── Generation (prompt ids, one Completion per sample:         version
         token ids, log-probs, per-token versions, finish reason)
     pause(mode) / label(V) / reset_prefix_cache() / resume()    a weight update's steps
@@ -16,7 +17,7 @@ library is imported here.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -95,6 +96,10 @@ class Generation:
 class Engine(Protocol):
     """An inference engine as the actor, the judge and eval drive it.
 
+    ``generate(..., images)``: PNG bytes of the images the prompt's placeholders stand
+    for, in order (a multi-modal model's prompt); the engine expands each placeholder
+    into the image's tokens, and ``Generation.prompt_ids`` are the expanded ids.
+
     ``seed``: the run's seed the engine was built with (None: unseeded), from which the
     callers derive each request's seed. ``errored``: the engine can never serve again
     (its processes died). ``version``: the label its tokens carry now.
@@ -122,8 +127,9 @@ class Engine(Protocol):
     def errored(self) -> bool: ...
 
     async def generate(
-        self, prompt: str | list[int], sampling: Sampling, request_id: str, salt: str | None = None
-    ) -> Generation: ...
+        self, prompt: str | list[int], sampling: Sampling, request_id: str,
+        salt: str | None = None, images: Sequence[bytes] = (),
+    ) -> Generation: ...  # fmt: skip
 
     def get_tokenizer(self) -> Any: ...
 

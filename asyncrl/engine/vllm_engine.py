@@ -9,7 +9,9 @@ This package is the only place that imports an engine library."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -142,6 +144,17 @@ def tokens_prompt(ids: list[int]) -> Any:
     return TokensPrompt(prompt_token_ids=ids)
 
 
+def with_images(prompt: str | list[int], images: Sequence[bytes]) -> dict:
+    """A prompt with its images (PNG bytes, decoded to RGB PIL images here) as vLLM's
+    multi-modal data: vLLM's processor expands each placeholder into the image's tokens
+    and hashes the pixels into the prefix cache's block keys."""
+    from PIL import Image
+
+    pil = [Image.open(io.BytesIO(png)).convert("RGB") for png in images]
+    out: dict = {"prompt": prompt} if isinstance(prompt, str) else tokens_prompt(prompt)
+    return {**out, "multi_modal_data": {"image": pil}}
+
+
 class Renderer(Protocol):
     """A prompt (text or a TokensPrompt dict) and its cache salt (None: none) -> what
     ``engine.generate`` takes."""
@@ -262,11 +275,13 @@ class VLLMEngine:
         return self._shut or bool(getattr(self.llm, "errored", False))
 
     async def generate(
-        self, prompt: str | list[int], sampling: Sampling, request_id: str, salt: str | None = None
-    ) -> Generation:
+        self, prompt: str | list[int], sampling: Sampling, request_id: str,
+        salt: str | None = None, images: Sequence[bytes] = (),
+    ) -> Generation:  # fmt: skip
         if self._render is None:
             self._render = prompt_renderer(self.llm)
-        request = self._render(prompt if isinstance(prompt, str) else tokens_prompt(prompt), salt)
+        request = self._render(with_images(prompt, images) if images else (
+            prompt if isinstance(prompt, str) else tokens_prompt(prompt)), salt)  # fmt: skip
         final = None
         async for out in self.llm.generate(request, vllm_params(sampling), request_id=request_id):
             final = out
@@ -311,10 +326,21 @@ class VLLMEngine:
     ) -> list[ReceiveReport]:
         kwargs = {"spec": dataclasses.asdict(spec), "with_digests": with_digests}
         got = await self.call_workers("asyncrl_sync", kwargs, timeout_s)
+        await self.forget_encoder_outputs()
         return [ReceiveReport.from_wire(r) for r in got]
 
     async def load_weights_file(self, path: str, timeout_s: float) -> None:
         await self.call_workers("asyncrl_load_file", {"path": path}, timeout_s)
+        await self.forget_encoder_outputs()
+
+    async def forget_encoder_outputs(self) -> None:
+        """After a reload, a multi-modal model's cached image features are stale: vLLM's
+        reload clears the workers' encoder cache but not the scheduler's record of it,
+        which then schedules no encoder run for an image it believes cached (vLLM:
+        "Encoder cache miss", the engine dies). Clear both (generation is paused: the
+        scheduler runs again its encoder for a request still prefilling)."""
+        if getattr(getattr(self.llm, "model_config", None), "is_multimodal_model", False):
+            await self.llm.reset_encoder_cache()
 
     async def weight_states(self, timeout_s: float) -> list[dict[str, int]]:
         return await self.call_workers("asyncrl_weight_state", None, timeout_s)

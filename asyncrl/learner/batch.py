@@ -4,6 +4,7 @@ A :class:`TrainBatch` holds one row per trajectory. Token tensors are
 ``[B, L]`` over prompt+response (right-padded, ``L`` = longest row); the
 response-aligned tensors the loss sees are ``[B, T]`` (``T`` = longest response).
 ``resp_start[b]`` is where row ``b``'s response begins inside its ``L`` row.
+``images[b]``: the images row ``b``'s prompt shows (None when no row shows one).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 
 from asyncrl.learner.config import Normalisation
-from asyncrl.trajectory import Trajectory
+from asyncrl.trajectory import Image, Trajectory
 
 
 @dataclass
@@ -29,6 +30,7 @@ class TrainBatch:
     mask: torch.Tensor  # [B, T] bool
     rewards: torch.Tensor  # [B] float32
     group_ids: torch.Tensor  # [B] int64 (dense ids within this batch)
+    images: list[list[Image]] | None = None  # per row; None: a text-only batch
     # per row, the experts the engine routed each position to (uint8 [n, layers, top_k],
     # Trajectory.routed_experts) or None; None for the whole batch when no row has one
     routed_experts: list[np.ndarray | None] | None = None
@@ -52,6 +54,7 @@ class TrainBatch:
             mask=self.mask[idx, :T],
             rewards=self.rewards[idx],
             group_ids=self.group_ids[idx],
+            images=None if self.images is None else [self.images[i] for i in idx.tolist()],
             routed_experts=None
             if self.routed_experts is None
             else [self.routed_experts[i] for i in idx.tolist()],
@@ -96,6 +99,7 @@ def collate(trajs: list[Trajectory], pad_id: int = 0) -> TrainBatch:
         mask=torch.from_numpy(mask),
         rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         group_ids=torch.from_numpy(gids),
+        images=[t.images for t in trajs] if any(t.images for t in trajs) else None,
         routed_experts=[t.routed_experts for t in trajs]
         if any(t.routed_experts is not None for t in trajs)
         else None,

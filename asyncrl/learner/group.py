@@ -86,8 +86,8 @@ class LearnerGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from asyncrl.learner.learner import Learner
-        from asyncrl.learner.weights import CONCURRENCY_GROUPS
+        from asyncrl.broker.messages import CONCURRENCY_GROUPS
+        from asyncrl.learner.rank import LearnerRank
 
         world_size, num_cpus, num_gpus = settings.world_size, settings.num_cpus, settings.num_gpus
         self.world_size = world_size
@@ -107,7 +107,7 @@ class LearnerGroup:
         rendezvous = self._rendezvous() if world_size > 1 or num_gpus else None
         self.rendezvous = rendezvous  # rank 0's store: host:port (None: a single CPU rank)
         # rank 0's weight transfers run in their own thread (learner/weights.py)
-        cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Learner)
+        cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(LearnerRank)
         self.ranks = [
             cls.options(
                 num_cpus=num_cpus,

@@ -390,14 +390,15 @@ class Learner:
         """``[N, V]`` logits and ``[N]`` values (or None) at the response positions;
         ``batch``: the rows ``pk`` packs (their recorded experts, learner/routing.py)."""
         ids, pos, flat = (t.to(self.device) for t in (pk.input_ids, pk.position_ids, pk.flat_pos))
+        px = self.policy.pixel_inputs(pk, self.device)  # None: no image in the rows
         # learner.autocast: bf16 matmuls (AMX on a CPU), fp32 weights, fp32 log-probs after
         autocast = torch.autocast(
             self.device.type, torch.bfloat16, enabled=bool(self.settings.autocast)
         )
         with autocast, self.routing.records(batch, pk):
             if self.sharded:  # through the FSDP root, whose hooks unshard the root params
-                return self.policy(ids, pos, flat)
-            return policy_forward(self.model, self.value_head, ids, pos, flat)
+                return self.policy(ids, pos, flat, px)
+            return policy_forward(self.model, self.value_head, ids, pos, flat, px)
 
     def _rows(self, pk: PackedRows, logits, values, shape: tuple[int, int]):
         dev = self.device

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from asyncrl.learner.batch import TrainBatch
+from asyncrl.trajectory import Image
 
 # Auto row width = this many times the longest sequence (capped by the micro-batch
 # budget): rows then hold ~8 sequences, so the slack of one row is a small fraction,
@@ -139,7 +140,10 @@ class PackedRows:
 
     ``flat_pos[n]`` indexes ``input_ids.view(-1)``: the position whose logits predict
     response token ``tok[n]`` of local sequence ``seq[n]`` (``targets[n]`` is that token).
-    ``seqs[b]`` is the global batch index of local sequence ``b``.
+    ``seqs[b]`` is the global batch index of local sequence ``b``. ``images``: the
+    sequences' images in the order their placeholder tokens appear in
+    ``input_ids.view(-1)`` (row by row, sequence by sequence): the order the model puts
+    image features into image tokens.
     """
 
     input_ids: torch.Tensor  # [R, S] int64
@@ -149,6 +153,8 @@ class PackedRows:
     tok: torch.Tensor  # [N] int64, index within the response
     targets: torch.Tensor  # [N] int64
     seqs: list[int]
+    images: list[Image] = field(default_factory=list)
+    prompt_mask: torch.Tensor | None = None  # [R, S] bool, the prompts' tokens (images only)
 
 
 def build_packed(batch: TrainBatch, rows: list[list[int]], pad_id: int = 0) -> PackedRows:
@@ -186,4 +192,19 @@ def build_packed(batch: TrainBatch, rows: list[list[int]], pad_id: int = 0) -> P
     flat = np.repeat(np.asarray(first, dtype=np.int64), k) + tok
     tgt = resp[np.asarray(seqs)[seq], tok]
     t = torch.from_numpy
-    return PackedRows(t(ids), t(pos), t(flat), t(seq), t(tok), t(tgt.astype(np.int64)), seqs)
+    out = PackedRows(t(ids), t(pos), t(flat), t(seq), t(tok), t(tgt.astype(np.int64)), seqs)
+    if batch.images is not None:
+        out.images = [im for i in seqs for im in batch.images[i]]
+        out.prompt_mask = t(prompt_positions(rows, lens, start, width))
+    return out
+
+
+def prompt_positions(rows: list[list[int]], lens: np.ndarray, start: np.ndarray, width: int):
+    """``[R, width]`` bool: True at the packed rows' prompt tokens."""
+    mask = np.zeros((len(rows), width), dtype=bool)
+    for r, row in enumerate(rows):
+        off = 0
+        for i in row:
+            mask[r, off : off + start[i]] = True
+            off += lens[i]
+    return mask

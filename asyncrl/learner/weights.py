@@ -17,8 +17,9 @@
 Built with the rank, whether the learner is sharded, and ``stream``, its
 ``named_parameters_stream()`` (``(HF name, full tensor)``, collective on a sharded
 learner: every rank iterates it); a subclass with a plain ``model`` and no stream
-streams the model's state dict. The Ray actor class of whoever exposes these methods is
-made with ``concurrency_groups=CONCURRENCY_GROUPS``.
+streams the model's state dict. The Ray actor class of whoever exposes these methods
+(:class:`~asyncrl.learner.rank.LearnerRank` in a run) is made with
+``concurrency_groups=CONCURRENCY_GROUPS``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from asyncrl.broker.learner_side import SenderSide
 from asyncrl.broker.messages import (
+    WEIGHTS_GROUP,
     Attached,
     CloseGroups,
     SendDone,
@@ -41,10 +43,6 @@ from asyncrl.broker.messages import (
 )
 from asyncrl.broker.settings import BrokerSettings
 
-# Rank 0's transfers run in this concurrency group of the learner's Ray actor (one
-# thread), beside its default queue where train steps and snapshots run in order.
-WEIGHTS_GROUP = "weights"
-CONCURRENCY_GROUPS = {WEIGHTS_GROUP: 1}
 Stream = Callable[[], Iterator[tuple[str, torch.Tensor]]]  # (HF name, full tensor), in order
 
 

@@ -7,8 +7,8 @@ Ray starts (a wrong model is one ConfigError naming the key, exit 2).
   ``huggingface_hub``: from its cache, or downloaded where a hub is reachable; offline
   and not cached, it fails here with one line.
 - neither: the tiny offline model (:mod:`asyncrl.models.tiny`).
-- ``model.vlm`` (``model=tiny_vlm``): refused for now; runs do not carry images yet
-  (:mod:`asyncrl.models.tiny_vlm` builds the model).
+- ``model.vlm`` (``model=tiny_vlm``): the tiny vision-language model
+  (:mod:`asyncrl.models.tiny_vlm`), built once for ``task=visual_addition``, cached.
 
 Then the architecture is checked on the meta device (no weights read): the learner must
 find its decoder layers (:func:`asyncrl.models.arch.decoder_layers`), or the model is
@@ -33,14 +33,11 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def resolve_model(cfg: Any, task: Any) -> str:
     """The model directory for ``cfg.model``; binds ``task`` to it (chat template)."""
     preset, path = cfg.model.get("preset"), cfg.model.get("path")
-    if cfg.model.get("vlm") is not None:
-        raise ConfigError(
-            "model=tiny_vlm (model.vlm is set): the actor and learner do not pass images to "
-            "the model yet; build it with `python -m asyncrl.models.tiny_vlm` (docs/vision.md)"
-        )
     if preset and path:
         raise ConfigError(f"model.preset={preset} and model.path={path}: set one of them")
-    if preset:
+    if cfg.model.get("vlm") is not None and not (preset or path):
+        out = _tiny_vlm_dir(cfg, task)
+    elif preset:
         out = _preset_dir(preset, cfg.model.get("cache_dir"))
     elif path:
         out = local_or_hub(str(path))
@@ -79,6 +76,24 @@ def _tiny_dir(cfg: Any, task: Any) -> Path:
     except ValueError as e:  # TinyModelSpec's own check (head_dim)
         raise ConfigError(str(e)) from e
     return ensure_tiny_model(task, spec, cfg.model.cache_dir)
+
+
+def _tiny_vlm_dir(cfg: Any, task: Any) -> Path:
+    from asyncrl.models.tiny import TinyModelSpec
+    from asyncrl.models.tiny_vlm import TinyVLMSpec, ensure_tiny_vlm
+    from asyncrl.tasks.visual import VisualAdditionTask
+
+    if not isinstance(task, VisualAdditionTask):
+        raise ConfigError(
+            f"model=tiny_vlm (model.vlm is set) is built for task=visual_addition, not "
+            f"{type(task).__name__}: set task=visual_addition, or model.path"
+        )
+    try:
+        lm_spec = settings_from(TinyModelSpec, cfg.model.tiny, "model.tiny")
+        spec = settings_from(TinyVLMSpec, cfg.model.vlm, "model.vlm")
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return ensure_tiny_vlm(task, spec, lm_spec, cfg.model.cache_dir)
 
 
 def is_hub_id(path: str) -> bool:
@@ -126,14 +141,16 @@ def check_architecture(model_dir: Path, key: str) -> None:
     """Build the model on the meta device (no weights, no memory) and find its decoder
     layers the way the learner's FSDP wrapping does; refuse it by name otherwise."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from asyncrl.models.arch import decoder_layers
 
     try:
         config = AutoConfig.from_pretrained(str(model_dir))
+        vision = getattr(config, "vision_config", None) is not None  # as the learner loads it
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         with torch.device("meta"):
-            lm = AutoModelForCausalLM.from_config(config)
+            lm = auto.from_config(config)
     except Exception as e:  # noqa: BLE001 - unknown model_type, missing code
         raise ConfigError(
             f"{key}: {model_dir}: transformers cannot build it as a causal LM "

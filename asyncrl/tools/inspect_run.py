@@ -136,6 +136,11 @@ def token_table(r: dict, decode=None) -> str:
         f"trajectory {r['traj_id']} (group {r['group_id']}, step {r['step']}, reward "
         f"{r['reward']:.4f}, staleness {r['staleness']}, finish {r['finish_reason']})",
         f"prompt: {r['prompt']!r}",
+        *(
+            [f"images: {', '.join(r['images'])} (in the run's trajectories/)"]
+            if r.get("images")
+            else []
+        ),
         f"response: {r['response']!r}",
         head,
         "-" * len(head),

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.utils.runlog import read_batches, read_trajectories
+from asyncrl.utils.runlog import LOG_DIR, read_batches, read_trajectories, trajectory_parts
 
 
 class ReplayError(RuntimeError):
@@ -52,9 +52,10 @@ def checkpoint_at(run_dir: Path, step: int) -> Path:
     )
 
 
-def trajectories_of(table: Any, ids: list[str], step: int) -> list:
-    """The logged rows of ``ids`` as Trajectory objects, in ``ids`` order."""
-    from asyncrl.trajectory import Trajectory
+def trajectories_of(table: Any, ids: list[str], step: int, log_dir: Path | None = None) -> list:
+    """The logged rows of ``ids`` as Trajectory objects, in ``ids`` order; a row's
+    ``images`` read back from their files under ``log_dir`` (the run's log folder)."""
+    from asyncrl.trajectory import Image, Trajectory
 
     rows = table.get(step)
     if rows is None:
@@ -80,9 +81,29 @@ def trajectories_of(table: Any, ids: list[str], step: int) -> list:
                 versions=np.asarray(r["versions"], np.int32),
                 loss_mask=np.asarray(r["loss_mask"], bool),
                 reward=float(r["reward"]),
+                images=[
+                    Image.of((log_dir or Path()).joinpath(n).read_bytes())
+                    for n in r.get("images") or ()
+                ],
             )
         )
     return out
+
+
+REPLAY_COLUMNS = [
+    "step", "traj_id", "group_id", "reward", "prompt_ids", "response_ids",
+    "behaviour_logprobs", "versions", "loss_mask",
+]  # fmt: skip
+
+
+def replay_columns(run_dir: Path) -> list[str]:
+    """The log columns replay reads; ``images`` too for a run that logs them."""
+    import pyarrow.parquet as pq
+
+    parts = trajectory_parts(run_dir)
+    if parts and "images" in pq.read_schema(parts[-1]).names:
+        return [*REPLAY_COLUMNS, "images"]
+    return list(REPLAY_COLUMNS)
 
 
 def replay(run_dir: str | Path, from_step: int, steps: int) -> list[dict[str, Any]]:
@@ -103,17 +124,7 @@ def replay(run_dir: str | Path, from_step: int, steps: int) -> list[dict[str, An
     ckpt = checkpoint_at(run_dir, from_step)
     # a run saved before a key existed: conf/'s value fills it (as the CLI would)
     setup = prepare(OmegaConf.merge(compose_config(), OmegaConf.load(run_dir / "config.yaml")))
-    cols = [
-        "step",
-        "traj_id",
-        "group_id",
-        "reward",
-        "prompt_ids",
-        "response_ids",
-        "behaviour_logprobs",
-        "versions",
-        "loss_mask",
-    ]
+    cols = replay_columns(run_dir)
     by_step: dict[int, dict[str, dict]] = {}
     for r in read_trajectories(run_dir, columns=cols).to_pylist():
         if r["step"] in wanted:
@@ -135,7 +146,7 @@ def replay(run_dir: str | Path, from_step: int, steps: int) -> list[dict[str, An
         rec = batches[step]
         if "loss/total" not in rec:
             raise ReplayError(f"step {step}: batches.jsonl has no logged loss (an older run)")
-        trajs = trajectories_of(by_step, rec["traj_ids"], step)
+        trajs = trajectories_of(by_step, rec["traj_ids"], step, run_dir / LOG_DIR)
         m = learner.step_on_batch(collate(trajs, learner.pad_id), step)
         row = {"step": step, "trajectories": len(trajs)}
         for key, name in (("loss/total", "loss"), ("learner/grad_norm", "grad_norm")):

@@ -1,7 +1,8 @@
 """``asyncrl-inspect RUN_DIR --html OUT``: one self-contained page (PNG plots embedded as
 base64) a person would rather look at than read: the reward curve, the staleness
 histogram, IS statistics, the step time split between generation wait / training /
-weight sync, the broker's timings, and the alerts and summary.
+weight sync, the broker's timings, and the alerts and summary; for a run whose prompts
+show images, the last logged ones beside their responses.
 
 The series come from the run's TensorBoard events (every step) and its trajectory log;
 a series the run did not log is left out of its plot, never invented.
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from asyncrl.utils.runlog import LOG_DIR
 
 
 def scalars(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
@@ -177,6 +180,31 @@ def _alerts(s: dict) -> str | None:
     return _png(fig)
 
 
+IMAGE_ROWS = 12  # logged trajectories with images shown in the report (the last ones)
+
+
+def image_rows(run_dir: Path, rows: list[dict[str, Any]]) -> str:
+    """The last :data:`IMAGE_ROWS` logged trajectories that show images: each image
+    (``trajectories/images/*.png``, inlined) beside the response and its reward; "" when
+    no row shows one."""
+    with_images = [r for r in rows if r.get("images")][-IMAGE_ROWS:]
+    cells = []
+    for r in with_images:
+        pics = "".join(
+            f'<img alt="{html.escape(n)}" width="96" src="data:image/png;base64,'
+            f'{base64.b64encode((run_dir / LOG_DIR / n).read_bytes()).decode()}">'
+            for n in r["images"]
+            if (run_dir / LOG_DIR / n).is_file()
+        )
+        cells.append(
+            f"<tr><td>{pics}</td><td>{html.escape(repr(r['response']))}</td>"
+            f"<td>reward {r['reward']:.3f}, step {r['step']}</td></tr>"
+        )
+    if not cells:
+        return ""
+    return f"<h2>Images and responses</h2><table>{''.join(cells)}</table>"
+
+
 def write_report(run_dir: Path, rows: list[dict[str, Any]], out: Path) -> Path:
     summary = {}
     if (run_dir / "summary.json").is_file():
@@ -199,6 +227,7 @@ def write_report(run_dir: Path, rows: list[dict[str, Any]], out: Path) -> Path:
         f'<img alt="{html.escape(t)}" src="data:image/png;base64,{b}"></figure>'
         for t, b in figs.items()
     )
+    shown = image_rows(run_dir, rows)
     page = f"""<!doctype html><html><head><meta charset="utf-8">
 <title>asyncrl run {html.escape(run_dir.name)}</title>
 <style>body{{font-family:sans-serif;margin:1.5em;max-width:1100px}}
@@ -207,6 +236,7 @@ figcaption{{font-weight:bold}} td{{padding:0 0.8em;font-size:0.9em}}</style></he
 <h1>asyncrl run: {html.escape(str(run_dir))}</h1>
 <p>{len(rows)} logged trajectories{"" if summary else "; no summary.json (the run did not finish)"}</p>
 {imgs}
+{shown}
 <h2>Alerts</h2><ul>{alerts}</ul>
 <h2>Summary</h2><table>{cells}</table>
 </body></html>"""

@@ -8,6 +8,11 @@ since the last part. :func:`read_trajectories` reads every part as one table (an
 single ``trajectories.parquet`` of runs made before the parts). A learner rank on
 another node than the driver's writes each part to a staging folder of its node and
 sends it to the driver's run directory through the file sink (asyncrl/storage).
+
+Images a trajectory's prompt shows (``Trajectory.images``) are written once each, as
+``trajectories/images/<key>.png`` (the key is a hash of the PNG bytes: a group's
+samples, and any prompt showing the same image, share one file); the ``images``
+column names them, relative to the log folder (empty for a text prompt).
 """
 
 from __future__ import annotations
@@ -27,11 +32,12 @@ import pyarrow.parquet as pq
 from asyncrl.config import Settings, setting
 from asyncrl.storage.remote import call, remote_sink, staging, upload_file
 from asyncrl.storage.sink import allow_run_dir
-from asyncrl.trajectory import Trajectory
+from asyncrl.trajectory import Image, Trajectory
 
 log = logging.getLogger(__name__)
 
 LOG_DIR = "trajectories"  # inside the run directory
+IMAGE_DIR = "images"  # inside LOG_DIR: one PNG per distinct image
 LEGACY_FILE = "trajectories.parquet"  # runs before the part files
 REPLAY_KEYS = ("loss/total", "learner/grad_norm")  # per step in batches.jsonl
 
@@ -64,6 +70,7 @@ _SCHEMA = pa.schema(
         ("is_weights", pa.list_(pa.float32())),
         ("t_start", pa.float64()),
         ("t_end", pa.float64()),
+        ("images", pa.list_(pa.string())),  # images/<key>.png beside the parts, prompt order
     ]
 )
 
@@ -121,6 +128,7 @@ class TrajectoryLog:
             self._stage = staging("trajectories")
         self.rows_written = 0
         self.rows_skipped = 0
+        self._images: set[str] = set()  # keys of the image files written
 
     def write(
         self,
@@ -170,6 +178,7 @@ class TrajectoryLog:
                 "is_weights": _list(tok.get("is_weights")),
                 "t_start": t.t_start,
                 "t_end": t.t_end,
+                "images": [self._image(im) for im in t.images] if t.images else [],
             }
             for k, v in row.items():
                 self._rows[k].append(v)
@@ -177,6 +186,24 @@ class TrajectoryLog:
         self._steps += 1
         if self._steps >= s.part_every:
             self.flush()
+
+    def _image(self, im: Image) -> str:
+        """The image's file name in the log folder, written the first time it is seen."""
+        name = f"{IMAGE_DIR}/{im.key}.png"
+        if im.key in self._images:
+            return name
+        self._images.add(im.key)
+        if self._sink is not None:
+            local = self._stage / f"{im.key}.png"
+            local.write_bytes(im.png)
+            upload_file(self._sink, local, str(self.dir / name))
+            local.unlink()
+        else:
+            (self.dir / IMAGE_DIR).mkdir(exist_ok=True)
+            tmp = self.dir / f"{name}.tmp"
+            tmp.write_bytes(im.png)
+            os.replace(tmp, self.dir / name)  # whole or absent, as the parts
+        return name
 
     def _write_batch_ids(
         self, step: int, trajs: list[Trajectory], metrics: dict[str, float] | None
