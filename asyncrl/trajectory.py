@@ -9,6 +9,12 @@ Per-token arrays are numpy and all have the response length ``R``:
   may span versions when weights change in flight)
 * ``loss_mask``        bool  [R]  True for tokens the learner trains on (env/tool tokens False)
 
+``routed_experts`` (mixture-of-experts models, optional) is uint8 ``[n, layers, top_k]``:
+the experts the engine's router chose for the token at each of the first ``n`` positions
+of prompt + response as model input, ``n <= num_tokens`` (vLLM's
+``CompletionOutput.routed_experts`` layout); the learner replays them with
+``learner.moe.routing_replay`` (asyncrl/learner/routing.py).
+
 A multi-turn episode (asyncrl/actor/env_runner.py) is one trajectory: its response holds
 every turn's generated tokens (mask True) and the observations between them (mask
 False, behaviour log-prob 0, the version of the generated token before them).
@@ -79,10 +85,18 @@ class Trajectory:
     episode: dict[str, float] = field(default_factory=dict)
     # the images the prompt ids show, in placeholder order (shared by the group's samples)
     images: list[Image] = field(default_factory=list)
+    routed_experts: np.ndarray | None = None  # uint8 [n, layers, top_k], n <= num_tokens
 
     def __post_init__(self) -> None:
         for name, dtype in _ARRAY_FIELDS.items():
             setattr(self, name, np.asarray(getattr(self, name), dtype=dtype))
+        if self.routed_experts is not None:
+            self.routed_experts = np.asarray(self.routed_experts, dtype=np.uint8)
+            if self.routed_experts.ndim != 3 or len(self.routed_experts) > self.num_tokens:
+                raise ValueError(
+                    f"routed_experts has shape {self.routed_experts.shape}, expected "
+                    f"[n <= {self.num_tokens}, layers, top_k]"
+                )
         r = len(self.response_ids)
         for name in ("behaviour_logprobs", "versions", "loss_mask"):
             if len(getattr(self, name)) != r:
@@ -165,7 +179,7 @@ def to_bytes(trajs: list[Trajectory]) -> bytes:
     if any(t.images for t in trajs):  # each distinct image once, every trajectory its keys
         out["images"] = {im.key: im.png for t in trajs for im in t.images}
         out["image_keys"] = [[im.key for im in t.images] for t in trajs]
-    return msgpack.packb(out, use_bin_type=True)
+    return msgpack.packb(out, default=_pack, use_bin_type=True)  # routed_experts: arrays
 
 
 def from_bytes(data: bytes) -> list[Trajectory]:

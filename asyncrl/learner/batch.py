@@ -31,6 +31,9 @@ class TrainBatch:
     rewards: torch.Tensor  # [B] float32
     group_ids: torch.Tensor  # [B] int64 (dense ids within this batch)
     images: list[list[Image]] | None = None  # per row; None: a text-only batch
+    # per row, the experts the engine routed each position to (uint8 [n, layers, top_k],
+    # Trajectory.routed_experts) or None; None for the whole batch when no row has one
+    routed_experts: list[np.ndarray | None] | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -52,6 +55,9 @@ class TrainBatch:
             rewards=self.rewards[idx],
             group_ids=self.group_ids[idx],
             images=None if self.images is None else [self.images[i] for i in idx.tolist()],
+            routed_experts=None
+            if self.routed_experts is None
+            else [self.routed_experts[i] for i in idx.tolist()],
         )
 
 
@@ -94,6 +100,9 @@ def collate(trajs: list[Trajectory], pad_id: int = 0) -> TrainBatch:
         rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         group_ids=torch.from_numpy(gids),
         images=[t.images for t in trajs] if any(t.images for t in trajs) else None,
+        routed_experts=[t.routed_experts for t in trajs]
+        if any(t.routed_experts is not None for t in trajs)
+        else None,
     )
 
 

@@ -119,6 +119,19 @@ class LoraSettings(Settings):
 
 LORA_REFUSED_TARGETS = ("embed_tokens", "lm_head")
 
+
+@dataclass
+class MoeSettings(Settings):
+    """``learner.moe``: what the learner does with a mixture-of-experts model's routers
+    (asyncrl/learner/routing.py)."""
+
+    KEY = "learner.moe"
+
+    # true: the MoE forward uses the experts recorded on the trajectory (per token, per
+    # layer) instead of its own top-k, keeping the router's softmax weights for them
+    routing_replay: bool = setting()
+
+
 AUTOCAST = (None, "bfloat16")  # learner.autocast's values
 
 
@@ -128,6 +141,7 @@ class LearnerSettings(Settings):
 
     world_size: int = setting(">= 1")  # ranks: Ray actors, one FSDP group
     tp: int = setting("[1, 64]")  # tensor-parallel ranks of a data-parallel group
+    ep: int = setting("[1, 64]")  # expert-parallel ranks: each holds num_experts / ep experts
     num_cpus: float = setting("> 0")  # Ray CPUs per rank
     num_gpus: float = setting(">= 0")  # GPUs per rank
     num_threads: int = setting(">= 0")  # torch intra-op threads per rank (0: torch's default)
@@ -146,6 +160,7 @@ class LearnerSettings(Settings):
     # nodes that offer them (`ray start --resources='{"node_b": 1}'`; docs/cluster.md).
     resources: dict[str, float] | None = setting()
     lora: LoraSettings = setting()
+    moe: MoeSettings = setting()
     optim: OptimSettings = setting()
     advantage: dict[str, Any] = setting()  # built by the driver (asyncrl.config.build)
 
@@ -168,6 +183,7 @@ class LearnerSettings(Settings):
                 f"learner.tp={self.tp} does not divide learner.world_size={self.world_size}: "
                 f"the ranks form a (world_size / tp) x tp mesh"
             )
+        check_ep(self.ep, self.tp, self.world_size)
         if self.lora.on and self.world_size > 1:
             raise ConfigError(
                 f"learner.lora.rank={self.lora.rank} needs learner.world_size=1 (LoRA is "
@@ -194,6 +210,26 @@ class LearnerSettings(Settings):
         s = settings_from(cls, raw, "learner")
         check_value_head(loss, s.value_head)
         return s
+
+
+def check_ep(ep: int, tp: int, world_size: int) -> None:
+    """``learner.ep``: 1, or every rank a distinct expert shard (``ep == world_size``,
+    no tensor parallelism); the model's side is checked by learner/moe_check.py."""
+    if ep == 1:
+        return
+    if world_size % ep:
+        raise ConfigError(
+            f"learner.ep={ep} does not divide learner.world_size={world_size}: each rank "
+            f"holds 1/ep of the experts"
+        )
+    if ep != world_size:
+        raise ConfigError(
+            f"learner.ep={ep} with learner.world_size={world_size}: built for ep == world_size "
+            f"only (experts replicated over data-parallel groups are not); set learner.ep="
+            f"{world_size} or 1"
+        )
+    if tp > 1:
+        raise ConfigError(f"learner.ep={ep} with learner.tp={tp}: not built together; set one to 1")
 
 
 def fold_total_steps(raw: dict[str, Any], max_steps: int) -> dict[str, Any]:

@@ -60,12 +60,17 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def shard(policy: PolicyModel, world_size: int, device: torch.device, tp: int = 1) -> None:
-    """With ``tp > 1`` split each decoder layer over the mesh's ``tp`` dimension; then
-    ``fully_shard`` each decoder layer and the root over ``dp``; sum-reduce gradients."""
+def shard(
+    policy: PolicyModel, world_size: int, device: torch.device, tp: int = 1, ep: int = 1
+) -> None:
+    """With ``tp > 1`` split each decoder layer over the mesh's ``tp`` dimension; with
+    ``ep > 1`` (``== world_size``) each rank keeps its share of every MoE layer's experts,
+    which FSDP leaves alone (learner/expert_parallel.py); then ``fully_shard`` each
+    decoder layer and the root over ``dp``; sum-reduce gradients."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from asyncrl.learner.expert_parallel import parallelize_experts
     from asyncrl.learner.tensor_parallel import parallelize_layers
 
     if tp > 1:
@@ -74,14 +79,15 @@ def shard(policy: PolicyModel, world_size: int, device: torch.device, tp: int = 
         mesh = mesh["dp"]
     else:
         mesh = init_device_mesh(device.type, (world_size,))
+    experts = parallelize_experts(policy.lm, mesh) if ep > 1 else set()
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if device.type == "cuda"
         else MixedPrecisionPolicy()
     )
     for layer in decoder_layers(policy.lm):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(policy, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, ignored_params=experts)
+    fully_shard(policy, mesh=mesh, mp_policy=mp, ignored_params=experts)
     for m in policy.modules():
         if hasattr(m, "set_gradient_divide_factor"):
             m.set_gradient_divide_factor(1.0)

@@ -58,6 +58,7 @@ from asyncrl.learner.metrics import MetricSums, trajectory_metrics
 from asyncrl.learner.model import PolicyModel, load_lm, policy_forward
 from asyncrl.learner.optim import build_optimizer, clip_grad_norm, kl_brake
 from asyncrl.learner.packing import PackedRows, build_packed, plan
+from asyncrl.learner.routing import Routing
 from asyncrl.learner.shard import (
     Layout,
     Minibatch,
@@ -142,6 +143,7 @@ class Learner:
         self.policy = self._build_policy(model_path)
         self.model = self.policy.lm  # the HF model (HF parameter names)
         self.value_head = self.policy.value_head
+        self.routing = Routing(self.model, s.moe.routing_replay)  # MoE routers (none: dense)
         named = [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
         self.opt, self.sched = build_optimizer(
             (p for n, p in named if not value_param(n)),
@@ -170,7 +172,7 @@ class Learner:
             lm = add_adapters(lm, s.lora)
         policy = PolicyModel(lm, s.value_head)
         if self.sharded:
-            shard(policy, s.world_size, self.device, s.tp)
+            shard(policy, s.world_size, self.device, s.tp, s.ep)
         else:
             policy.to(self.device)
         return policy
@@ -306,7 +308,7 @@ class Learner:
             weights = loss_weights(mb.mask, self.normalisation, part.tokens, part.seqs)
         for m, pk in enumerate(part.packs):
             self._sync_grads(m == len(part.packs) - 1)
-            logits, values = self._forward(pk)
+            logits, values = self._forward(pk, mb)
             if not pk.seqs:  # an empty micro-batch: zero gradients, same collectives
                 loss = 0.0 * logits.sum() + (0.0 * values.sum() if values is not None else 0.0)
                 loss.backward()
@@ -319,6 +321,7 @@ class Learner:
             losses.append(float(out.loss.detach()))
             ent = entropy_metric(logits, pk, lb.mask, self.temperature, self.top_k, self.top_p)
             sums.add({**out.metrics, **ent}, share=float(lb.mask.sum()) / n_all)
+            sums.add(*self.routing.take())  # moe/expert_disagreement, weighted by its tokens
             if local is not None:
                 isw = is_weights(self.loss, lb, ModelOutputs(logprobs=logp, values=vals))
                 self.tokens.add([local[j] for j in pk.seqs], lb, logp, isw)
@@ -381,12 +384,18 @@ class Learner:
         if self.sharded:
             self.policy.set_requires_gradient_sync(last)
 
-    def _forward(self, pk: PackedRows) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[N, V]`` logits and ``[N]`` values (or None) at the response positions."""
+    def _forward(
+        self, pk: PackedRows, batch: TrainBatch | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[N, V]`` logits and ``[N]`` values (or None) at the response positions;
+        ``batch``: the rows ``pk`` packs (their recorded experts, learner/routing.py)."""
         ids, pos, flat = (t.to(self.device) for t in (pk.input_ids, pk.position_ids, pk.flat_pos))
         px = self.policy.pixel_inputs(pk, self.device)  # None: no image in the rows
         # learner.autocast: bf16 matmuls (AMX on a CPU), fp32 weights, fp32 log-probs after
-        with torch.autocast(self.device.type, torch.bfloat16, enabled=bool(self.settings.autocast)):
+        autocast = torch.autocast(
+            self.device.type, torch.bfloat16, enabled=bool(self.settings.autocast)
+        )
+        with autocast, self.routing.records(batch, pk):
             if self.sharded:  # through the FSDP root, whose hooks unshard the root params
                 return self.policy(ids, pos, flat, px)
             return policy_forward(self.model, self.value_head, ids, pos, flat, px)
@@ -403,7 +412,7 @@ class Learner:
         """The policy at the start of the step, per micro-batch (``[b, T]``, no grad)."""
         out = {}
         for m, pk in enumerate(packs):
-            logits, values = self._forward(pk)
+            logits, values = self._forward(pk, batch)
             if pk.seqs:
                 T = int(batch.resp_len[torch.tensor(pk.seqs)].max())
                 out[m] = self._rows(pk, logits, values, (len(pk.seqs), T))[0]
@@ -443,7 +452,7 @@ class Learner:
         found: dict[int, np.ndarray] = {}
         for m in range(pl.num_micro):
             pk = build_packed(batch, mine[m] if m < len(mine) else [], self.pad_id)
-            logits, _ = self._forward(pk)
+            logits, _ = self._forward(pk, batch)
             if not pk.seqs:
                 continue
             lp, _ = self._rows(pk, logits, None, (len(pk.seqs), int(batch.resp_len.max())))
