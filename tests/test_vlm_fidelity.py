@@ -28,8 +28,9 @@ TEMPERATURE = 2.0  # the untrained tower's prompts end at once at 1.0 (EOS at p 
 # 0.16); version 1, 42 tokens: max 9.5e-7 (mean |logp| 2.4)
 
 
-def _perturb(learner, seed: int) -> None:
+def _perturb(rank, seed: int) -> None:
     """Move layer 0's MLP of the decoder and of the vision tower."""
+    learner = rank.learner  # the rank's Ray actor holds its Learner
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in learner.model.named_parameters():
