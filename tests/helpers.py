@@ -205,3 +205,17 @@ def collect_at(ray, queue, version: int, want: int = 8, timeout_s: float = 600.0
                 ]  # fmt: skip
         time.sleep(poll_s)
     return got
+
+
+def perturb_mlp0(rank, seed: int, scale: float) -> None:
+    """Move layer 0's MLP weights (the decoder's, and a vision tower's where there is one)
+    by ``scale`` times Gaussian noise: run on a learner rank's Ray actor with
+    ``rank.__ray_call__.remote(perturb_mlp0, seed, scale)``; the fidelity tests use it to
+    move log-probs far beyond their tolerance before a sync."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in rank.learner.model.named_parameters():
+            if "layers.0.mlp" in name:
+                p.add_(scale * torch.randn(p.shape, generator=g))

@@ -16,10 +16,10 @@ import importlib.util
 import sys
 import time
 
+import helpers
 import numpy as np
 import pytest
-import torch
-from helpers import collect_at
+from helpers import collect_at, perturb_mlp0
 
 pytestmark = [
     pytest.mark.slow,
@@ -34,16 +34,6 @@ pytestmark = [
 # model's 2 layers hold 2e-4; measured here: see the printed figures)
 FP32_LOGP_TOL = 2e-3
 TEMPERATURE = 0.8  # model=smollm2's; the learner applies the same
-
-
-def _perturb(rank, seed: int) -> None:
-    """Move layer 0's MLP: log-probs move far beyond the tolerance."""
-    learner = rank.learner  # the rank's Ray actor holds its Learner
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in learner.model.named_parameters():
-            if "layers.0.mlp" in name:
-                p.add_(0.02 * torch.randn(p.shape, generator=g))
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +57,7 @@ def smollm2_world(ray_local):
     from asyncrl.wiring import build_task
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cloudpickle.register_pickle_by_value(helpers)  # perturb_mlp0 runs on the rank
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = compose("config", overrides=["model=smollm2"])
     task = build_task(cfg)
@@ -119,7 +110,7 @@ def test_smollm2_logprobs_match_before_and_after_an_in_place_sync(ray_local, smo
     assert all(t.prompt_text.startswith("<|im_start|>system\n") for t in before)  # chat form
     assert _compare(learner, before, "version 0 (both loaded the converted model)") < FP32_LOGP_TOL
 
-    ray.get(learner.ranks[0].__ray_call__.remote(_perturb, 1))
+    ray.get(learner.ranks[0].__ray_call__.remote(perturb_mlp0, 1, 0.02))
     moved = learner.logprobs_of(before[:2])  # the learner moved; the old samples no longer match
     assert max(np.abs(t.behaviour_logprobs - lp).max() for t, lp in zip(before, moved)) > 0.01
     t0 = time.monotonic()

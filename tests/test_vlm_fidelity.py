@@ -15,10 +15,10 @@ from __future__ import annotations
 import sys
 import time
 
+import helpers
 import numpy as np
 import pytest
-import torch
-from helpers import collect_at
+from helpers import collect_at, perturb_mlp0
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -26,16 +26,6 @@ FP32_LOGP_TOL = 1e-4  # fp32 on both sides, 2 + 2 layers: only kernel order diff
 TEMPERATURE = 2.0  # the untrained tower's prompts end at once at 1.0 (EOS at p ~ 1)
 # measured (2-core Intel host): version 0, 8 tokens: max |dlogp| 1.9e-7 (mean |logp|
 # 0.16); version 1, 42 tokens: max 9.5e-7 (mean |logp| 2.4)
-
-
-def _perturb(rank, seed: int) -> None:
-    """Move layer 0's MLP of the decoder and of the vision tower."""
-    learner = rank.learner  # the rank's Ray actor holds its Learner
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in learner.model.named_parameters():
-            if "layers.0.mlp" in name:
-                p.add_(0.05 * torch.randn(p.shape, generator=g))
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +48,7 @@ def vlm_world(ray_local):
     from asyncrl.wiring import build_task
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cloudpickle.register_pickle_by_value(helpers)  # perturb_mlp0 runs on the rank
     cfg = compose_config(["model=tiny_vlm", "task=visual_addition"])
     task = build_task(cfg)
     model = resolve_model(cfg, task)  # built once into the cache (seconds)
@@ -111,7 +102,7 @@ def test_vlm_logprobs_match_on_images_before_and_after_an_in_place_sync(ray_loca
     # the untrained tower ends most answers at once (EOS at p ~ 0.9 even at 2.0)
     assert _compare(learner, before, "version 0", teeth=False) < FP32_LOGP_TOL
 
-    ray.get(learner.ranks[0].__ray_call__.remote(_perturb, 1))
+    ray.get(learner.ranks[0].__ray_call__.remote(perturb_mlp0, 1, 0.05))
     moved = learner.logprobs_of(before)  # the learner moved; the old samples no longer match
     assert max(np.abs(t.behaviour_logprobs - lp).max() for t, lp in zip(before, moved)) > 0.01
     broker.publish(1)
