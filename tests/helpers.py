@@ -219,3 +219,53 @@ def perturb_mlp0(rank, seed: int, scale: float) -> None:
         for name, p in rank.learner.model.named_parameters():
             if "layers.0.mlp" in name:
                 p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+@contextlib.contextmanager
+def sync_world(
+    ray, cfg, model: str, task, sampling, engine, timeout_s: float, join_timeout_s: float
+):
+    """One ``ControlledRolloutActor`` on ``model`` with its engine started, a one-rank
+    learner from ``cfg.learner``, and a full-mode, verifying weight broker between them,
+    on a fresh queue: what the fidelity tests (SmolLM2, VLM, LoRA) sync through. Yields
+    ``{"actor", "learner", "broker", "queue"}``; all of it is stopped afterwards."""
+    import time
+
+    from controlled_actor import ControlledRolloutActor
+
+    from asyncrl.actor.settings import ActorSettings
+    from asyncrl.broker.client import start_weight_broker
+    from asyncrl.broker.settings import BrokerSettings
+    from asyncrl.learner.config import LearnerSettings
+    from asyncrl.learner.group import start_learner
+    from asyncrl.losses.advantages import GroupNormalized
+    from asyncrl.losses.clipped import ClippedISLoss
+    from asyncrl.replay.queue import remote_queue
+
+    queue = remote_queue(max_staleness=1000, batch_groups=1, policy="drop", capacity_groups=4)
+    settings = ActorSettings.defaults(max_inflight_groups=2, sampling=sampling, engine=engine)
+    cls = ray.remote(ControlledRolloutActor).options(num_cpus=0, max_concurrency=1000)
+    actor = cls.remote("actor0", model, task, queue, settings, 0)
+    loss = ClippedISLoss()
+    learner = start_learner(
+        LearnerSettings.from_config(cfg.learner, loss, 10), model, loss, GroupNormalized(),
+        sampling, 0, 10, None,
+    )  # fmt: skip
+    learner.ping()
+    t0 = time.monotonic()
+    ray.get(actor.start.remote())
+    print(f"engine start {time.monotonic() - t0:.0f} s")
+    broker = start_weight_broker(
+        BrokerSettings.defaults(mode="full", timeout_s=timeout_s, join_timeout_s=join_timeout_s,
+                                verify=True),
+        {"actor0": actor}, learner.ranks,
+    )  # fmt: skip
+    try:
+        yield {"actor": actor, "learner": learner, "broker": broker, "queue": queue}
+    finally:
+        try:
+            broker.close()
+        finally:
+            ray.kill(actor)
+            learner.close()
+            ray.kill(queue)

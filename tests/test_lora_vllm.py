@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import collect_at
+from helpers import collect_at, sync_world
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 pytest.importorskip("peft")
@@ -52,50 +52,21 @@ def _sent_bytes(rank) -> tuple[int, int, list[str]]:
 @pytest.fixture(scope="module")
 def lora_world(ray_local, tiny_model, task):
     ray = ray_local
-    from controlled_actor import ControlledRolloutActor
     from hydra import compose, initialize_config_dir
     from ray import cloudpickle
 
-    from asyncrl.actor.settings import ActorSettings
-    from asyncrl.broker.client import start_weight_broker
-    from asyncrl.broker.settings import BrokerSettings
     from asyncrl.confdir import conf_dir
     from asyncrl.engine.settings import EngineSettings, SamplingSettings
-    from asyncrl.learner.config import LearnerSettings
-    from asyncrl.learner.group import start_learner
-    from asyncrl.losses.advantages import GroupNormalized
-    from asyncrl.losses.clipped import ClippedISLoss
-    from asyncrl.replay.queue import remote_queue
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = compose(
             "config", overrides=[f"learner.lora.rank={RANK}", f"learner.lora.targets={TARGETS}"]
         )
-    queue = remote_queue(max_staleness=1000, batch_groups=1, policy="drop", capacity_groups=4)
     sampling = SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=8)
     engine = EngineSettings.defaults(dtype="float32", max_num_seqs=16, kv_cache_memory_mb=64)
-    settings = ActorSettings.defaults(max_inflight_groups=2, sampling=sampling, engine=engine)
-    cls = ray.remote(ControlledRolloutActor).options(num_cpus=0, max_concurrency=1000)
-    actor = cls.remote("actor0", str(tiny_model), task, queue, settings, 0)
-    loss = ClippedISLoss()
-    learner = start_learner(
-        LearnerSettings.from_config(cfg.learner, loss, 10), str(tiny_model), loss,
-        GroupNormalized(), sampling, 0, 10, None,
-    )  # fmt: skip
-    learner.ping()
-    ray.get(actor.start.remote())
-    broker = start_weight_broker(
-        BrokerSettings.defaults(mode="full", timeout_s=120.0, join_timeout_s=300.0, verify=True),
-        {"actor0": actor}, learner.ranks,
-    )  # fmt: skip
-    yield {"actor": actor, "learner": learner, "broker": broker, "queue": queue}
-    try:
-        broker.close()
-    finally:
-        ray.kill(actor)
-        learner.close()
-        ray.kill(queue)
+    with sync_world(ray, cfg, str(tiny_model), task, sampling, engine, 120.0, 300.0) as world:
+        yield world
 
 
 def _max_dlogp(learner, trajs: list) -> float:

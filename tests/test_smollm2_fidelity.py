@@ -19,7 +19,7 @@ import time
 import helpers
 import numpy as np
 import pytest
-from helpers import collect_at, perturb_mlp0
+from helpers import collect_at, perturb_mlp0, sync_world
 
 pytestmark = [
     pytest.mark.slow,
@@ -39,21 +39,12 @@ TEMPERATURE = 0.8  # model=smollm2's; the learner applies the same
 @pytest.fixture(scope="module")
 def smollm2_world(ray_local):
     ray = ray_local
-    from controlled_actor import ControlledRolloutActor
     from hydra import compose, initialize_config_dir
     from ray import cloudpickle
 
-    from asyncrl.actor.settings import ActorSettings
-    from asyncrl.broker.client import start_weight_broker
-    from asyncrl.broker.settings import BrokerSettings
     from asyncrl.confdir import conf_dir
     from asyncrl.engine.settings import EngineSettings, SamplingSettings
-    from asyncrl.learner.config import LearnerSettings
-    from asyncrl.learner.group import start_learner
-    from asyncrl.losses.advantages import GroupNormalized
-    from asyncrl.losses.clipped import ClippedISLoss
     from asyncrl.models.resolve import resolve_model
-    from asyncrl.replay.queue import remote_queue
     from asyncrl.wiring import build_task
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -63,33 +54,11 @@ def smollm2_world(ray_local):
     task = build_task(cfg)
     model = resolve_model(cfg, task)  # converts the GGUF once (minutes), binds the chat form
     assert task.chat_form.on
-    queue = remote_queue(max_staleness=1000, batch_groups=1, policy="drop", capacity_groups=4)
     sampling = SamplingSettings.defaults(n=4, temperature=TEMPERATURE, max_tokens=12)
     engine = EngineSettings.defaults(dtype="float32", max_model_len=128, max_num_seqs=16,
                             kv_cache_memory_mb=128)  # fmt: skip
-    settings = ActorSettings.defaults(max_inflight_groups=2, sampling=sampling, engine=engine)
-    cls = ray.remote(ControlledRolloutActor).options(num_cpus=0, max_concurrency=1000)
-    actor = cls.remote("actor0", model, task, queue, settings, 0)
-    loss = ClippedISLoss()
-    learner = start_learner(
-        LearnerSettings.from_config(cfg.learner, loss, 10), model, loss, GroupNormalized(),
-        sampling, 0, 10, None,
-    )  # fmt: skip
-    learner.ping()
-    t0 = time.monotonic()
-    ray.get(actor.start.remote())
-    print(f"engine start {time.monotonic() - t0:.0f} s")
-    broker = start_weight_broker(
-        BrokerSettings.defaults(mode="full", timeout_s=600.0, join_timeout_s=600.0, verify=True),
-        {"actor0": actor}, learner.ranks,
-    )  # fmt: skip
-    yield {"actor": actor, "learner": learner, "broker": broker, "queue": queue, "task": task}
-    try:
-        broker.close()
-    finally:
-        ray.kill(actor)
-        learner.close()
-        ray.kill(queue)
+    with sync_world(ray, cfg, model, task, sampling, engine, 600.0, 600.0) as world:
+        yield {**world, "task": task}
 
 
 def _compare(learner, trajs: list, label: str) -> float:

@@ -13,12 +13,11 @@ the version that made it. As tests/test_smollm2_fidelity.py does for text.
 from __future__ import annotations
 
 import sys
-import time
 
 import helpers
 import numpy as np
 import pytest
-from helpers import collect_at, perturb_mlp0
+from helpers import collect_at, perturb_mlp0, sync_world
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -31,20 +30,11 @@ TEMPERATURE = 2.0  # the untrained tower's prompts end at once at 1.0 (EOS at p 
 @pytest.fixture(scope="module")
 def vlm_world(ray_local):
     ray = ray_local
-    from controlled_actor import ControlledRolloutActor
     from ray import cloudpickle
 
-    from asyncrl.actor.settings import ActorSettings
-    from asyncrl.broker.client import start_weight_broker
-    from asyncrl.broker.settings import BrokerSettings
     from asyncrl.config import compose_config
     from asyncrl.engine.settings import EngineSettings, SamplingSettings
-    from asyncrl.learner.config import LearnerSettings
-    from asyncrl.learner.group import start_learner
-    from asyncrl.losses.advantages import GroupNormalized
-    from asyncrl.losses.clipped import ClippedISLoss
     from asyncrl.models.resolve import resolve_model
-    from asyncrl.replay.queue import remote_queue
     from asyncrl.wiring import build_task
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -52,32 +42,10 @@ def vlm_world(ray_local):
     cfg = compose_config(["model=tiny_vlm", "task=visual_addition"])
     task = build_task(cfg)
     model = resolve_model(cfg, task)  # built once into the cache (seconds)
-    queue = remote_queue(max_staleness=1000, batch_groups=1, policy="drop", capacity_groups=4)
     sampling = SamplingSettings.defaults(n=4, temperature=TEMPERATURE, max_tokens=6)
     engine = EngineSettings.defaults(dtype="float32", max_num_seqs=16, kv_cache_memory_mb=64)
-    settings = ActorSettings.defaults(max_inflight_groups=2, sampling=sampling, engine=engine)
-    cls = ray.remote(ControlledRolloutActor).options(num_cpus=0, max_concurrency=1000)
-    actor = cls.remote("actor0", model, task, queue, settings, 0)
-    loss = ClippedISLoss()
-    learner = start_learner(
-        LearnerSettings.from_config(cfg.learner, loss, 10), model, loss, GroupNormalized(),
-        sampling, 0, 10, None,
-    )  # fmt: skip
-    learner.ping()
-    t0 = time.monotonic()
-    ray.get(actor.start.remote())
-    print(f"engine start {time.monotonic() - t0:.0f} s")
-    broker = start_weight_broker(
-        BrokerSettings.defaults(mode="full", timeout_s=300.0, join_timeout_s=300.0, verify=True),
-        {"actor0": actor}, learner.ranks,
-    )  # fmt: skip
-    yield {"actor": actor, "learner": learner, "broker": broker, "queue": queue}
-    try:
-        broker.close()
-    finally:
-        ray.kill(actor)
-        learner.close()
-        ray.kill(queue)
+    with sync_world(ray, cfg, model, task, sampling, engine, 300.0, 300.0) as world:
+        yield world
 
 
 def _compare(learner, trajs: list, label: str, teeth: bool = True) -> float:
