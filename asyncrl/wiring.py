@@ -23,7 +23,6 @@ from asyncrl.eval.launch import EvalPlan, prepare_eval
 from asyncrl.eval.settings import EvalSettings
 from asyncrl.fault.settings import FaultSettings
 from asyncrl.learner.config import LearnerSettings
-from asyncrl.learner.lora import check_targets
 from asyncrl.learner.moe_check import check_model as check_experts
 from asyncrl.learner.tensor_parallel import check_model
 from asyncrl.models.resolve import resolve_model  # model.preset / path / tiny, checked
@@ -164,7 +163,10 @@ def prepare(cfg: DictConfig) -> Setup:
     env.check_template(model_path)  # a message-level env: its chat template, append-only
     check_model(model_path, learner.tp)  # learner.tp: a plan, whole heads per rank
     check_experts(model_path, learner.ep, learner.moe.routing_replay)  # a MoE model to split
-    check_targets(model_path, learner.lora)  # learner.lora: layers the model has
+    if learner.lora.on:  # learner.lora: layers the model has (the check imports torch)
+        from asyncrl.learner.lora import check_targets
+
+        check_targets(model_path, learner.lora)
     # with eval.every > 0: the held-out sets, and the training task without their prompts
     eval_plan, task = prepare_eval(evaluation, task)
     task = with_sampler(task, sampler)  # how the actors draw prompts (sampler=adaptive)

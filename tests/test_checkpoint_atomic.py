@@ -25,6 +25,7 @@ import torch
 from helpers import build_tiny_qwen, plain_optim, trajs
 
 from asyncrl.learner import checkpoint as ck
+from asyncrl.learner import layout
 from asyncrl.learner.batch import collate
 from asyncrl.learner.config import LearnerSettings
 from asyncrl.learner.learner import Learner
@@ -120,13 +121,13 @@ def make(model_dir) -> Learner:
 def save_step(L: Learner, run: Path, version: int, keep: int = KEEP) -> None:
     """What the driver's save_checkpoint does, without Ray."""
     L.version = version
-    L.save(str(ck.step_dir(run, version)), driver_state={"v": version})
-    ck.publish(run, version, keep)
+    L.save(str(layout.step_dir(run, version)), driver_state={"v": version})
+    layout.publish(run, version, keep)
 
 
 def assert_resumable(model_dir, run: Path, versions: set[int]) -> int:
-    found = ck.find_latest(run)
-    meta = ck.verify(found, full=True)  # every byte against the manifest
+    found = layout.find_latest(run)
+    meta = layout.verify(found, full=True)  # every byte against the manifest
     assert meta["version"] in versions, (found, meta["version"])
     loaded = make(model_dir).load(str(found))
     assert loaded["driver_state"] == {"v": meta["version"]}
@@ -157,9 +158,9 @@ def test_a_save_killed_at_each_point_leaves_a_complete_checkpoint(
         assert got == new  # once the new one is in place it is the one found
     save_step(L, run, new)  # the next save after the crash succeeds and cleans up
     assert assert_resumable(model_dir, run, {new}) == new
-    steps = sorted(p.name for p in (run / ck.STEPS_DIR).iterdir())
+    steps = sorted(p.name for p in (run / layout.STEPS_DIR).iterdir())
     assert steps == sorted({f"step-{v}" for v in (1, 2, new)})[-KEEP:]
-    assert os.readlink(run / ck.LATEST) == f"{ck.STEPS_DIR}/step-{new}"
+    assert os.readlink(run / layout.LATEST) == f"{layout.STEPS_DIR}/step-{new}"
 
 
 def test_resume_takes_a_run_dir_or_a_checkpoint_dir(model_dir, tmp_path):
@@ -167,15 +168,17 @@ def test_resume_takes_a_run_dir_or_a_checkpoint_dir(model_dir, tmp_path):
     run = tmp_path / "run"
     for v in (1, 2, 3):
         save_step(L, run, v, keep=0)
-    assert sorted(p.name for p in (run / ck.STEPS_DIR).iterdir()) == [
+    assert sorted(p.name for p in (run / layout.STEPS_DIR).iterdir()) == [
         "step-1", "step-2", "step-3"]  # fmt: skip
-    (run / ck.STEPS_DIR / "step-3" / ck.MANIFEST).unlink()  # step-3 incomplete
-    assert ck.find_latest(run) == run / ck.STEPS_DIR / "step-2"
-    assert ck.find_latest(run / ck.STEPS_DIR / "step-1") == run / ck.STEPS_DIR / "step-1"
-    (run / ck.STEPS_DIR / "step-2" / ck.META).unlink()
-    (run / ck.STEPS_DIR / "step-1" / ck.MANIFEST).unlink()
-    with pytest.raises(ck.CheckpointError, match="no complete checkpoint"):
-        ck.find_latest(run)
+    (run / layout.STEPS_DIR / "step-3" / layout.MANIFEST).unlink()  # step-3 incomplete
+    assert layout.find_latest(run) == run / layout.STEPS_DIR / "step-2"
+    assert (
+        layout.find_latest(run / layout.STEPS_DIR / "step-1") == run / layout.STEPS_DIR / "step-1"
+    )
+    (run / layout.STEPS_DIR / "step-2" / layout.META).unlink()
+    (run / layout.STEPS_DIR / "step-1" / layout.MANIFEST).unlink()
+    with pytest.raises(layout.CheckpointError, match="no complete checkpoint"):
+        layout.find_latest(run)
 
 
 SAVER = """

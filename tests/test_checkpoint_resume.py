@@ -14,8 +14,8 @@ import torch
 from helpers import build_tiny_qwen, plain_optim, trajs
 
 from asyncrl.learner.batch import collate
-from asyncrl.learner.checkpoint import CheckpointError, verify
 from asyncrl.learner.config import LearnerSettings
+from asyncrl.learner.layout import CheckpointError, verify
 from asyncrl.learner.learner import Learner
 from asyncrl.learner.optim import lr_factor
 from asyncrl.losses.advantages import GroupNormalized

@@ -23,7 +23,7 @@ import torch
 from helpers import build_tiny_qwen, plain_optim, trajs
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from asyncrl.learner import checkpoint as ck
+from asyncrl.learner import layout
 from asyncrl.learner.batch import collate
 from asyncrl.learner.config import LearnerSettings
 from asyncrl.learner.learner import Learner
@@ -80,7 +80,7 @@ def load_after_plant(L: Learner, root: Path, marker: Path) -> str | None:
     try:
         L.load(str(root))
         error = None
-    except ck.CheckpointError as e:
+    except layout.CheckpointError as e:
         error = str(e)
     assert not marker.exists(), "the planted payload ran"
     return error
@@ -113,7 +113,7 @@ def test_a_pickle_planted_in_a_file_never_runs(saved, tmp_path, rel):
     assert (root / rel).is_file(), sorted(str(p.relative_to(root)) for p in root.rglob("*"))
     (root / rel).write_bytes(pickle.dumps(Plant(marker)))
     if rel == atomic.MANIFEST:  # the manifest itself planted, not re-sealed
-        with pytest.raises(ck.CheckpointError, match=re.escape(str(root / rel))):
+        with pytest.raises(layout.CheckpointError, match=re.escape(str(root / rel))):
             L.load(str(root))
         assert not marker.exists()
         return
@@ -121,7 +121,7 @@ def test_a_pickle_planted_in_a_file_never_runs(saved, tmp_path, rel):
     if rel.startswith("hf/"):  # the HF export: a resume never reads it
         assert error is None
     elif rel.startswith("state/"):
-        assert error and str(root / ck.STATE_DIR) in error, error
+        assert error and str(root / layout.STATE_DIR) in error, error
         if rel.endswith(METADATA):
             assert "builtins.exec" in error and "refused" in error, error
     else:
@@ -131,7 +131,7 @@ def test_a_pickle_planted_in_a_file_never_runs(saved, tmp_path, rel):
 def test_a_plant_inside_valid_metadata_is_refused(saved, tmp_path):
     L, path = saved
     root, marker = copy(path, tmp_path), tmp_path / "marker"
-    state = root / ck.STATE_DIR
+    state = root / layout.STATE_DIR
     md = read_metadata(state)
     md.planner_data = {"x": Plant(marker)}
     (state / METADATA).write_bytes(pickle.dumps(md))
@@ -145,7 +145,7 @@ def test_a_plant_as_one_item_of_the_shard_is_refused(saved, tmp_path, kind):
     hyper-parameter) at a pickle appended to the shard."""
     L, path = saved
     root, marker = copy(path, tmp_path), tmp_path / "marker"
-    state = root / ck.STATE_DIR
+    state = root / layout.STATE_DIR
     md = read_metadata(state)
     index, info = next(
         (i, s)
@@ -168,7 +168,7 @@ def test_a_plant_as_one_item_of_the_shard_is_refused(saved, tmp_path, kind):
 def test_metadata_naming_a_file_outside_is_refused(saved, tmp_path):
     L, path = saved
     root, marker = copy(path, tmp_path), tmp_path / "marker"
-    state = root / ck.STATE_DIR
+    state = root / layout.STATE_DIR
     md = read_metadata(state)
     index, info = next(iter(md.storage_data.items()))
     md.storage_data[index] = dataclasses.replace(info, relative_path="../../../../etc/passwd")

@@ -120,6 +120,7 @@ def test_remote_rank_saves_loads_and_logs_through_the_sink(sink, tmp_path, monke
     import ray
 
     from asyncrl.learner import checkpoint as ck
+    from asyncrl.learner import layout
     from asyncrl.learner.batch import collate
     from asyncrl.learner.config import LearnerSettings
     from asyncrl.learner.learner import Learner
@@ -140,9 +141,9 @@ def test_remote_rank_saves_loads_and_logs_through_the_sink(sink, tmp_path, monke
     L = make()
     L.step_on_batch(collate(trajs(8, seed=3)), 0)
     L.version = 1
-    L.save(str(ck.step_dir(run, 1)), driver_state={"v": 1})
-    ck.publish(run, 1, keep=2)
-    meta = ck.verify(ck.find_latest(run), full=True)  # sealed at the sink's side
+    L.save(str(layout.step_dir(run, 1)), driver_state={"v": 1})
+    layout.publish(run, 1, keep=2)
+    meta = layout.verify(layout.find_latest(run), full=True)  # sealed at the sink's side
     assert meta["version"] == 1 and not (run / "checkpoints" / "step-1.tmp").exists()
     recs = [json.loads(x) for x in (run / "cluster_sink.jsonl").read_text().splitlines()]
     sent = {r["path"] for r in recs}
@@ -151,7 +152,7 @@ def test_remote_rank_saves_loads_and_logs_through_the_sink(sink, tmp_path, monke
     assert not any(p.endswith("manifest.json") for p in sent)  # written at the driver's side
 
     L2 = make()  # loads from bytes fetched through the sink: the same weights
-    got = L2.load(str(ck.find_latest(run)))
+    got = L2.load(str(layout.find_latest(run)))
     assert got["version"] == 1 and got["driver_state"] == {"v": 1}
     for (n, a), (_, b) in zip(L.policy.state_dict().items(), L2.policy.state_dict().items()):
         assert torch.equal(a, b), n

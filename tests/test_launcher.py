@@ -105,3 +105,32 @@ def test_the_processes_that_only_hold_an_actor_handle_do_not_import_torch():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_the_drivers_checks_before_ray_do_not_import_transformers(tiny_model):
+    """The driver up to Ray (``asyncrl.train``'s imports and ``prepare`` of the default
+    run, the tiny model's architecture stamped by an earlier start): no transformers,
+    no vLLM; torch only for the loss object it builds."""
+    program = (
+        "import sys\n"
+        "from hydra import compose, initialize_config_dir\n"
+        "import asyncrl.train\n"
+        "assert 'torch' not in sys.modules, 'asyncrl.train imports torch'\n"
+        "from asyncrl.wiring import prepare\n"
+        "with initialize_config_dir(str(asyncrl.train.CONF_DIR), version_base=None):\n"
+        "    cfg = compose('config', overrides=[f'model.path={sys.argv[1]}'])\n"
+        "prepare(cfg)\n"
+        "print(sorted(m for m in ('vllm', 'transformers') if m in sys.modules))\n"
+    )
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", program, str(tiny_model)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+    assert runs[1].stdout.strip() == "[]", runs[1].stdout  # the first may have stamped

@@ -13,7 +13,12 @@ from torch import nn
 
 from asyncrl.config import ConfigError
 from asyncrl.models.arch import decoder_layers
-from asyncrl.models.resolve import check_architecture, is_hub_id, local_or_hub
+from asyncrl.models.resolve import (
+    architecture_stamp,
+    check_architecture,
+    is_hub_id,
+    local_or_hub,
+)
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -117,6 +122,8 @@ def test_an_architecture_without_findable_layers_is_refused_by_name(tmp_path, mo
     # the same at start-up, through check_architecture: one ConfigError naming the key
     import transformers
 
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path / "cache"))  # no stamp of a pass
+
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     monkeypatch.setattr(
         transformers.AutoModelForCausalLM, "from_config", staticmethod(lambda c: _NoBlocks())
@@ -129,3 +136,33 @@ def test_an_unknown_model_type_is_refused_at_start(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-arch"}))
     with pytest.raises(ConfigError, match="transformers cannot build it as a causal LM"):
         check_architecture(tmp_path, "model.path")
+
+
+def test_a_passed_check_is_stamped_and_a_changed_model_is_checked_again(tmp_path, monkeypatch):
+    """The stamp of a pass spares the next start the meta build (torch and transformers
+    imports); another config.json, transformers version or checking code is another
+    stamp, checked anew, and a refusal is never stamped."""
+    from asyncrl.models import resolve
+
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    built = []
+    real = resolve.build_on_meta
+    monkeypatch.setattr(resolve, "build_on_meta", lambda d, k: built.append(d) or real(d, k))
+    check_architecture(model, "model.path")
+    stamp = architecture_stamp(model)
+    assert built == [model] and stamp.is_file() and stamp.parent == tmp_path / "cache" / "checked"
+    check_architecture(model, "model.path")
+    assert built == [model]  # stamped: not built again
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 3}))
+    assert architecture_stamp(model) != stamp
+    check_architecture(model, "model.path")
+    assert built == [model, model]
+    monkeypatch.setattr("importlib.metadata.version", lambda name: "0.0-other")
+    assert architecture_stamp(model) != stamp
+    (model / "config.json").write_text(json.dumps({"model_type": "no-such-arch"}))
+    with pytest.raises(ConfigError):
+        check_architecture(model, "model.path")
+    assert not architecture_stamp(model).exists()

@@ -236,7 +236,7 @@ def test_two_nodes_learner_on_the_worker(cluster, tmp_path, tiny_model):
         s["trajectories_trained"] + s["trajectories_dropped_stale"] + s["trajectories_in_flight"]
     ), s
 
-    from asyncrl.learner.checkpoint import find_latest, verify
+    from asyncrl.learner.layout import find_latest, verify
     from asyncrl.utils.runlog import read_trajectories
 
     t = read_trajectories(out)

@@ -122,7 +122,7 @@ def survivors(before: dict[int, str], mark: str, wait_s: float) -> dict[int, str
 @pytest.mark.slow
 def test_sigint_stops_cleanly_with_everything_written(tmp_path, tiny_model):
     """Also the socket check of tests/test_sockets.py, on the same run (one run for both)."""
-    from asyncrl.learner.checkpoint import find_latest, verify
+    from asyncrl.learner.layout import find_latest, verify
     from asyncrl.utils.runlog import read_trajectories
 
     out = tmp_path / "run"

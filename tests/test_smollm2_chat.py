@@ -126,3 +126,20 @@ def test_preset_and_path_together_are_refused(tiny_model):
         cfg = compose("config", overrides=["model=smollm2", f"model.path={tiny_model}"])
     with pytest.raises(ConfigError, match="model.preset=smollm2 and model.path=.*set one"):
         prepare(cfg)
+
+
+def test_a_directory_without_a_template_is_known_without_transformers(tiny_model, chat_model):
+    """``without_template`` (the driver's shortcut past importing transformers) says
+    "none" only where transformers finds none: the tiny model; a template in a
+    ``chat_template.jinja`` or in ``tokenizer_config.json`` is left to transformers."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.tasks.chat import without_template
+
+    inline = chat_model.parent / "inline"
+    shutil.copytree(tiny_model, inline)
+    config = json.loads((inline / "tokenizer_config.json").read_text())
+    (inline / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    for model, none in ((tiny_model, True), (chat_model, False), (inline, False)):
+        assert without_template(model) is none, model
+        assert (AutoTokenizer.from_pretrained(str(model)).chat_template is None) is none, model

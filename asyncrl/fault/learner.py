@@ -225,7 +225,7 @@ class RestartLedger:
         return self.resume_arg or None
 
     def _newest_checkpoint(self) -> str | None:
-        from asyncrl.learner.checkpoint import CheckpointError, find_latest, verify
+        from asyncrl.learner.layout import CheckpointError, find_latest, verify
 
         try:
             p = find_latest(self.run_dir)

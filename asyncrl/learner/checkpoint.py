@@ -19,7 +19,7 @@ A run keeps its checkpoints as ``RUN/checkpoints/step-V`` (the newest ``keep``) 
 
 Renames and the symlink swap are atomic, and nothing complete is removed before its
 successor is complete and in place, so a crash at any moment leaves a complete
-checkpoint: :func:`find_latest` picks the newest one whose manifest checks out
+checkpoint: :func:`asyncrl.learner.layout.find_latest` picks the newest one whose manifest checks out
 (``step-V.old`` counts: it is complete, and exists alone only inside the switch).
 Loading checks the manifest first: a missing, truncated or altered file fails with its name.
 Loading runs no code from the directory: JSON, safetensors and DCP's files through
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
@@ -46,6 +45,18 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from asyncrl.learner.config import LearnerSettings, Normalisation
 from asyncrl.learner.dist import barrier, broadcast_from_rank0, is_distributed
+from asyncrl.learner.layout import (
+    DRIVER,
+    FORMAT,
+    META,
+    RNG_DIR,
+    STATE_DIR,
+    CheckpointError,
+    read_json,
+    read_meta,
+    rng_file,
+    verify,
+)
 from asyncrl.learner.lora import export_adapter
 from asyncrl.learner.safe_dcp import SafeLoadPlanner, SafeReader, read_metadata, reason
 from asyncrl.storage import atomic
@@ -55,20 +66,6 @@ from asyncrl.utils.rng import load_rng, save_rng
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
-FORMAT = 2  # learner.json's format: 2 keeps the RNG states as safetensors
-MANIFEST = atomic.MANIFEST
-META = "learner.json"
-DRIVER = "driver_state.json"
-STATE_DIR = "state"
-RNG_DIR = "rng"
-STEPS_DIR = "checkpoints"  # RUN/checkpoints/step-V
-LATEST = "checkpoint"  # RUN/checkpoint: symlink to the newest step (a directory in old runs)
-_STEP = re.compile(r"^step-(\d+)(\.old)?$")
-
-
-class CheckpointError(RuntimeError):
-    pass
-
 
 @contextlib.contextmanager
 def _single_process_quiet() -> Iterator[None]:
@@ -76,40 +73,6 @@ def _single_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def rng_file(root: Path, rank: int) -> Path:
-    return root / RNG_DIR / f"rank{rank}.safetensors"
-
-
-def read_json(path: Path) -> Any:
-    """A checkpoint's JSON file, or :class:`CheckpointError` naming it."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint file {path} is not readable JSON: {e}") from e
-
-
-def read_meta(root: Path) -> dict[str, Any]:
-    """``learner.json``, checked to be this format's."""
-    meta = read_json(root / META)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise CheckpointError(
-            f"checkpoint file {root / META}: format {got}, this asyncrl reads {FORMAT}"
-        )
-    return meta
-
-
-def verify(path: str | Path, full: bool = True) -> dict[str, Any]:
-    """Check every file against the manifest (sizes; CRCs too when ``full``) and return
-    ``learner.json``. Raises :class:`CheckpointError` naming the first bad file."""
-    root = Path(path)
-    try:
-        atomic.check_manifest(root, full)
-    except atomic.ManifestError as e:
-        raise CheckpointError(f"checkpoint {e}") from e
-    return read_meta(root)
 
 
 def _fresh_tmp(tmp: Path, rank: int, sink: ActorHandle | None) -> Path:
@@ -197,65 +160,6 @@ def save(
         shutil.rmtree(here.parent, ignore_errors=True)
     barrier()
     return str(root)
-
-
-def step_dir(run_dir: str | Path, version: int) -> Path:
-    return Path(run_dir) / STEPS_DIR / f"step-{version}"
-
-
-def publish(run_dir: str | Path, version: int, keep: int) -> None:
-    """After ``step-<version>`` is saved: point ``RUN/checkpoint`` at it (atomic symlink
-    swap) and remove all but the newest ``keep`` steps (0: keep every one)."""
-    run = Path(run_dir)
-    latest, target = run / LATEST, Path(STEPS_DIR) / f"step-{version}"
-    if latest.is_dir() and not latest.is_symlink():  # a run written before step dirs
-        shutil.rmtree(latest)
-    atomic.point_symlink(latest, target)  # relative: the run dir can move
-    if keep <= 0:
-        return
-    steps = sorted(_steps(run), key=lambda p: (_version_of(p), not p.name.endswith(".old")))
-    complete = [p for p in steps if _is_complete(p)]
-    survivors = set(complete[-keep:]) | {run / target}
-    for p in steps:
-        if p not in survivors and _version_of(p) < version:
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def _steps(run: Path) -> list[Path]:
-    d = run / STEPS_DIR
-    return [p for p in d.iterdir() if p.is_dir() and _STEP.match(p.name)] if d.is_dir() else []
-
-
-def _version_of(p: Path) -> int:
-    m = _STEP.match(p.name)
-    return int(m.group(1)) if m else -1
-
-
-def _is_complete(p: Path) -> bool:
-    try:
-        verify(p, full=False)
-        return True
-    except (CheckpointError, OSError, ValueError):
-        return False
-
-
-def find_latest(path: str | Path) -> Path:
-    """The checkpoint to resume from: ``path`` itself when it is a checkpoint directory
-    (checked by :func:`verify`), else the newest complete one of the run directory
-    ``path`` (``checkpoints/step-V``, then a ``checkpoint`` directory)."""
-    p = Path(path)
-    if (p / MANIFEST).is_file() or not ((p / STEPS_DIR).is_dir() or (p / LATEST).is_dir()):
-        return p  # a checkpoint directory, or not a run directory: verify() says which
-    found = [(v, s) for s in _steps(p) if _is_complete(s) for v in [_version_of(s)]]
-    legacy = p / LATEST
-    if legacy.is_dir() and not legacy.is_symlink() and _is_complete(legacy):
-        found.append((int(read_meta(legacy).get("version", 0)), legacy))
-    if not found:
-        raise CheckpointError(
-            f"{p} holds no complete checkpoint (neither a checkpoint directory nor a run "
-            f"directory with {STEPS_DIR}/step-V)"
-        )
-    return max(found, key=lambda vs: (vs[0], not vs[1].name.endswith(".old")))[1]
 
 
 def _checked_by_rank0(root: Path, rank: int, sink: ActorHandle | None) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import ConfigError
-from asyncrl.learner.checkpoint import CheckpointError, find_latest, publish, step_dir, verify
+from asyncrl.learner.layout import CheckpointError, find_latest, publish, step_dir, verify
 from asyncrl.storage.sink import allow_reads_from
 
 

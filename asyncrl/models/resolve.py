@@ -18,6 +18,7 @@ template.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -139,7 +140,38 @@ def local_or_hub(path: str) -> Path:
 
 def check_architecture(model_dir: Path, key: str) -> None:
     """Build the model on the meta device (no weights, no memory) and find its decoder
-    layers the way the learner's FSDP wrapping does; refuse it by name otherwise."""
+    layers the way the learner's FSDP wrapping does; refuse it by name otherwise. A
+    model that passed is stamped in the cache (:func:`architecture_stamp`): the next
+    start finds the stamp and imports neither torch nor transformers for this check."""
+    stamp = architecture_stamp(model_dir)
+    if stamp.is_file():
+        return
+    build_on_meta(model_dir, key)
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    tmp = stamp.with_name(f"{stamp.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{model_dir}\n", encoding="utf-8")
+    tmp.replace(stamp)
+
+
+def architecture_stamp(model_dir: Path) -> Path:
+    """Where a passed check of ``model_dir`` is recorded: named by a hash of what the
+    check reads and runs (``config.json``, the installed transformers, this module and
+    :mod:`asyncrl.models.arch`), so a change to any of them checks again."""
+    from importlib.metadata import version
+    from importlib.util import find_spec
+
+    from asyncrl.models.tiny import default_cache_dir
+
+    h = hashlib.sha256()
+    h.update(Path(model_dir, "config.json").read_bytes())
+    h.update(version("transformers").encode())
+    for source in (__file__, find_spec("asyncrl.models.arch").origin):  # not imported: torch
+        h.update(Path(source).read_bytes())
+    return default_cache_dir() / "checked" / f"architecture-{h.hexdigest()[:16]}"
+
+
+def build_on_meta(model_dir: Path, key: str) -> None:
+    """The check itself: the model built on the meta device, its decoder layers found."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 

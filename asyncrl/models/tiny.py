@@ -28,8 +28,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from asyncrl.tasks.base import Task
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
@@ -203,6 +201,8 @@ def random_qwen3_moe(
 
 def seeded(model_cls: Any, cfg: Any, seed: int, out_dir: Path | str | None):
     """``model_cls(cfg)`` initialised under ``seed``; saved at ``out_dir`` when given."""
+    import torch
+
     torch.manual_seed(seed)
     model = model_cls(cfg)
     if out_dir is not None:
@@ -230,6 +230,8 @@ def warm_start(
     """Short supervised fine-tuning on task demonstrations (loss on the answer only),
     so that RL starts from a policy that sometimes succeeds. A build that runs longer
     than PROGRESS_EVERY_S says on stderr how far it is."""
+    import torch
+
     rng = random.Random(spec.seed + 1)
     cosine = spec.warm_start_schedule == "cosine"
     betas = (0.9, 0.98) if cosine else (0.9, 0.999)
@@ -387,6 +389,8 @@ def ensure_tiny_model(task: Task, spec: TinyModelSpec, cache_dir: Path | None = 
                 return out
             if is_shipped:
                 return shipped.install(out)
+            import torch  # here: a cached model is found without it
+
             torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
             build_tiny_model(out, task, spec)
         finally:

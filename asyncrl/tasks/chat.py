@@ -10,6 +10,7 @@ and a prompt is the same string in every process.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,8 @@ class ChatFrame:
     def from_model(cls, model_path: str | Path, system: str) -> ChatFrame | None:
         """The frame of ``model_path``'s tokenizer, None when it has no chat template.
         Raises ValueError when the template does not keep the user text verbatim."""
+        if without_template(Path(model_path)):
+            return None
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(model_path))
@@ -60,6 +63,23 @@ class ChatFrame:
         if frame.render("1 + 2") != text("1 + 2"):  # a template that rewrites the content
             raise ValueError(f"{model_path}: the chat template rewrites the user message")
         return frame
+
+
+# where transformers finds a tokenizer's chat template in a model directory
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "additional_chat_templates")
+
+
+def without_template(model_dir: Path) -> bool:
+    """True when a local model directory certainly has no chat template (its
+    ``tokenizer_config.json`` names none, and none of :data:`TEMPLATE_FILES` is there),
+    so that the driver need not import transformers to find out; False when unsure."""
+    config = model_dir / "tokenizer_config.json"
+    if not config.is_file() or any((model_dir / f).exists() for f in TEMPLATE_FILES):
+        return False
+    try:
+        return "chat_template" not in json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
 
 
 class ChatForm:

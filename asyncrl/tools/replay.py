@@ -37,7 +37,7 @@ class ReplayError(RuntimeError):
 
 def checkpoint_at(run_dir: Path, step: int) -> Path:
     """The checkpoint holding version ``step`` (the kept ones first, then the latest)."""
-    from asyncrl.learner.checkpoint import META
+    from asyncrl.learner.layout import META
 
     kept = run_dir / "checkpoints" / f"step-{step}"
     if (kept / META).is_file():
