@@ -1,9 +1,9 @@
 """Engine start-up: how long a vLLM-CPU engine takes from a fresh process to its first
 request, and how fast it then generates, three ways side by side: ``forked``, its one
 worker inside the engine-core process (``actor.engine.in_core_worker=true``,
-asyncrl/engine/in_core.py) and that process forked from a fork server started first
-thing, as the actor does (``actor.engine.forkserver=true``, asyncrl/engine/launcher.py:
-the defaults); ``in_core``, the same process spawned fresh (``forkserver=false``);
+asyncrl/engine/in_core.py) and that process forked from a fork server that is itself
+forked first thing from this process, as the actor does (``actor.engine.forkserver=true``,
+asyncrl/engine/launcher.py: the defaults); ``in_core``, the same process spawned fresh (``forkserver=false``);
 ``separate``, the worker in a process of its own (``in_core_worker=false``: vLLM's
 multiprocess executor).
 
@@ -56,13 +56,15 @@ def child(side: str, batches: int) -> dict:
     """One engine start and its generation, in this (fresh) process."""
     import asyncio
 
+    from asyncrl.engine import launcher
     from asyncrl.engine.settings import EngineSettings
-    from asyncrl.engine.vllm_engine import make_engine, warm_engine_start
+    from asyncrl.engine.vllm_engine import make_engine
 
     settings = EngineSettings.defaults(
         in_core_worker=side != "separate", forkserver=side == "forked"
     )
-    warm_engine_start(settings)  # first thing, as the actor does (forked only)
+    if side == "forked":  # first thing in this fresh process, as the actor does
+        launcher.warm()
     from asyncrl.engine.protocol import Sampling
     from asyncrl.models.tiny import default_spec, ensure_tiny_model
     from asyncrl.tasks.arithmetic import AdditionTask

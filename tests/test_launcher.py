@@ -7,6 +7,7 @@ the broker) do not import torch. Every vLLM engine of the suite is started this 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,47 +19,91 @@ from asyncrl.engine import launcher
 from asyncrl.engine.settings import EngineSettings
 from asyncrl.engine.vllm_engine import engine_kwargs, forks_engine_core, on_cpu
 
+LIGHT = "wave"  # what the test's fork server imports first (nothing else here does)
+
 
 def report(queue) -> None:
     """A forked child's view of its start, put on ``queue``; it titles itself as vLLM's
     engine core does (tests and the supervisor find engine cores by that title)."""
     import setproctitle
 
+    server = os.getppid()  # the fork server
+    imported = LIGHT in sys.modules  # before this child imports anything
     setproctitle.setproctitle("VLLM::LauncherTest")
     with open("/proc/self/cmdline", "rb") as f:
         title = f.read().split(b"\0")[0].decode()
+    with open(f"/proc/{server}/cmdline", "rb") as f:
+        server_title = f.read().replace(b"\0", b" ").decode()
+    with open(f"/proc/{server}/stat") as f:
+        server_parent = int(f.read().rsplit(")", 1)[1].split()[1])
+    held = sorted(os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd"))
     queue.put(
-        (os.environ.get("ASYNCRL_TEST_CARRIED"), os.getcwd(), sorted(os.sched_getaffinity(0)),
-         os.environ.get("ASYNCRL_TEST_GONE"), title)
+        dict(carried=os.environ.get("ASYNCRL_TEST_CARRIED"), cwd=os.getcwd(),
+             cpus=sorted(os.sched_getaffinity(0)), gone=os.environ.get("ASYNCRL_TEST_GONE"),
+             title=title, imported=imported, server=server, server_title=server_title,
+             server_parent=server_parent, held=held)
     )  # fmt: skip
 
 
-def test_a_forked_child_runs_with_what_its_starter_had_at_start(tmp_path, monkeypatch):
-    monkeypatch.setenv("ASYNCRL_TEST_GONE", "unset before the start")
-    launcher.warm()  # the server starts now, with this environment
-    monkeypatch.setenv("ASYNCRL_TEST_CARRIED", "set after the server started")
-    monkeypatch.delenv("ASYNCRL_TEST_GONE")
-    monkeypatch.chdir(tmp_path)
-    allowed = sorted(os.sched_getaffinity(0))
-    narrowed = allowed[-1:]  # as the actor's placement narrows it before the start
-    os.sched_setaffinity(0, narrowed)
-    try:
+def starts(tmp_path) -> list[dict]:
+    """In a fresh process (as the actor's): :func:`launcher.warm` first, then a child
+    started through the server with an environment, directory and affinity changed
+    since; then the server killed and another child started. Each child's view."""
+    import json
+    import signal
+    import socket
+
+    from asyncrl.engine import launcher
+
+    # a light module in place of vLLM's (the suite's engines start the real way)
+    launcher.PRELOAD = (LIGHT,)
+    launcher.SERVER.set_forkserver_preload([LIGHT])
+    assert LIGHT not in sys.modules
+    os.environ["ASYNCRL_TEST_GONE"] = "unset before the start"
+    marker = socket.socket()  # one of this process's sockets (a Ray worker holds many)
+    launcher.warm()  # the server is forked now, with this environment
+    launcher.settle()
+    os.environ["ASYNCRL_TEST_CARRIED"] = "set after the server started"
+    del os.environ["ASYNCRL_TEST_GONE"]
+    os.chdir(tmp_path)
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[-1:])  # as placement narrows it
+    views = []
+    for _ in range(2):
         q = launcher.CONTEXT.Queue()
         p = launcher.CONTEXT.Process(target=report, args=(q,))
         p.start()
-        got = q.get(timeout=120)
-        p.join(timeout=60)
-    finally:
-        os.sched_setaffinity(0, allowed)
-    assert got == (
-        "set after the server started",
-        str(tmp_path),
-        narrowed,
-        None,
-        "VLLM::LauncherTest",
-    )
-    assert p.exitcode == 0
-    assert os.environ.get("ASYNCRL_TEST_CARRIED") == "set after the server started"
+        views.append({**q.get(timeout=120), "exitcode": p.join(timeout=60) or p.exitcode})
+        if len(views) == 1:
+            os.kill(views[0]["server"], signal.SIGKILL)  # the next start spawns one
+            while os.waitpid(views[0]["server"], os.WNOHANG)[0] == 0:
+                pass
+    views.append({"me": os.getpid(), "marker": f"socket:[{os.fstat(marker.fileno()).st_ino}]"})
+    print(json.dumps(views))
+
+
+def test_a_forked_child_runs_with_what_its_starter_had_at_start(tmp_path):
+    """The server is forked from the process that warms (what it imports first already
+    imported in every child, none of the process's sockets held open by the server);
+    a child runs with its starter's environment, directory and affinity at start();
+    a dead forked server is replaced by a spawned one, which carries the same."""
+    program = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_launcher; test_launcher.starts(__import__('pathlib').Path({str(tmp_path)!r}))"
+    r = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    forked, spawned, me = json.loads(r.stdout.strip().splitlines()[-1])
+    narrowed = sorted(os.sched_getaffinity(0))[-1:]
+    for view in (forked, spawned):
+        assert (view["carried"], view["cwd"], view["cpus"], view["gone"], view["title"]) == (
+            "set after the server started",
+            str(tmp_path),
+            narrowed,
+            None,
+            "VLLM::LauncherTest",
+        ), view
+        assert view["imported"] and view["server_parent"] == me["me"] and view["exitcode"] == 0
+    assert forked["server_title"].startswith(launcher.SERVER_TITLE), forked["server_title"]
+    assert me["marker"] not in forked["held"], forked["held"]
+    assert "multiprocessing.forkserver" in spawned["server_title"], spawned["server_title"]
 
 
 def test_vllm_starts_through_the_server_only_within_engine_core_start():

@@ -25,6 +25,7 @@ from asyncrl.transport.spec import JoinSpec, ReceiveReport
 
 def make_engine(model_path: str, s: EngineSettings, seed: int = 0) -> VLLMEngine:
     """Start a vLLM AsyncLLM whose workers carry asyncrl's worker extension."""
+    launcher.settle()  # a fork server being forked from here: before vLLM's imports
     os.environ.setdefault("VLLM_LOGGING_LEVEL", launcher.LOG_LEVEL)
     # read by asyncrl's vLLM plugin in the engine's processes, which inherit it
     os.environ[NAP_ENV] = repr(spin_nap(s))
@@ -70,9 +71,11 @@ def forks_engine_core(s: EngineSettings, kwargs: dict[str, Any]) -> bool:
 
 
 def warm_engine_start(s: EngineSettings) -> None:
-    """Where this process's engines will fork their engine core, start the fork server
-    now, in the background: its imports overlap the caller's own start-up."""
-    if forks_engine_core(s, engine_kwargs("", s)):
+    """Where this process's engines will fork their engine core and it is a Ray actor's
+    own process (called first in its constructor), fork the fork server from it now, in
+    the background (asyncrl/engine/launcher.py); elsewhere the first engine start spawns
+    one."""
+    if forks_engine_core(s, engine_kwargs("", s)) and launcher.own_actor_process():
         launcher.warm()
 
 

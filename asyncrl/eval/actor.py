@@ -34,6 +34,9 @@ class EvalActor:
         max_tokens: int,
         seed: int = 0,
     ):
+        from asyncrl.engine.vllm_engine import warm_engine_start
+
+        warm_engine_start(engine)  # first: the engine core's fork server, forked from here
         self.model_path, self.engine_settings, self.seed = model_path, engine, seed
         self.settings = settings
         self.sets = sets

@@ -51,9 +51,11 @@ class JudgeServer:
 
     def __init__(self, model_dir: str, engine: dict[str, Any], seed: int):
         from asyncrl.engine.settings import EngineSettings
+        from asyncrl.engine.vllm_engine import warm_engine_start
 
         self.model_dir, self.seed = model_dir, seed
         self.settings = EngineSettings.defaults(**engine)  # actor.engine's values, then these
+        warm_engine_start(self.settings)  # the engine core's fork server, forked from here
         self.engine: Any = None
         self.requests = 0
 
