@@ -138,6 +138,8 @@ class ExpertRecorder:
         if not tokens or topk_ids.shape[0] < tokens:  # a dummy forward: no request's rows
             self.captured = 0
             return
+        if layer == 0:  # a new forward (a failed one left its count behind)
+            self.captured = 0
         self.step[:tokens, layer].copy_(topk_ids[:tokens])
         self.captured += 1
         if self.captured == self.book.layers:  # the step's last MoE layer
