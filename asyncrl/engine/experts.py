@@ -107,7 +107,14 @@ class ExpertRecorder:
 
     def __init__(self, runner: Any):
         from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+        if not isinstance(runner, GPUModelRunner):  # V2 lays out a step's rows otherwise
+            raise ValueError(
+                f"actor.record_experts: the engine runs {type(runner).__module__}."
+                f"{type(runner).__name__}, not vLLM's V1 model runner whose step layout the "
+                "recorder reads; set VLLM_USE_V2_MODEL_RUNNER=0"
+            )
         self.runner = runner
         moe = [m for m in runner.get_model().modules() if isinstance(m, MoERunner)]
         if not moe:
