@@ -12,7 +12,8 @@ Per-token arrays are numpy and all have the response length ``R``:
 ``routed_experts`` (mixture-of-experts models, optional) is uint8 ``[n, layers, top_k]``:
 the experts the engine's router chose for the token at each of the first ``n`` positions
 of prompt + response as model input, ``n <= num_tokens`` (vLLM's
-``CompletionOutput.routed_experts`` layout); the learner replays them with
+``CompletionOutput.routed_experts`` layout); the engine records them with
+``actor.record_experts`` (asyncrl/engine/experts.py), the learner replays them with
 ``learner.moe.routing_replay`` (asyncrl/learner/routing.py).
 
 A multi-turn episode (asyncrl/actor/env_runner.py) is one trajectory: its response holds

@@ -162,7 +162,9 @@ def prepare(cfg: DictConfig) -> Setup:
     model_path = resolve_model(cfg, task)
     env.check_template(model_path)  # a message-level env: its chat template, append-only
     check_model(model_path, learner.tp)  # learner.tp: a plan, whole heads per rank
-    check_experts(model_path, learner.ep, learner.moe.routing_replay)  # a MoE model to split
+    actor = actor.recording(learner.moe.routing_replay)  # actor.record_experts: null follows
+    # a MoE model to split (learner.ep), to replay or to record the routes of
+    check_experts(model_path, learner.ep, learner.moe.routing_replay, actor.record_experts)
     if learner.lora.on:  # learner.lora: layers the model has (the check imports torch)
         from asyncrl.learner.lora import check_targets
 

@@ -44,9 +44,13 @@ class FakeEngine:
         logprob: float = -0.5,
         vocab: int = 32,
         cached: Callable[[list[int]], int] = lambda ids: 0,
+        routes: tuple[int, int] | None = None,
     ):
         self.tok, self.policy, self.seed = tokenizer, policy, seed
         self.logprob, self.vocab, self.cached = logprob, vocab, cached
+        # (layers, top_k): each completion carries routed experts, row p all p % 256 (a
+        # recording engine: prompt and generated positions but the last)
+        self.routes = routes
         self.version = 0
         self.timed_pause = False
         self.weights = "initial"
@@ -114,6 +118,11 @@ class FakeEngine:
                 break
         if self.abort:
             finish = "abort"
+        rec = None
+        if self.routes is not None:
+            n = len(ids) + len(out) - 1
+            rec = np.broadcast_to((np.arange(n) % 256).astype(np.uint8)[:, None, None],
+                                  (n, *self.routes)).copy()  # fmt: skip
         return Completion(
             i,
             np.asarray(out, dtype=np.int32),
@@ -123,6 +132,7 @@ class FakeEngine:
             ""
             if s.logprobs or self.tok is None
             else self.tok.decode(out, skip_special_tokens=True),
+            rec,
         )
 
     async def pause(self, mode: str) -> None:

@@ -57,7 +57,7 @@ async def engine_actor(model, task, settings, name: str = "t0", env=None):
     from asyncrl.engine.vllm_engine import make_engine
 
     a = RolloutActor(name, str(model), task, NoQueue(), settings, seed=0, env=env)
-    a.engine = make_engine(str(model), settings.engine, 0)
+    a.engine = make_engine(str(model), settings.engine, 0, bool(settings.record_experts))
     try:
         a.episodes = make_runner(a.engine, task, settings, env, lambda: a.version)
         await a.engine.label(0)
@@ -76,9 +76,10 @@ def plain_optim(**values):
     return OptimSettings.defaults(**{"schedule": "constant", "mismatch_kl_target": None, **values})
 
 
-def fp32_learner(model):
+def fp32_learner(model, routing_replay: bool = False):
     """A one-rank learner on ``model`` (fp32, lr 1e-2) whose log-probs the vLLM tests
-    compare with the engine's behaviour log-probs."""
+    compare with the engine's behaviour log-probs (``routing_replay``: a MoE model's
+    ``learner.moe.routing_replay``)."""
     import torch
 
     from asyncrl.learner.config import LearnerSettings
@@ -87,8 +88,22 @@ def fp32_learner(model):
     from asyncrl.losses.clipped import ClippedISLoss
 
     torch.set_num_threads(1)
-    settings = LearnerSettings.defaults(optim=plain_optim(lr=1e-2))
+    moe = {"routing_replay": routing_replay}
+    settings = LearnerSettings.defaults(optim=plain_optim(lr=1e-2), moe=moe)
     return Learner(str(model), ClippedISLoss(), GroupNormalized(), settings, temperature=1.0)
+
+
+def replayed(learner) -> tuple[int, int]:
+    """(positions with a record, of them routed to another set of experts than recorded)
+    in the learner's last forward, over every MoE layer (asyncrl/learner/routing.py)."""
+    n = differ = 0
+    for f in learner.routing.forwards:
+        rec, chosen = f.last
+        have = (rec >= 0).all(-1)
+        n += int(have.sum())
+        same = rec[have].sort(-1).values == chosen[have].sort(-1).values
+        differ += int((~same).any(-1).sum())
+    return n, differ
 
 
 def perturbed_state(learner, seed: int) -> dict:

@@ -80,6 +80,19 @@ def test_calculator_episode_is_exact_and_masks_the_tool_output():
     assert engine.requests[-1] == TOK.encode("37*48=") + call + obs
 
 
+def test_a_recording_engine_s_routes_cover_the_whole_episode():
+    """A multi-turn trajectory carries its last turn's routed experts: that request read
+    the prompt, every turn and every observation, so they cover every position but the
+    last token's."""
+    engine = ScriptedEngine(calculator_policy)
+    engine.routes = (2, 2)
+    group = asyncio.run(runner(engine, CALC).run_group(Prompt("37*48=", "1776")))
+    for t in group.trajectories:
+        assert t.episode["turns"] == 2
+        assert t.routed_experts.shape == (t.num_tokens - 1, 2, 2)
+        assert t.routed_experts[:, 1, 1].tolist() == list(range(t.num_tokens - 1))
+
+
 def test_every_turn_request_has_its_own_seed():
     """Seeded as vLLM seeds a request: from the engine's seed (the run's), the group's
     place in the actor's start order, the sample and the turn; a fresh runner on an

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import plain_optim, trajs
+from helpers import plain_optim, replayed, trajs
 
 from asyncrl.config import ConfigError
 from asyncrl.learner.batch import collate
@@ -60,19 +60,6 @@ def record(model_dir, ts, noise: float) -> None:
         h.remove()
 
 
-def replayed(ln: Learner) -> tuple[int, int]:
-    """(positions with a record, of them routed to another set of experts than recorded)
-    in the last forward, over every MoE layer."""
-    n = differ = 0
-    for f in ln.routing.forwards:
-        rec, chosen = f.last
-        have = (rec >= 0).all(-1)
-        n += int(have.sum())
-        same = rec[have].sort(-1).values == chosen[have].sort(-1).values
-        differ += int((~same).any(-1).sum())
-    return n, differ
-
-
 def test_own_records_replay_to_the_same_logprobs(moe_dir):
     ts = trajs(12, seed=3, max_prompt=9, max_response=12)
     plain = learner(moe_dir, replay=False).logprobs_of(ts)
@@ -116,3 +103,23 @@ def test_replay_on_a_dense_model_is_refused(tmp_path):
     random_qwen2(20, 64, 2, 2, 2, 96, tie=True, out_dir=tmp_path, pad_token_id=0)
     with pytest.raises(ConfigError, match=r"^learner.moe.routing_replay=true: model .* dense"):
         check_model(str(tmp_path), 1, routing_replay=True)
+
+
+def test_recording_routes_is_decided_and_checked_before_ray(tmp_path):
+    """``actor.record_experts``: null follows ``learner.moe.routing_replay``; a record the
+    engine cannot make (prefix cache, dense model) or a replay with nothing recorded is
+    refused naming the key."""
+    from asyncrl.actor.settings import ActorSettings
+
+    assert ActorSettings.defaults().record_experts is None
+    assert ActorSettings.defaults().recording(True).record_experts is True
+    assert ActorSettings.defaults().recording(False).record_experts is False
+    assert ActorSettings.defaults(record_experts=True).recording(False).record_experts is True
+    with pytest.raises(ConfigError, match=r"^learner.moe.routing_replay=true with actor.reco"):
+        ActorSettings.defaults(record_experts=False).recording(True)
+    cached = ActorSettings.defaults(engine={"enable_prefix_caching": True})
+    with pytest.raises(ConfigError, match=r"^actor.record_experts on with .*prefix_caching"):
+        cached.recording(True)
+    random_qwen2(20, 64, 2, 2, 2, 96, tie=True, out_dir=tmp_path, pad_token_id=0)
+    with pytest.raises(ConfigError, match=r"^actor.record_experts=true: model .* dense"):
+        check_model(str(tmp_path), 1, record_experts=True)

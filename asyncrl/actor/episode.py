@@ -142,6 +142,7 @@ class SingleTurnEpisodes:
                     t_start=t_start,
                     t_end=time.time(),
                     images=images,
+                    routed_experts=c.routed_experts,
                 )
             )
             inputs.append(reward_input(self.task, prompt, text, ids, breakdown, reward))

@@ -132,7 +132,9 @@ class RolloutActor:
         # sent before the engine loads: the queue's first sight of this actor is slow
         introduced = asyncio.ensure_future(self._outbox.introduce())
         cores = placement.place_engine(self._engine_cores) if self._engine_cores else None
-        self.engine = make_engine(self._model_path, self.settings.engine, self._seed)
+        self.engine = make_engine(
+            self._model_path, self.settings.engine, self._seed, bool(self.settings.record_experts)
+        )
         if cores is not None:
             core_io = await self.engine.call_workers("asyncrl_io_threads", None, CONTROL_TIMEOUT_S)
             self.core_io_threads = core_io[0]  # the engine core's I/O threads, where listed

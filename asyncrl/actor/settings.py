@@ -10,6 +10,7 @@ builds them as ``asyncrl-train`` does); the fields here have none.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,9 @@ class ActorSettings(Settings):
     # CPU list ("0", "0-3", "0,2", or a YAML list of CPUs) of the engine; None: the OS's
     engine_cores: str | int | list | None = setting()
     update_mode: UpdateMode = setting()
+    # a MoE model's engine records the experts its routers chose for every position
+    # (Trajectory.routed_experts); None: exactly when learner.moe.routing_replay is on
+    record_experts: bool | None = setting()
     sampling: SamplingSettings = setting()
     engine: EngineSettings = setting()
 
@@ -54,6 +58,24 @@ class ActorSettings(Settings):
                 f"actor.update_mode={self.update_mode!r}: expected one of "
                 f"{', '.join(m.value for m in UpdateMode)}"
             ) from None
+
+    def recording(self, routing_replay: bool) -> ActorSettings:
+        """These settings with ``record_experts`` decided (None follows
+        ``learner.moe.routing_replay``) and checked against the engine's and the
+        learner's."""
+        record = routing_replay if self.record_experts is None else self.record_experts
+        if routing_replay and not record:
+            raise ConfigError(
+                "learner.moe.routing_replay=true with actor.record_experts=false: the engine "
+                "records no routes to replay; set actor.record_experts=true (or null)"
+            )
+        if record and self.engine.enable_prefix_caching:
+            raise ConfigError(
+                "actor.record_experts on with actor.engine.enable_prefix_caching=true: a "
+                "prompt read from the prefix cache is never routed, so it has no record; "
+                "set actor.engine.enable_prefix_caching=false"
+            )
+        return dataclasses.replace(self, record_experts=record)
 
     @property
     def handoff_linger_s(self) -> float:

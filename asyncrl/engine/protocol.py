@@ -68,7 +68,10 @@ class Completion:
     ``token_ids`` int32, ``logprobs`` float32 (None when not asked), ``versions`` int32
     (the policy version of the weights that sampled each token: a sequence may span an
     update). ``finish_reason``: "stop", "length" or "abort" (a weight update under
-    ``abort`` cut it short). ``text``: the decoded text when asked (``logprobs=False``)."""
+    ``abort`` cut it short). ``text``: the decoded text when asked (``logprobs=False``).
+    ``routed_experts``: uint8 ``[positions, moe layers, top_k]``, the experts the engine's
+    routers chose for prompt + generated tokens as model input (an engine recording
+    them: ``actor.record_experts``; else None)."""
 
     index: int
     token_ids: np.ndarray
@@ -76,6 +79,7 @@ class Completion:
     versions: np.ndarray
     finish_reason: str
     text: str = ""
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass

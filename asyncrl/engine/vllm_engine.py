@@ -8,6 +8,7 @@ This package is the only place that imports an engine library."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import io
 import os
@@ -23,8 +24,11 @@ from asyncrl.engine.vllm_plugin import ENV as NAP_ENV
 from asyncrl.transport.spec import JoinSpec, ReceiveReport
 
 
-def make_engine(model_path: str, s: EngineSettings, seed: int = 0) -> VLLMEngine:
-    """Start a vLLM AsyncLLM whose workers carry asyncrl's worker extension."""
+def make_engine(
+    model_path: str, s: EngineSettings, seed: int = 0, record_experts: bool = False
+) -> VLLMEngine:
+    """Start a vLLM AsyncLLM whose workers carry asyncrl's worker extension;
+    ``record_experts``: each completion carries the experts its MoE routers chose."""
     launcher.settle()  # a fork server being forked from here: before vLLM's imports
     os.environ.setdefault("VLLM_LOGGING_LEVEL", launcher.LOG_LEVEL)
     # read by asyncrl's vLLM plugin in the engine's processes, which inherit it
@@ -35,7 +39,7 @@ def make_engine(model_path: str, s: EngineSettings, seed: int = 0) -> VLLMEngine
     kwargs = engine_kwargs(model_path, s, seed)
     with launcher.engine_core_start(forks_engine_core(s, kwargs)):
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-    return VLLMEngine(llm)
+    return VLLMEngine(llm, record_experts)
 
 
 def engine_kwargs(model_path: str, s: EngineSettings, seed: int = 0) -> dict[str, Any]:
@@ -260,10 +264,17 @@ class VLLMEngine:
 
     ``version`` is the label last set (:meth:`label`): it labels any token vLLM left
     unlabelled. Each call sends its message to the engine core in its first slice
-    (the callers rely on the order: actor/weights.py)."""
+    (the callers rely on the order: actor/weights.py).
 
-    def __init__(self, llm: Any):
+    ``record_experts``: the workers record each request's routed experts
+    (asyncrl/engine/experts.py, switched on before the first request) and
+    :meth:`generate` takes them once the request is done: one more call to the engine
+    core per request, answered between two model steps."""
+
+    def __init__(self, llm: Any, record_experts: bool = False):
         self.llm = llm
+        self.record_experts = record_experts
+        self._recording: asyncio.Future | None = None
         self.seed: int | None = getattr(getattr(llm, "model_config", None), "seed", None)
         self.version = 0
         # keep: straight to the engine core (see pause), whose workers' clocks then mark
@@ -285,17 +296,39 @@ class VLLMEngine:
             self._render = prompt_renderer(self.llm)
         request = self._render(with_images(prompt, images) if images else (
             prompt if isinstance(prompt, str) else tokens_prompt(prompt)), salt)  # fmt: skip
+        if self.record_experts:
+            if self._recording is None:  # once, before any request of this engine
+                self._recording = asyncio.ensure_future(
+                    self.call_workers("asyncrl_record_experts", None, CONTROL_TIMEOUT_S)
+                )
+            await self._recording
         final = None
         async for out in self.llm.generate(request, vllm_params(sampling), request_id=request_id):
             final = out
+        # (a request that raised leaves its records behind: the recorder drops them later)
+        routes = await self.take_experts(request_id, sampling.n)
         if final is None:  # aborted before any output
             return Generation([], [])
         version = self.version
+        comps = [completion(c, version, sampling.logprobs) for c in final.outputs]
+        for c in comps:
+            c.routed_experts = routes[c.index]
         return Generation(
-            list(final.prompt_token_ids or []),
-            [completion(c, version, sampling.logprobs) for c in final.outputs],
-            int(final.num_cached_tokens or 0),
+            list(final.prompt_token_ids or []), comps, int(final.num_cached_tokens or 0)
         )
+
+    async def take_experts(self, request_id: str, n: int) -> list[np.ndarray | None]:
+        """Each sample's routed experts from the first worker (every worker of a
+        tensor-parallel engine routes alike); Nones when not recording."""
+        if not self.record_experts:
+            return [None] * n
+        got = await self.call_workers(
+            "asyncrl_take_experts", {"request_id": request_id, "n": n}, CONTROL_TIMEOUT_S
+        )
+        return [
+            None if r is None else np.frombuffer(r[0], dtype=np.uint8).reshape(r[1]).copy()
+            for r in got[0]
+        ]
 
     def get_tokenizer(self) -> Any:
         return self.llm.get_tokenizer()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from asyncrl.engine import adapter, moe_reload, vllm_plugin
+from asyncrl.engine.experts import ExpertRecorder
 from asyncrl.transport.endpoint import ReceiverEndpoint
 from asyncrl.transport.spec import JoinSpec
 
@@ -114,6 +115,25 @@ class AsyncRLWorkerExtension:
         else:
             self.model_runner.reload_weights(weights_iterator=iter(tensors))
         self._asyncrl_retie()
+        recorder = self.__dict__.get("_asyncrl_experts")
+        if recorder is not None:
+            recorder.bind()  # the reload may have rebuilt a layer's router
+
+    # ---- routed experts (actor.record_experts; asyncrl/engine/experts.py) ---------------
+    def asyncrl_record_experts(self) -> list[int]:
+        """Record from now on the experts every MoE layer's router chooses, per request
+        and position; returns ``[layers, top_k]`` of a record."""
+        recorder = self.__dict__.get("_asyncrl_experts")
+        if recorder is None:
+            recorder = self.__dict__["_asyncrl_experts"] = ExpertRecorder(self.model_runner)
+        return [recorder.book.layers, recorder.book.top_k]
+
+    def asyncrl_take_experts(self, request_id: str, n: int) -> list[Any]:
+        """The records of request ``request_id``'s ``n`` samples, dropped here: each
+        ``[bytes, shape]`` of a uint8 ``[positions, layers, top_k]`` array (arrays do not
+        cross ``collective_rpc`` whole), None where nothing was recorded."""
+        recs = self.__dict__["_asyncrl_experts"].book.take(request_id, n)
+        return [None if r is None else [r.tobytes(), list(r.shape)] for r in recs]
 
     def asyncrl_io_threads(self) -> list[int]:
         """The engine-core process's I/O threads where this worker runs inside it

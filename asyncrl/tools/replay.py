@@ -85,9 +85,17 @@ def trajectories_of(table: Any, ids: list[str], step: int, log_dir: Path | None 
                     Image.of((log_dir or Path()).joinpath(n).read_bytes())
                     for n in r.get("images") or ()
                 ],
+                routed_experts=routed_experts(r),
             )
         )
     return out
+
+
+def routed_experts(row: dict[str, Any]) -> np.ndarray | None:
+    """A row's routed experts as the trajectory carried them (None: none logged)."""
+    if row.get("routed_experts") is None:
+        return None
+    return np.frombuffer(row["routed_experts"], np.uint8).reshape(row["routed_experts_shape"])
 
 
 REPLAY_COLUMNS = [
@@ -97,13 +105,14 @@ REPLAY_COLUMNS = [
 
 
 def replay_columns(run_dir: Path) -> list[str]:
-    """The log columns replay reads; ``images`` too for a run that logs them."""
+    """The log columns replay reads; ``images`` and the routed experts too for a run
+    that logs them."""
     import pyarrow.parquet as pq
 
     parts = trajectory_parts(run_dir)
-    if parts and "images" in pq.read_schema(parts[-1]).names:
-        return [*REPLAY_COLUMNS, "images"]
-    return list(REPLAY_COLUMNS)
+    names = pq.read_schema(parts[-1]).names if parts else []
+    optional = ["images", "routed_experts", "routed_experts_shape"]
+    return [*REPLAY_COLUMNS, *(c for c in optional if c in names)]
 
 
 def replay(run_dir: str | Path, from_step: int, steps: int) -> list[dict[str, Any]]:

@@ -71,6 +71,10 @@ _SCHEMA = pa.schema(
         ("t_start", pa.float64()),
         ("t_end", pa.float64()),
         ("images", pa.list_(pa.string())),  # images/<key>.png beside the parts, prompt order
+        # a MoE engine's routed experts (Trajectory.routed_experts): the uint8 array's
+        # bytes and its shape [positions, moe layers, top_k]; null where none were recorded
+        ("routed_experts", pa.binary()),
+        ("routed_experts_shape", pa.list_(pa.int32())),
     ]
 )
 
@@ -153,6 +157,7 @@ class TrajectoryLog:
                 self.rows_skipped += 1
                 continue
             tok = (tokens[i] if tokens else None) or {}
+            rec = t.routed_experts
             row = {
                 "step": step,
                 "traj_id": t.traj_id,
@@ -179,6 +184,8 @@ class TrajectoryLog:
                 "t_start": t.t_start,
                 "t_end": t.t_end,
                 "images": [self._image(im) for im in t.images] if t.images else [],
+                "routed_experts": None if rec is None else rec.tobytes(),
+                "routed_experts_shape": None if rec is None else list(rec.shape),
             }
             for k, v in row.items():
                 self._rows[k].append(v)
