@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.broker.settings import BrokerSettings
 from asyncrl.config import ConfigError, Settings, build, setting, settings_from
+from asyncrl.engine.split import check_model as check_engine_split
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.eval.launch import EvalPlan, prepare_eval
 from asyncrl.eval.settings import EvalSettings
@@ -162,6 +163,7 @@ def prepare(cfg: DictConfig) -> Setup:
     model_path = resolve_model(cfg, task)
     env.check_template(model_path)  # a message-level env: its chat template, append-only
     check_model(model_path, learner.tp)  # learner.tp: a plan, whole heads per rank
+    check_engine_split(model_path, actor.engine.tensor_parallel_size)  # whole heads per worker
     check_experts(model_path, learner.ep, learner.moe.routing_replay)  # a MoE model to split
     if learner.lora.on:  # learner.lora: layers the model has (the check imports torch)
         from asyncrl.learner.lora import check_targets
