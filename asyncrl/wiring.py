@@ -134,6 +134,13 @@ def _check_learner_fits(learner: LearnerSettings, actor: ActorSettings, ray: Ray
         )
 
 
+def _check_splits(model_path: str, learner: LearnerSettings, actor: ActorSettings) -> None:
+    """The model splits as the learner's and the engines' layouts ask."""
+    check_model(model_path, learner.tp)  # learner.tp: a plan, whole heads per rank
+    check_experts(model_path, learner.ep, learner.moe.routing_replay)  # a MoE model to split
+    check_engine_split(model_path, actor.engine.tensor_parallel_size)  # whole heads per worker
+
+
 def prepare(cfg: DictConfig) -> Setup:
     """Check every component's settings and build the cheap parts, in the driver before
     Ray starts: every config error surfaces here as one ConfigError naming its key.
@@ -162,9 +169,7 @@ def prepare(cfg: DictConfig) -> Setup:
         check_resume(run.resume)
     model_path = resolve_model(cfg, task)
     env.check_template(model_path)  # a message-level env: its chat template, append-only
-    check_model(model_path, learner.tp)  # learner.tp: a plan, whole heads per rank
-    check_engine_split(model_path, actor.engine.tensor_parallel_size)  # whole heads per worker
-    check_experts(model_path, learner.ep, learner.moe.routing_replay)  # a MoE model to split
+    _check_splits(model_path, learner, actor)
     if learner.lora.on:  # learner.lora: layers the model has (the check imports torch)
         from asyncrl.learner.lora import check_targets
 
