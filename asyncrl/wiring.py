@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.broker.settings import BrokerSettings
 from asyncrl.config import ConfigError, Settings, build, setting, settings_from
+from asyncrl.engine.split import check_model as check_engine_split
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.eval.launch import EvalPlan, prepare_eval
 from asyncrl.eval.settings import EvalSettings
@@ -133,6 +134,14 @@ def _check_learner_fits(learner: LearnerSettings, actor: ActorSettings, ray: Ray
         )
 
 
+def _check_splits(model_path: str, learner: LearnerSettings, actor: ActorSettings) -> None:
+    """The model splits as the learner's and the engines' layouts ask."""
+    check_model(model_path, learner.tp)  # learner.tp: a plan, whole heads per rank
+    # a MoE model to split (learner.ep), to replay or to record the routes of
+    check_experts(model_path, learner.ep, learner.moe.routing_replay, actor.record_experts)
+    check_engine_split(model_path, actor.engine.tensor_parallel_size)  # whole heads per worker
+
+
 def prepare(cfg: DictConfig) -> Setup:
     """Check every component's settings and build the cheap parts, in the driver before
     Ray starts: every config error surfaces here as one ConfigError naming its key.
@@ -161,10 +170,8 @@ def prepare(cfg: DictConfig) -> Setup:
         check_resume(run.resume)
     model_path = resolve_model(cfg, task)
     env.check_template(model_path)  # a message-level env: its chat template, append-only
-    check_model(model_path, learner.tp)  # learner.tp: a plan, whole heads per rank
     actor = actor.recording(learner.moe.routing_replay)  # actor.record_experts: null follows
-    # a MoE model to split (learner.ep), to replay or to record the routes of
-    check_experts(model_path, learner.ep, learner.moe.routing_replay, actor.record_experts)
+    _check_splits(model_path, learner, actor)
     if learner.lora.on:  # learner.lora: layers the model has (the check imports torch)
         from asyncrl.learner.lora import check_targets
 

@@ -12,6 +12,7 @@ workers get the class by value (registered below), so they need not import tests
     inject_weight_fault    make the workers die or stall in the next receive
     loaded_digests()       per-tensor digests of what the last receive loaded
     checksums()            per-parameter sha256 of what the engine holds
+    worker_params()        each worker's parameters as bytes (ShardProbeExtension)
 
 The benchmarks reuse one engine across runs (halt, rebind, resume); the weight-sync
 tests check what the engines loaded and how the broker handles failing receivers.
@@ -84,6 +85,9 @@ class ControlledRolloutActor(RolloutActor):
 
     async def checksums(self) -> dict[str, str]:
         return (await weights.rpc(self.engine, "asyncrl_checksums"))[0]
+
+    async def worker_params(self) -> list[dict[str, Any]]:
+        return await weights.rpc(self.engine, "asyncrl_params")
 
 
 class _Dropped:

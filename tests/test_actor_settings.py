@@ -93,7 +93,7 @@ def test_the_production_actor_has_only_the_production_remote_methods():
     }  # fmt: skip
     assert remote_methods(ControlledRolloutActor) - remote_methods(RolloutActor) == {
         "halt", "rebind", "resume", "set_update_mode", "inject_weight_fault",
-        "loaded_digests", "checksums",
+        "loaded_digests", "checksums", "worker_params",
         "introduce",  # start()'s first hand-off, for an actor a test gives its engine
     }  # fmt: skip
 

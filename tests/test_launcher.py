@@ -132,7 +132,7 @@ def test_forked_with_the_worker_in_the_engine_core_unless_told_otherwise(monkeyp
     assert forked()
     assert not forked(forkserver=False)
     assert not forked(in_core_worker=False)  # vLLM's executor starts its own workers
-    assert not forked(extra={"tensor_parallel_size": 2})
+    assert not forked(tensor_parallel_size=2)
 
 
 def test_the_processes_that_only_hold_an_actor_handle_do_not_import_torch():

@@ -108,6 +108,24 @@ def test_a_tensor_parallel_degree_the_ranks_or_the_model_cannot_split_is_refused
     assert f"learner.tp=4: model {model} (qwen2) has num_key_value_heads=2, not divisible" in line
 
 
+def test_an_engine_tensor_parallel_size_the_model_cannot_split_is_refused(
+    tmp_path, capsys, monkeypatch
+):
+    """``actor.engine.tensor_parallel_size`` must split the model's attention heads (the
+    shipped tiny model has 4, with 2 key/value heads), and has one key of its own."""
+    model = CONF.parent / "asyncrl/models/tiny_default"
+    line = _refused(
+        ["actor.engine.tensor_parallel_size=3", f"model.path={model}"], tmp_path, capsys,
+        monkeypatch,
+    )  # fmt: skip
+    assert (
+        f"actor.engine.tensor_parallel_size=3: model {model} (qwen2) has 4 attention heads, "
+        "2 key/value heads (neither divisible by 3 nor dividing it), not divisible by 3" in line
+    ), line
+    line = _refused(["+actor.engine.extra.tensor_parallel_size=2"], tmp_path, capsys, monkeypatch)
+    assert "actor.engine.extra.tensor_parallel_size: set actor.engine.tensor_parallel_size" in line
+
+
 def test_a_huge_prompt_is_refused_at_once(tmp_path, capsys, monkeypatch):
     """Issue 25: one 8 MB JSONL line hung start-up in the tiny model's warm start."""
     big = tmp_path / "big.jsonl"

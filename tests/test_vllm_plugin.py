@@ -112,3 +112,19 @@ def test_the_eager_rank_count_is_vllms_count_and_the_cpu_sampler_uses_it():
     assert expect[4] == 1 and expect[2] >= 2
     vllm_plugin.register()
     assert sampler.batched_count_greater_than is vllm_plugin.count_at_least
+
+
+def test_the_tp_embedding_masks_token_ids_eagerly_on_a_cpu():
+    """A vocabulary-split embedding (tensor-parallel engines) masks its token ids with
+    vLLM's own function, not its ``torch.compile``d wrapper (whose first call compiled
+    for 4-8 s in every worker); the mask is the same."""
+    import torch
+    from vllm.model_executor.layers import vocab_parallel_embedding as embedding
+
+    compiled = embedding.get_masked_input_and_mask
+    vllm_plugin.register()
+    eager = embedding.get_masked_input_and_mask
+    assert eager is getattr(compiled, "__wrapped__", compiled)
+    assert not hasattr(eager, "_torchdynamo_orig_callable")
+    ids, mask = eager(torch.tensor([0, 5, 31, 32, 40, 63]), 32, 64, 0, 64, 64)
+    assert ids.tolist() == [0, 0, 0, 0, 8, 31] and mask.tolist() == [True] * 3 + [False] * 3

@@ -48,6 +48,9 @@ class EngineSettings(Settings):
     # takes the learner's core (asyncrl/engine/vllm_plugin.py). Seconds each turn of that
     # wait sleeps instead; null: 0.0002 on a CPU, vLLM's spin on a GPU; 0: vLLM's spin.
     spin_nap_s: float | None = setting("[0, 0.01]")
+    # vLLM worker processes splitting the model (vLLM's tensor parallelism; on a CPU
+    # each worker binds its OpenMP threads to its own cores: engine/cpu_binding.py)
+    tensor_parallel_size: int = setting("[1, 64]")
     # a CPU engine with one worker runs it in the engine-core process (engine/in_core.py)
     in_core_worker: bool = setting()
     # that engine-core process forked from a server that imported vLLM while the caller
@@ -68,3 +71,7 @@ class EngineSettings(Settings):
             )
         self.extra = dict(self.extra)
         check_finite(key + "extra", self.extra)
+        if "tensor_parallel_size" in self.extra:  # one source: the key of its own
+            raise ConfigError(
+                f"{key}extra.tensor_parallel_size: set {key}tensor_parallel_size instead"
+            )

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from asyncrl.engine import launcher
+from asyncrl.engine import cpu_binding, launcher
 from asyncrl.engine.protocol import Completion, Generation, Sampling
 from asyncrl.engine.settings import EngineSettings
 from asyncrl.engine.vllm_plugin import ENV as NAP_ENV
@@ -37,6 +37,8 @@ def make_engine(
     from vllm.v1.engine.async_llm import AsyncLLM
 
     kwargs = engine_kwargs(model_path, s, seed)
+    if on_cpu():  # several workers: each binds its OpenMP threads to its own cores
+        cpu_binding.bind_workers(workers(kwargs))
     with launcher.engine_core_start(forks_engine_core(s, kwargs)):
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
     return VLLMEngine(llm, record_experts)
@@ -57,6 +59,7 @@ def engine_kwargs(model_path: str, s: EngineSettings, seed: int = 0) -> dict[str
         logprobs_mode="processed_logprobs",
         worker_extension_cls="asyncrl.engine.worker_ext.AsyncRLWorkerExtension",
         seed=seed,
+        tensor_parallel_size=s.tensor_parallel_size,
     )
     if on_cpu():
         kwargs["kv_cache_memory_bytes"] = s.kv_cache_memory_mb << 20
@@ -89,16 +92,18 @@ IN_CORE_EXECUTOR = "asyncrl.engine.in_core.InCoreExecutor"
 def worker_in_core(s: EngineSettings, kwargs: dict[str, Any]) -> bool:
     """Whether the engine's one worker runs in the engine-core process: asked for
     (``in_core_worker``), on a CPU, one worker, no executor named in ``extra``."""
-    workers = int(kwargs.get("tensor_parallel_size", 1)) * int(
-        kwargs.get("pipeline_parallel_size", 1)
-    )
     return bool(
         s.in_core_worker
         and on_cpu()
-        and workers == 1
+        and workers(kwargs) == 1
         and "distributed_executor_backend" not in kwargs
         and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "1"
     )
+
+
+def workers(kwargs: dict[str, Any]) -> int:
+    """The engine's worker processes: its tensor- times pipeline-parallel ranks."""
+    return int(kwargs.get("tensor_parallel_size", 1)) * int(kwargs.get("pipeline_parallel_size", 1))
 
 
 CPU_SPIN_NAP_S = 0.0002  # a message waits <= ~0.4 ms; an idle reader costs ~12% of a core, not 100%

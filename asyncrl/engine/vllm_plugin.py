@@ -23,7 +23,10 @@ On a CPU it also gives the sampler an eager count of each sampled token's rank
 (:func:`count_at_least`, the same sum vLLM writes). vLLM's is ``torch.compile``d with
 Inductor, and the first step that returns log-probs compiles it: 4-10 s of one core
 on this 2-core machine, in every engine start, while the engine answers nothing else
-(the broker's first question to the actor waited that long).
+(the broker's first question to the actor waited that long). For the same reason a
+tensor-parallel engine's vocabulary-split embedding masks its token ids eagerly
+(:func:`eager_vocab_mask`): vLLM compiles that mask too, and the first step of every
+worker waited 4-8 s for it (measured on the tiny model, 2 cores).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 def register() -> None:
     """vLLM's plugin hook (called once per process, before any engine part is built)."""
     eager_rank_count()
+    eager_vocab_mask()
     nap = nap_seconds()
     if not nap:
         return
@@ -90,6 +94,21 @@ def eager_rank_count() -> None:
         return
     if current_platform.is_cpu() and hasattr(sampler, "batched_count_greater_than"):
         sampler.batched_count_greater_than = count_at_least
+
+
+def eager_vocab_mask() -> None:
+    """On a CPU, ``VocabParallelEmbedding``'s token-id mask (used only with tensor
+    parallelism) without ``torch.compile``: vLLM's own function, undecorated. A vLLM
+    without it: nothing happens."""
+    try:
+        from vllm.model_executor.layers import vocab_parallel_embedding as embedding
+        from vllm.platforms import current_platform
+    except ImportError:
+        return
+    compiled = getattr(embedding, "get_masked_input_and_mask", None)
+    eager = getattr(compiled, "__wrapped__", None)
+    if current_platform.is_cpu() and eager is not None:
+        embedding.get_masked_input_and_mask = eager
 
 
 def nap_in_effect() -> float:

