@@ -234,10 +234,14 @@ class BrowserPool:
         self.server.add(s.token, site)
         try:
             s.browser = browser = await self._ensure(slot)
-            s.context = await browser.new_context(service_workers="block", java_script_enabled=True)
+            # each call bounded like an action: a browser killed meanwhile is an error
+            # within action_timeout_s, not an episode waiting out its whole timeout
+            s.context = await self.guard(
+                s, browser.new_context(service_workers="block", java_script_enabled=True)
+            )
             s.context.set_default_timeout(self.settings.action_timeout_s * 1000 / 2)
-            await s.context.route("**/*", lambda route: self._route(s, route))
-            s.page = await s.context.new_page()
+            await self.guard(s, s.context.route("**/*", lambda route: self._route(s, route)))
+            s.page = await self.guard(s, s.context.new_page())
             await self.guard(s, s.page.goto(self.server.url(s.token, site["start"])))
             await self.guard(s, s.page.evaluate(WALK_JS))  # the start page's element ids
         except BaseException:
