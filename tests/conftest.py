@@ -80,7 +80,9 @@ def order_for_workers(items) -> None:
     for n, i in enumerate(items):
         files.setdefault(group_of(i.path.name), set()).add(i.path.name)
         first.setdefault(group_of(i.path.name), n)
-    cost = {g: sum(seconds.get(f, 0.0) for f in fs) for g, fs in files.items()}
+    # summed in one order and rounded: every worker must sort alike (a set's order, and
+    # so a float sum's last bit, differs between processes)
+    cost = {g: round(sum(seconds.get(f, 0.0) for f in sorted(fs)), 3) for g, fs in files.items()}
     items.sort(key=lambda i: (-cost[group_of(i.path.name)], first[group_of(i.path.name)]))
 
 
