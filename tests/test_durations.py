@@ -36,3 +36,23 @@ def test_the_shipped_table_names_test_files_that_exist():
     table = load()
     here = {p.name for p in Path(__file__).parent.glob("test_*.py")}
     assert table and set(table) <= here, set(table) - here
+
+
+def test_groups_of_equal_seconds_keep_their_collection_order(monkeypatch):
+    """Every worker must order the items alike: a group's seconds do not depend on the
+    order its files are summed in (0.1 + 0.2 + 0.3 is not 0.3 + 0.2 + 0.1 in floats),
+    and equal seconds keep the order of collection."""
+    from types import SimpleNamespace
+
+    import durations
+    from conftest import order_for_workers
+
+    seconds = {"test_actor_vllm.py": 0.1, "test_engine_contract.py": 0.2,
+               "test_envs_messages.py": 0.3, "test_config.py": 0.6}  # fmt: skip
+    monkeypatch.setattr(durations, "load", lambda: seconds)
+    tests = Path(__file__).parent
+    names = ["test_config.py", "test_envs_messages.py", "test_engine_contract.py",
+             "test_actor_vllm.py"]  # fmt: skip
+    items = [SimpleNamespace(path=tests / n) for n in names]
+    order_for_workers(items)
+    assert [i.path.name for i in items] == names  # a tie: the first collected goes first
