@@ -18,8 +18,11 @@ def test_role_pids_finds_titles_in_the_tree_only():
     tree = subprocess.Popen(["bash", "-c", script])
     stranger = subprocess.Popen(["bash", "-c", "exec -a 'ray::RolloutActor' sleep 30"])
     try:
+        # the four children exec in any order: wait for each role, not the first one
         deadline = time.time() + 10
-        while time.time() < deadline and len(role_pids(tree.pid, "learner")) < 1:
+        while time.time() < deadline and not all(
+            role_pids(tree.pid, role) for role in ("actor", "engine", "learner")
+        ):
             time.sleep(0.05)
         assert len(role_pids(tree.pid, "actor")) == 1
         assert len(role_pids(tree.pid, "engine")) == 1
