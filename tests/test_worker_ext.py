@@ -114,3 +114,26 @@ def test_a_lora_payload_is_merged_into_the_base_weights_and_its_notice_dropped(t
     assert [r.getMessage() for r in caplog.records] == [
         "Following weights were not loaded from checkpoint: {'x'}"
     ]
+
+
+def test_the_reload_warnings_stay_dropped_after_vllm_sets_up_its_logging_again():
+    """The engine core runs vLLM's ``configure_logging`` (a ``dictConfig``) after the
+    extension is imported: its "Failed to load weights" warnings stay dropped, and an
+    error from the same logger still gets through."""
+    from vllm.config import LoggingConfig
+    from vllm.logger import configure_logging
+
+    from asyncrl.engine.worker_ext import LAYERWISE_LOG
+
+    configure_logging(LoggingConfig())
+    seen: list[str] = []
+    catch = logging.Handler()
+    catch.emit = lambda record: seen.append(record.getMessage())
+    log = logging.getLogger(LAYERWISE_LOG)
+    log.addHandler(catch)
+    try:
+        log.warning("%s: Failed to load weights", "RotaryEmbedding")
+        log.error("a real failure")
+    finally:
+        log.removeHandler(catch)
+    assert seen == ["a real failure"]

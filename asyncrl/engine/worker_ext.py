@@ -33,10 +33,22 @@ from asyncrl.transport.spec import JoinSpec
 vllm_plugin.register()
 moe_reload.install()  # a MoE model's reload packs its experts as the start did
 
-# vLLM warns "Failed to load weights" on every reload for layers that have none in
-# the checkpoint: the rotary embedding (no weights at all) and a tied LM head, which
-# _asyncrl_retie fixes. Keep real errors, drop that per-update noise.
-logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+LAYERWISE_LOG = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class LayerwiseNotice(logging.Filter):
+    """Drops vLLM's warnings about the reload of a layer, kept errors: it warns "Failed
+    to load weights" on every reload for layers that have none in the checkpoint (the
+    rotary embedding, which has no weights, and a tied LM head, which _asyncrl_retie
+    fixes). A filter and not a level: the engine core runs vLLM's logging set-up
+    (``configure_logging``, a ``dictConfig``) after this module is imported, which sets
+    the level of every logger under ``vllm`` back to NOTSET and leaves filters be."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+logging.getLogger(LAYERWISE_LOG).addFilter(LayerwiseNotice())
 
 
 class NarrowingNotice(logging.Filter):
