@@ -154,6 +154,7 @@ def prepare(cfg: DictConfig) -> Setup:
     broker = BrokerSettings.from_config(cfg.broker)
     task = build_task(cfg)
     env = EnvSettings.from_config(cfg.get("env"), cfg.get("sandbox"))  # sandbox.*: env=code
+    env.check_task(task)  # an env made for one task (env=visual_addition_mt)
     log_settings = LogSettings.from_config(cfg.get("log"))
     reward = RewardSettings.from_config(cfg.get("reward"))
     fault = FaultSettings.from_config(cfg.get("fault"))

@@ -127,6 +127,17 @@ class EnvSettings(Settings):
         }
         return cls(**{**fields, **values})
 
+    def check_task(self, task: Any) -> None:
+        """An env made for one kind of task (a ``check_task(task)`` static method that
+        raises ValueError) with the run's task: ConfigError naming ``env._target_``."""
+        check = getattr(locate_target("env", self.target), "check_task", None)
+        if not callable(check):
+            return
+        try:
+            check(task)
+        except ValueError as e:
+            raise ConfigError(f"env._target_={self.target}: {e}") from None
+
     def check_template(self, model_path: str) -> None:
         """A message-level env (asyncrl/envs/messages.py ChatEnv) with the model: its
         chat template must render the env's messages append-only (``env.turn_split``
@@ -236,3 +247,16 @@ class OpenEnvSettings(Settings):
             )
         if not self.action_key:
             raise ConfigError("env.action_key: expected the action field the text fills")
+
+
+@dataclass(frozen=True)
+class VisualRetrySettings(Settings):
+    """``env=visual_addition_mt``'s own keys (conf/env/visual_addition_mt.yaml holds every
+    value): how often a wrong answer is shown the sum again, and what a late right answer
+    earns (asyncrl/envs/visual.py)."""
+
+    KEY: ClassVar[str] = "env"
+    PRESET: ClassVar[tuple[str, ...]] = ("env=visual_addition_mt",)
+
+    retries: int = setting("[1, 8]")  # wrong answers shown a fresh image before the end
+    retry_credit: float = setting("[0, 1]")  # a right answer after k retries earns this**k
