@@ -182,7 +182,7 @@ def _visual_runner(engine, n: int = 2, max_turns: int = 2):
     return MultiTurnEpisodes(engine, default_task(), settings, env, lambda: 0)
 
 
-def test_an_observation_image_is_appended_as_the_processors_tokens_exactly(vlm_dir):
+def test_an_observation_image_is_appended_as_the_processors_tokens_exactly(vlm_dir, tmp_path):
     engine, proc = _processor_engine(vlm_dir, answer="99")  # always wrong: a retry
     prompt = default_task().sample(random.Random(3))
     group = asyncio.run(_visual_runner(engine).run_group(prompt))
@@ -210,6 +210,21 @@ def test_an_observation_image_is_appended_as_the_processors_tokens_exactly(vlm_d
     assert a.images[0] is b.images[0] and a.images[1] == b.images[1]
     back = from_bytes(to_bytes(group.trajectories))
     assert [im.key for im in back[0].images] == [im.key for im in a.images]
+    # the log writes each image once; the inspector and the report show both, in order
+    from asyncrl.tools.inspect_run import load_rows, token_table
+    from asyncrl.tools.report import image_rows
+    from asyncrl.utils.runlog import LogSettings, TrajectoryLog
+
+    log = TrajectoryLog(LogSettings.defaults().spec(tmp_path))
+    log.write(1, group.trajectories, 1)
+    log.close()
+    rows = load_rows(tmp_path)
+    names = [f"images/{im.key}.png" for im in a.images]
+    assert [r["images"] for r in rows] == [names] * 2
+    assert len(list((tmp_path / "trajectories" / "images").iterdir())) == 2
+    assert ", ".join(names) in token_table(rows[0])
+    page = image_rows(tmp_path, rows)
+    assert page.index(names[0]) < page.index(names[1]) and "99&lt;image&gt;99" in page
 
 
 def test_a_placeholder_the_policy_writes_ends_its_episode_as_an_env_error(vlm_dir):

@@ -75,10 +75,11 @@ class EnvSettings(Settings):
         return is_agent(self._cls)
 
     @classmethod
-    def from_config(cls, node: Any, sandbox: Any = None) -> EnvSettings:
+    def from_config(cls, node: Any, sandbox: Any = None, task: Any = None) -> EnvSettings:
         """From the ``env`` node (DictConfig, dict or None: conf/'s env; limits it leaves
         out: conf/'s) and the ``sandbox`` node (None, or keys it leaves out: conf/'s). Builds one env to check the
-        class and its arguments (ConfigError naming ``env.*`` or ``sandbox.*``)."""
+        class and its arguments (ConfigError naming ``env.*`` or ``sandbox.*``), and with
+        ``task`` that the env takes the run's task (:meth:`check_task`)."""
         from omegaconf import DictConfig, OmegaConf
 
         given = OmegaConf.to_container(sandbox) if isinstance(sandbox, DictConfig) else sandbox
@@ -108,6 +109,8 @@ class EnvSettings(Settings):
         out.kwargs = {k: v for k, v in spec.items() if k != "_target_"}
         if takes_sandbox(type(env)):
             _check_isolation(box)
+        if task is not None:
+            out.check_task(task)
         return out
 
     @classmethod
