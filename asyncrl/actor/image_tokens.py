@@ -23,6 +23,8 @@ from typing import Any
 
 from asyncrl.trajectory import Image
 
+SIZES_KEPT = 256  # image sizes whose tokens are kept: an env shows a few sizes, not many
+
 
 class ImageTokens:
     """The model's own processor (its directory's ``processor_config.json``, which vLLM
@@ -37,14 +39,24 @@ class ImageTokens:
             raise ValueError(f"{model_path}: the model's processor takes no images")
         self.placeholder = str(placeholder)
         self.placeholder_id = int(self.processor.tokenizer.convert_tokens_to_ids(self.placeholder))
+        self._by_size: dict[tuple[int, int], list[int]] = {}
 
     def tokens_of(self, image: Image) -> list[int]:
-        """The processor's tokens for one image (its placeholder expanded alone)."""
+        """The processor's tokens for one image (its placeholder expanded alone). They
+        depend on the image's size only (vLLM's Idefics3 replacement is computed from the
+        width and height alone), so each size is processed once: after that, the event
+        loop reads a PNG header, no pixels."""
         from PIL import Image as PIL
 
-        pil = PIL.open(io.BytesIO(image.png)).convert("RGB")
-        out = self.processor(text=self.placeholder, images=[[pil]], add_special_tokens=False)
-        return [int(i) for i in out["input_ids"][0]]
+        pil = PIL.open(io.BytesIO(image.png))
+        got = self._by_size.get(pil.size)
+        if got is None:
+            rgb = pil.convert("RGB")
+            out = self.processor(text=self.placeholder, images=[[rgb]], add_special_tokens=False)
+            got = [int(i) for i in out["input_ids"][0]]
+            if len(self._by_size) < SIZES_KEPT:
+                self._by_size[pil.size] = got
+        return got
 
     def expand(self, compact: Sequence[int], images: Sequence[Image]) -> list[int]:
         """``compact`` with its i-th placeholder replaced by ``images[i]``'s tokens; a
