@@ -55,6 +55,8 @@ def build(key: str, node: Any) -> Any:
         return instantiate(spec, _convert_="all")
     except Exception as e:
         cause = e.__cause__ or e
+        if isinstance(cause, ConfigError):  # the class named the key itself
+            raise cause from None
         raise ConfigError(
             f"{key}: building {target}({', '.join(f'{k}={spec[k]!r}' for k in given)}) failed: "
             f"{type(cause).__name__}: {cause}. It accepts {sorted(accepted or [])}"

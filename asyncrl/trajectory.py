@@ -25,9 +25,10 @@ A group (all samples of one prompt) travels as one object: the actor ``ray.put``
 it once and only the reference moves through the queue.
 
 Images (a prompt's or an observation's, PNG bytes): ``images`` lists the
-:class:`Image` s a trajectory's prompt ids show, in the order their placeholder tokens
-appear. The samples of one group share the same :class:`Image` objects (never copied
-per sample or per step); :func:`to_bytes` writes each distinct image once (a table
+:class:`Image` s a trajectory's ids show, in the order their placeholder tokens appear
+in prompt + response (an observation's image tokens are response tokens outside the
+loss mask). The samples of one group share the same :class:`Image` objects for their
+prompt (never copied per sample or per step); :func:`to_bytes` writes each distinct image once (a table
 keyed by :attr:`Image.key`) and every trajectory only its keys. A text-only batch
 writes no table: its bytes are what they are without images.
 """
@@ -84,7 +85,8 @@ class Trajectory:
     # requests turn_prompt_tokens and cached_tokens (the prefix cache's hits), and
     # env_seconds (awaiting the env's steps)
     episode: dict[str, float] = field(default_factory=dict)
-    # the images the prompt ids show, in placeholder order (shared by the group's samples)
+    # the images the prompt's and observations' ids show, in placeholder order (a prompt's
+    # shared by the group's samples)
     images: list[Image] = field(default_factory=list)
     routed_experts: np.ndarray | None = None  # uint8 [n, layers, top_k], n <= num_tokens
 

@@ -153,7 +153,7 @@ def prepare(cfg: DictConfig) -> Setup:
     replay = ReplaySettings.from_config(cfg.replay)
     broker = BrokerSettings.from_config(cfg.broker)
     task = build_task(cfg)
-    env = EnvSettings.from_config(cfg.get("env"), cfg.get("sandbox"))  # sandbox.*: env=code
+    env = EnvSettings.from_config(cfg.get("env"), cfg.get("sandbox"), task)  # env=code: sandbox.*
     log_settings = LogSettings.from_config(cfg.get("log"))
     reward = RewardSettings.from_config(cfg.get("reward"))
     fault = FaultSettings.from_config(cfg.get("fault"))

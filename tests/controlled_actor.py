@@ -13,6 +13,7 @@ workers get the class by value (registered below), so they need not import tests
     loaded_digests()       per-tensor digests of what the last receive loaded
     checksums()            per-parameter sha256 of what the engine holds
     worker_params()        each worker's parameters as bytes (ShardProbeExtension)
+    episodes_with(env, ps) groups of another env's episodes on this engine, returned
 
 The benchmarks reuse one engine across runs (halt, rebind, resume); the weight-sync
 tests check what the engines loaded and how the broker handles failing receivers.
@@ -20,6 +21,7 @@ tests check what the engines loaded and how the broker handles failing receivers
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from typing import Any
 
@@ -88,6 +90,14 @@ class ControlledRolloutActor(RolloutActor):
 
     async def worker_params(self) -> list[dict[str, Any]]:
         return await weights.rpc(self.engine, "asyncrl_params")
+
+    async def episodes_with(self, env: Any, prompts: list) -> list:
+        """One group per prompt, run by ``env``'s episode runner (an EnvSettings) on this
+        actor's engine and version beside its own loop, returned instead of queued."""
+        from asyncrl.actor.env_runner import make_runner
+
+        runner = make_runner(self.engine, self.task, self.settings, env, lambda: self.version)
+        return list(await asyncio.gather(*(runner.run_group(p) for p in prompts)))
 
 
 class _Dropped:

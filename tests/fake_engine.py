@@ -9,7 +9,9 @@ unit tests. What it samples, one token per event-loop turn:
 
 Each token carries the label set last (``label``). ``pause(mode)`` holds every request
 before its next token until ``resume()``; under ``abort`` the requests in flight end
-with ``finish_reason="abort"``. ``load_weights_file`` changes the toy model's weights (a
+with ``finish_reason="abort"``. With ``expand``, a request with images reports the
+prompt ids ``expand(ids, images)`` gives (what vLLM's processor makes of the image
+placeholders). ``load_weights_file`` changes the toy model's weights (a
 digest of the file), ``receive_weights`` calls ``receiver(spec, with_digests)`` (None:
 a report of ``spec`` received). ``log`` records every control call in order.
 
@@ -45,8 +47,12 @@ class FakeEngine:
         vocab: int = 32,
         cached: Callable[[list[int]], int] = lambda ids: 0,
         routes: tuple[int, int] | None = None,
+        expand: Callable[[list[int], list[bytes]], list[int]] | None = None,
     ):
         self.tok, self.policy, self.seed = tokenizer, policy, seed
+        # a request with images: its prompt ids as the engine's processor expands them
+        # (None: as given)
+        self.expand = expand
         self.logprob, self.vocab, self.cached = logprob, vocab, cached
         # (layers, top_k): each completion carries routed experts, row p all p % 256 (a
         # recording engine: prompt and generated positions but the last)
@@ -84,6 +90,8 @@ class FakeEngine:
             raise RuntimeError("the engine is shut down")
         ids = list(self.tok.encode(prompt)) if isinstance(prompt, str) else list(prompt)
         self.requests.append(ids)
+        if images and self.expand is not None:
+            ids = self.expand(ids, list(images))
         self.samplings.append(sampling)
         self.salts.append(salt)
         self._counter += 1

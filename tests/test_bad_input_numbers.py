@@ -94,3 +94,20 @@ def test_the_cli_refuses_a_bad_number_before_ray(override, names, tmp_path, caps
     line = refused_before_ray(compose_config([override, "progress=false"]), tmp_path, capsys,
                               monkeypatch)  # fmt: skip
     assert names in line, line
+
+
+# An env's own keys and the task it takes (env=visual_addition_mt: docs/vision.md).
+ENV_CLI = [
+    (["env=visual_addition_mt", "env.retry_credit=nan"], "env.retry_credit=nan: expected"),
+    (["env=visual_addition_mt", "env.retries=0"], "env.retries=0: expected an integer in [1, 8]"),
+    (["env=visual_addition_mt", "task=addition"],
+     "env._target_=asyncrl.envs.visual.VisualRetryEnv: draws task=visual_addition's sums"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("overrides", "names"), ENV_CLI, ids=[o[-1] for o, _ in ENV_CLI])
+def test_the_cli_refuses_an_envs_bad_key_before_ray(overrides, names, tmp_path, capsys,
+                                                   monkeypatch):  # fmt: skip
+    line = refused_before_ray(compose_config([*overrides, "progress=false"]), tmp_path, capsys,
+                              monkeypatch)  # fmt: skip
+    assert names in line, line

@@ -147,3 +147,147 @@ def test_the_log_the_inspector_and_the_report_show_the_images(tmp_path):
     back = trajectories_of({1: {r["traj_id"]: r for r in rows}}, ["g-1"], 1,
                            tmp_path / "trajectories")  # fmt: skip
     assert back[0].images == [image]
+
+
+def _processor_engine(vlm_dir, answer: str):
+    """A FakeEngine on the VLM's tokenizer answering ``answer`` every turn, whose requests
+    with images report the ids the model's processor makes of their whole text (each
+    ``<image>`` expanded, as vLLM's processor does), and that processor."""
+    import io
+
+    from PIL import Image as PIL
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(vlm_dir)
+    tok = proc.tokenizer
+
+    def expand(ids: list[int], pngs: list[bytes]) -> list[int]:
+        pil = [PIL.open(io.BytesIO(b)).convert("RGB") for b in pngs]
+        text = "".join(tok.convert_ids_to_tokens(ids))
+        return proc(text=text, images=[pil], add_special_tokens=False)["input_ids"][0]
+
+    return FakeEngine(tok, policy=lambda ids: answer, expand=expand), proc
+
+
+def _visual_runner(engine, n: int = 2, max_turns: int = 2):
+    from asyncrl.actor.env_runner import MultiTurnEpisodes
+    from asyncrl.actor.settings import ActorSettings
+    from asyncrl.envs.settings import EnvSettings
+
+    env = EnvSettings.from_config(
+        {"_target_": "asyncrl.envs.visual.VisualRetryEnv", "max_turns": max_turns,
+         "max_tokens": 40, "timeout_s": 60, "retries": 1, "retry_credit": 0.5}
+    )  # fmt: skip
+    settings = ActorSettings.defaults(sampling={"n": n, "max_tokens": 6})
+    return MultiTurnEpisodes(engine, default_task(), settings, env, lambda: 0)
+
+
+def test_an_observation_image_is_appended_as_the_processors_tokens_exactly(vlm_dir, tmp_path):
+    engine, proc = _processor_engine(vlm_dir, answer="99")  # always wrong: a retry
+    prompt = default_task().sample(random.Random(3))
+    group = asyncio.run(_visual_runner(engine).run_group(prompt))
+    tok = proc.tokenizer
+    image_id, eos = tok.convert_tokens_to_ids("<image>"), tok.eos_token_id
+    answer = [*tok.encode("99", add_special_tokens=False), eos]
+    for t in group.trajectories:
+        assert t.finish_reason == "done" and t.error == "" and len(t.images) == 2
+        assert t.images[0] == Image.of(prompt.meta["images"][0]) and t.images[1] != t.images[0]
+        # the whole episode, prompt + response, is what the processor makes of its text
+        pil = [PIL_of(im.png) for im in t.images]
+        text = "<image>" + "99" + tok.eos_token + "<image>" + "99" + tok.eos_token
+        want = proc(text=text, images=[pil], add_special_tokens=False)["input_ids"][0]
+        assert t.prompt_ids.tolist() + t.response_ids.tolist() == want
+        assert t.prompt_ids.size == 19 and t.response_ids.size == 2 * len(answer) + 19
+        assert t.loss_mask.tolist() == [True] * 3 + [False] * 19 + [True] * 3
+        assert (t.behaviour_logprobs[~t.loss_mask] == 0).all()
+        assert t.reward == 0.0 and t.reward_breakdown["retries"] == 1.0
+    # turn 1: the prompt's text and image; turn 2: one placeholder per image, both images
+    assert engine.images[0] == prompt.meta["images"]
+    assert engine.requests[2] == [image_id, *answer, image_id]
+    assert engine.images[2] == [im.png for im in group.trajectories[0].images]
+    # the samples share the prompt's Image; an observation's is stored once per key
+    a, b = group.trajectories
+    assert a.images[0] is b.images[0] and a.images[1] == b.images[1]
+    back = from_bytes(to_bytes(group.trajectories))
+    assert [im.key for im in back[0].images] == [im.key for im in a.images]
+    # the log writes each image once; the inspector and the report show both, in order
+    from asyncrl.tools.inspect_run import load_rows, token_table
+    from asyncrl.tools.report import image_rows
+    from asyncrl.utils.runlog import LogSettings, TrajectoryLog
+
+    log = TrajectoryLog(LogSettings.defaults().spec(tmp_path))
+    log.write(1, group.trajectories, 1)
+    log.close()
+    rows = load_rows(tmp_path)
+    names = [f"images/{im.key}.png" for im in a.images]
+    assert [r["images"] for r in rows] == [names] * 2
+    assert len(list((tmp_path / "trajectories" / "images").iterdir())) == 2
+    assert ", ".join(names) in token_table(rows[0])
+    page = image_rows(tmp_path, rows)
+    assert page.index(names[0]) < page.index(names[1]) and "99&lt;image&gt;99" in page
+
+
+def test_a_placeholder_the_policy_writes_ends_its_episode_as_an_env_error(vlm_dir):
+    engine, _ = _processor_engine(vlm_dir, answer="<image>")  # wrong, and a placeholder
+    group = asyncio.run(_visual_runner(engine, n=1).run_group(default_task().sample(
+        random.Random(4))))  # fmt: skip
+    (t,) = group.trajectories
+    assert t.finish_reason == "env_error" and "wrote an image placeholder" in t.error
+
+
+def test_the_right_answer_ends_the_episode_with_the_prompts_image_alone(vlm_dir):
+    prompt = default_task().sample(random.Random(5))
+    engine, _ = _processor_engine(vlm_dir, answer=prompt.answer)
+    group = asyncio.run(_visual_runner(engine, n=1).run_group(prompt))
+    (t,) = group.trajectories
+    assert t.reward == 1.0 and len(t.images) == 1 and t.loss_mask.all()
+
+
+def PIL_of(png: bytes):  # noqa: N802 - reads as the image it returns
+    import io
+
+    from PIL import Image as PIL
+
+    return PIL.open(io.BytesIO(png)).convert("RGB")
+
+
+def test_the_packed_forward_puts_observation_images_in_their_tokens(vlm_dir):
+    """Two-image episodes (the prompt's image and an observation's), packed with a
+    prompt-image sequence: each sequence's log-probs are transformers' over it alone."""
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+    proc = AutoProcessor.from_pretrained(vlm_dir)
+    model = Idefics3ForConditionalGeneration.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+    rng, vis, tok = random.Random(7), default_task(), proc.tokenizer
+    trajs, want = [], []
+    for g in range(3):
+        pngs = [vis.sample(rng).meta["images"][0] for _ in range(2 if g < 2 else 1)]
+        images = [Image.of(b) for b in pngs]
+        first, obs = "<image>", ["<image>"] if g < 2 else []
+        text = first + "12" + tok.eos_token + "".join(o + "7" for o in obs)
+        enc = proc(text=text, images=[[PIL_of(b) for b in pngs]], add_special_tokens=False,
+                   return_tensors="pt")  # fmt: skip
+        ids = enc["input_ids"][0].tolist()
+        p = 19
+        resp = ids[p:]
+        mask = np.ones(len(resp), bool)
+        if obs:
+            mask[3 : 3 + 19] = False  # "12", EOS, then the observation's image
+        n = len(resp)
+        trajs.append(Trajectory(f"{g}", str(g), ids[:p], resp, np.zeros(n), np.zeros(n), mask,
+                                0.0, images=images))  # fmt: skip
+        with torch.no_grad():
+            logits = model(**enc).logits[0, p - 1 : -1]
+        want.append(torch.log_softmax(logits, -1)[torch.arange(n), torch.tensor(resp)])
+    lm = load_lm(str(vlm_dir)).eval()
+    policy = PolicyModel(lm)
+    batch = collate(from_bytes(to_bytes(trajs)))
+    pk = build_packed(batch, [[2, 0], [1]])
+    assert [im.key for im in pk.images] == [im.key for i in pk.seqs for im in trajs[i].images]
+    with torch.no_grad():
+        px = policy.pixel_inputs(pk, torch.device("cpu"))
+        logits, _ = policy_forward(lm, None, pk.input_ids, pk.position_ids, pk.flat_pos, px)
+    got = token_logprobs(logits, pk.targets, 1.0, 0, 1.0)
+    assert int(px["image_tokens"].sum()) == 5 * 16  # 5 images: 3 prompts', 2 observations'
+    diff = (got - torch.cat([want[i] for i in pk.seqs])).abs().max().item()
+    assert diff < FP32_LOGP_TOL

@@ -7,7 +7,9 @@ Before any update (version 0) and right after an in-place sync of perturbed weig
 behaviour log-probs of the tokens it sampled from an image match the learner's
 recomputation from the same PNGs (fp32 on both sides), the bytes the vLLM worker loaded
 are the learner's (per-tensor sha256, vision tower included), and every token carries
-the version that made it. As tests/test_smollm2_fidelity.py does for text.
+the version that made it. As tests/test_smollm2_fidelity.py does for text. On the same
+engine, env=visual_addition_mt's episodes (the prompt's image, then a second image in an
+observation after a wrong answer) give the same agreement over both turns.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 FP32_LOGP_TOL = 1e-4  # fp32 on both sides, 2 + 2 layers: only kernel order differs
 TEMPERATURE = 2.0  # the untrained tower's prompts end at once at 1.0 (EOS at p ~ 1)
 # measured (2-core Intel host): version 0, 8 tokens: max |dlogp| 1.9e-7 (mean |logp|
-# 0.16); version 1, 42 tokens: max 9.5e-7 (mean |logp| 2.4)
+# 0.16); version 1, 42 tokens: max 9.5e-7 (mean |logp| 2.4); observation images, 12
+# two-image episodes at version 1, 122 generated tokens: max 9.4e-6 (65 after the second
+# image: max 2.2e-6)
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +88,44 @@ def test_vlm_logprobs_match_on_images_before_and_after_an_in_place_sync(ray_loca
     after = collect_at(ray, w["queue"], 1)
     assert all((t.versions == 1).all() and len(t.images) == 1 for t in after)
     assert _compare(learner, after, "version 1 (after the in-place sync)") < FP32_LOGP_TOL
+
+
+def test_vlm_logprobs_match_on_episodes_with_an_observation_image(ray_local, vlm_world):
+    """env=visual_addition_mt's episodes on the same engine (after the sync above, or at
+    version 0 alone): a wrong first answer is shown a second image in an observation.
+    vLLM's expansion of every image equals the trajectory's ids (the runner checks each
+    request's prompt ids: an episode that disagreed would end ``env_error``), and the
+    learner's log-probs of the generated tokens of both turns, with the features of both
+    images in their tokens, are the engine's."""
+    import random
+
+    from asyncrl.config import compose_config
+    from asyncrl.envs.settings import EnvSettings
+    from asyncrl.wiring import build_task
+
+    ray, w = ray_local, vlm_world
+    cfg = compose_config(["env=visual_addition_mt"])
+    task, env = build_task(cfg), EnvSettings.from_config(cfg.env)
+    prompts = [task.sample(random.Random(seed)) for seed in range(3)]
+    groups = ray.get(w["actor"].episodes_with.remote(env, prompts))
+    trajs = [t for g in groups for t in g.trajectories]
+    assert len(trajs) == 12 and all(t.error == "" for t in trajs), [t.error for t in trajs]
+    two = [t for t in trajs if len(t.images) == 2]
+    assert len(two) >= 4, [len(t.images) for t in trajs]  # wrong answers saw a second image
+    for t in two:
+        assert t.prompt_ids.size == 19 and int((~t.loss_mask).sum()) == 19
+        assert t.images[0].key != t.images[1].key and int(t.episode["turns"]) == 2
+    recomputed = w["learner"].logprobs_of(trajs)
+    diffs, late = [], []  # late: the turns after the second image
+    for t, lp in zip(trajs, recomputed, strict=True):
+        d = np.abs(t.behaviour_logprobs - lp)
+        diffs.append(d[t.loss_mask])
+        if len(t.images) == 2:
+            after = np.arange(len(d)) > np.flatnonzero(~t.loss_mask).max()
+            late.append(d[after & t.loss_mask])
+    diffs, late = np.concatenate(diffs), np.concatenate(late)
+    print(f"observation images: {len(trajs)} episodes ({len(two)} with 2 images), "
+          f"{diffs.size} generated tokens, max |dlogp| {diffs.max():.2e}; "
+          f"{late.size} after the second image, max {late.max():.2e}")  # fmt: skip
+    assert late.size >= len(two)
+    assert diffs.max() < FP32_LOGP_TOL

@@ -6,6 +6,7 @@ engine's own token ids turn by turn.
       turn: engine.generate(ids so far, n=1) ─▶ generated ids, log-probs, versions
               (mask 1; the engine's ids, never the text tokenized again)
             await env.step(text, ids) ─▶ observation ─▶ tokenized once (mask 0)
+              (its images' placeholders expanded: asyncrl/actor/image_tokens.py)
       until done / env.max_turns / the token budget / env.timeout_s
     then the group's episodes are scored by the reward components (asyncrl/rewards/pool.py,
     awaited: env_reward = the steps' summed reward, response = the generated turns only)
@@ -20,6 +21,12 @@ rendered segment appended as the observation.
 Every turn's request carries its own sampling seed, from the run's seed, the group's
 place in the actor's start order, the sample and the turn (``turn_sampling``): the same
 episode with the same seed samples the same tokens, whatever else is in flight.
+
+Images: the prompt's (``Prompt.meta["images"]``) and those an observation shows
+(``StepResult.images``, one ``<image>`` placeholder each in its text) go to the engine
+with every later request, all of the episode's so far in placeholder order; the request
+holds one placeholder token per image (the engine expands it), the trajectory the
+expanded tokens (mask 0) and ``Trajectory.images`` every image in order.
 
 Observation tokens carry behaviour log-prob 0 and the version of the generated token
 before them, so a consumer that forgot the mask still sees no older version; staleness
@@ -50,6 +57,7 @@ from asyncrl.actor.episode import (
     reward_input,
     turn_sampling,
 )
+from asyncrl.actor.image_tokens import ImageTokens, tokenizer_path
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.config import locate_target
 from asyncrl.engine.protocol import Completion, Engine, Sampling, policy_sampling, version_salt
@@ -59,7 +67,7 @@ from asyncrl.envs.messages import ChatEnv, ChatOptions
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.rewards.pool import RewardClient
 from asyncrl.tasks.base import Prompt, Task
-from asyncrl.trajectory import Trajectory, TrajectoryGroup
+from asyncrl.trajectory import Image, Trajectory, TrajectoryGroup
 
 
 @dataclass
@@ -89,8 +97,20 @@ class _Episode:
     # the last turn's routed experts (actor.record_experts): its request was the whole
     # sequence so far, so they cover every position it read
     routes: np.ndarray | None = None
+    # the prompt's images, then the observations', in placeholder order (prompt's: the
+    # group's shared Image objects)
+    images: list[Image] = field(default_factory=list)
+    # with images: the sequence so far as a request holds it (one placeholder token per
+    # image, asyncrl/actor/image_tokens.py); None: the trajectory's ids themselves
+    compact: list[int] | None = None
 
-    def add(self, ids: np.ndarray, lps: np.ndarray, vers: np.ndarray, trained: bool) -> None:
+    def add(
+        self, ids: np.ndarray, lps: np.ndarray, vers: np.ndarray, trained: bool,
+        compact: list[int] | None = None,
+    ) -> None:  # fmt: skip
+        """Append tokens; ``compact``: their request form where it differs (images)."""
+        if self.compact is not None:
+            self.compact += ids.tolist() if compact is None else compact
         self.ids += ids.tolist()
         self.logprobs.append(lps)
         self.versions.append(vers)
@@ -127,15 +147,19 @@ class MultiTurnEpisodes:
         self._groups = 0  # groups started so far: the sampling seeds count them
         self._tokenizer = None
         self._renderer: ChatRenderer | None = None
+        self._image_tokens: ImageTokens | None = None
 
     async def run_group(self, prompt: Prompt) -> TrajectoryGroup:
         index = self._groups  # before any await: the start order decides the seeds
         self._groups += 1
         gid = f"{index:08x}{uuid.uuid4().hex[:16]}"  # as SingleTurnEpisodes' group ids
+        pngs = prompt.meta.get("images")  # one Image each, shared by the group's episodes
+        images = [Image.of(png) for png in pngs] if pngs else []
         try:  # a TaskGroup: an aborted episode cancels its siblings (the group reruns)
             async with asyncio.TaskGroup() as tg:
                 tasks = [
-                    tg.create_task(self._episode(prompt, gid, index, i)) for i in range(self.n)
+                    tg.create_task(self._episode(prompt, gid, index, i, images))
+                    for i in range(self.n)
                 ]
         except BaseExceptionGroup as eg:
             raise eg.exceptions[0] from None
@@ -149,13 +173,13 @@ class MultiTurnEpisodes:
         return TrajectoryGroup(gid, trajs)
 
     async def _episode(
-        self, prompt: Prompt, gid: str, index: int, i: int
+        self, prompt: Prompt, gid: str, index: int, i: int, images: list[Image]
     ) -> tuple[Trajectory, _Episode]:
         t_start = time.time()
         env = self.env.make()
         if isinstance(env, ChatEnv):  # speaks messages: rendered turn by turn
             env = ChatTurns(env, self.renderer(env.chat))
-        ep = _Episode(prompt_ids=[], group=index, sample=i)
+        ep = _Episode(prompt_ids=[], group=index, sample=i, images=list(images))
         try:
             await asyncio.wait_for(self._turns(env, prompt, ep, f"{gid}-{i}"), self.env.timeout_s)
         except TimeoutError:
@@ -197,11 +221,11 @@ class MultiTurnEpisodes:
             if step.done:
                 ep.finish = "done"
                 return
-            if step.observation:
-                if not self._observe(ep, step.observation):
+            if step.observation or step.images:
+                if not self._observe(ep, step.observation or "", step.images):
                     ep.finish = "token_budget"
                     return
-                ep.texts.append(step.observation)
+                ep.texts.append(step.observation or "")
 
     def _room(self, ep: _Episode) -> int:
         """Tokens the next turn may generate: the episode's budget and the model's length."""
@@ -212,13 +236,21 @@ class MultiTurnEpisodes:
             left = min(left, self.env.max_tokens - len(ep.ids))
         return left
 
-    def _observe(self, ep: _Episode, text: str) -> bool:
-        """Append the observation's tokens (mask 0); False if they leave no room for a turn."""
-        ids = np.asarray(self.tokenizer.encode(text, add_special_tokens=False), dtype=np.int32)
+    def _observe(self, ep: _Episode, text: str, pngs: list[bytes]) -> bool:
+        """Append the observation's tokens (mask 0), each image's placeholder expanded into
+        the image's tokens; False if they leave no room for a turn."""
+        compact = list(self.tokenizer.encode(text, add_special_tokens=False))
+        new = [Image.of(png) for png in pngs]
+        ids = self.image_tokens.expand(compact, new) if new else compact
         if len(ids) >= self._room(ep):
             return False
+        if new and ep.compact is None:  # the episode's first images: the forms part here
+            ep.compact = ep.prompt_ids + ep.ids
+        ep.images += new
+        ids = np.asarray(ids, dtype=np.int32)
         version = ep.last_version(self.version())
-        ep.add(ids, np.zeros(len(ids), np.float32), np.full(len(ids), version, np.int32), False)
+        lps, vers = np.zeros(len(ids), np.float32), np.full(len(ids), version, np.int32)
+        ep.add(ids, lps, vers, False, compact if new else None)
         return True
 
     async def _generate(
@@ -231,12 +263,27 @@ class MultiTurnEpisodes:
         sampling = turn_sampling(self.engine, self.sampling, ep.group, ep.sample, ep.turns)
         sampling = replace(sampling, max_tokens=max_tokens)
         first = not ep.prompt_ids
-        request = prompt.text + ep.opening if first else ep.prompt_ids + ep.ids
-        out = await self.engine.generate(request, sampling, rid, version_salt(self.version()))
+        if first:
+            request = prompt.text + ep.opening
+        elif ep.compact is not None:  # the engine expands the images' placeholders
+            self.image_tokens.check_request(ep.compact, ep.images)
+            request = list(ep.compact)
+        else:
+            request = ep.prompt_ids + ep.ids
+        kw = {"images": [im.png for im in ep.images]} if ep.images else {}
+        salt = version_salt(self.version())
+        out = await self.engine.generate(request, sampling, rid, salt, **kw)
         if not out.completions or out.completions[0].finish_reason == "abort":
             raise EpisodeAborted(f"episode {rid}: a weight update aborted its request")
         if first:
             ep.prompt_ids = list(out.prompt_ids)
+            if ep.images:  # the prompt's images: the request form folds them back
+                ep.compact = self.image_tokens.collapse(ep.prompt_ids, ep.images)
+        elif ep.compact is not None and list(out.prompt_ids) != ep.prompt_ids + ep.ids:
+            raise ValueError(
+                "the engine expanded the episode's images into other tokens than the "
+                "trajectory holds (the model's processor and the engine disagree)"
+            )
         ep.turn_prompt_tokens += len(out.prompt_ids)
         ep.cached_tokens += out.cached_tokens
         return out.completions[0]
@@ -264,6 +311,7 @@ class MultiTurnEpisodes:
             t_start=t_start,
             t_end=time.time(),
             routed_experts=ep.routes,
+            images=ep.images,
             episode={
                 "turns": float(ep.turns),
                 "tool_calls": float(ep.tool_calls),
@@ -278,6 +326,13 @@ class MultiTurnEpisodes:
         if self._tokenizer is None:
             self._tokenizer = self.engine.get_tokenizer()
         return self._tokenizer
+
+    @property
+    def image_tokens(self) -> ImageTokens:
+        """The model's processor, for the episodes' images (loaded on the first image)."""
+        if self._image_tokens is None:
+            self._image_tokens = ImageTokens(tokenizer_path(self.tokenizer))
+        return self._image_tokens
 
     def renderer(self, options: ChatOptions) -> ChatRenderer:
         """The chat renderer of a message env (one per runner: every episode's env has

@@ -20,7 +20,9 @@ The contract every runner keeps (the learner and the queue rely on it):
 * A prompt's images (``Prompt.meta["images"]``, PNG bytes) go to the engine with it;
   ``prompt_ids`` hold the placeholder tokens the engine expanded them into (never
   trained: only ``response_ids`` carry ``loss_mask``), and every sample of the group
-  shares the same ``Trajectory.images``.
+  shares the same ``Trajectory.images``. An observation's images (a multi-turn env's
+  ``StepResult.images``) follow them in ``Trajectory.images``, their expanded tokens in
+  ``response_ids`` with ``loss_mask`` False.
 * ``loss_mask[i]`` is True for tokens the policy generated, False for tokens it did
   not (an environment's observation, a tool's output): the learner trains on the
   first only.

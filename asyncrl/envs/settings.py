@@ -75,10 +75,11 @@ class EnvSettings(Settings):
         return is_agent(self._cls)
 
     @classmethod
-    def from_config(cls, node: Any, sandbox: Any = None) -> EnvSettings:
+    def from_config(cls, node: Any, sandbox: Any = None, task: Any = None) -> EnvSettings:
         """From the ``env`` node (DictConfig, dict or None: conf/'s env; limits it leaves
         out: conf/'s) and the ``sandbox`` node (None, or keys it leaves out: conf/'s). Builds one env to check the
-        class and its arguments (ConfigError naming ``env.*`` or ``sandbox.*``)."""
+        class and its arguments (ConfigError naming ``env.*`` or ``sandbox.*``), and with
+        ``task`` that the env takes the run's task (:meth:`check_task`)."""
         from omegaconf import DictConfig, OmegaConf
 
         given = OmegaConf.to_container(sandbox) if isinstance(sandbox, DictConfig) else sandbox
@@ -108,6 +109,8 @@ class EnvSettings(Settings):
         out.kwargs = {k: v for k, v in spec.items() if k != "_target_"}
         if takes_sandbox(type(env)):
             _check_isolation(box)
+        if task is not None:
+            out.check_task(task)
         return out
 
     @classmethod
@@ -126,6 +129,17 @@ class EnvSettings(Settings):
             "sandbox": box,
         }
         return cls(**{**fields, **values})
+
+    def check_task(self, task: Any) -> None:
+        """An env made for one kind of task (a ``check_task(task)`` static method that
+        raises ValueError) with the run's task: ConfigError naming ``env._target_``."""
+        check = getattr(locate_target("env", self.target), "check_task", None)
+        if not callable(check):
+            return
+        try:
+            check(task)
+        except ValueError as e:
+            raise ConfigError(f"env._target_={self.target}: {e}") from None
 
     def check_template(self, model_path: str) -> None:
         """A message-level env (asyncrl/envs/messages.py ChatEnv) with the model: its
@@ -236,3 +250,16 @@ class OpenEnvSettings(Settings):
             )
         if not self.action_key:
             raise ConfigError("env.action_key: expected the action field the text fills")
+
+
+@dataclass(frozen=True)
+class VisualRetrySettings(Settings):
+    """``env=visual_addition_mt``'s own keys (conf/env/visual_addition_mt.yaml holds every
+    value): how often a wrong answer is shown the sum again, and what a late right answer
+    earns (asyncrl/envs/visual.py)."""
+
+    KEY: ClassVar[str] = "env"
+    PRESET: ClassVar[tuple[str, ...]] = ("env=visual_addition_mt",)
+
+    retries: int = setting("[1, 8]")  # wrong answers shown a fresh image before the end
+    retry_credit: float = setting("[0, 1]")  # a right answer after k retries earns this**k

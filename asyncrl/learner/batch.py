@@ -4,7 +4,8 @@ A :class:`TrainBatch` holds one row per trajectory. Token tensors are
 ``[B, L]`` over prompt+response (right-padded, ``L`` = longest row); the
 response-aligned tensors the loss sees are ``[B, T]`` (``T`` = longest response).
 ``resp_start[b]`` is where row ``b``'s response begins inside its ``L`` row.
-``images[b]``: the images row ``b``'s prompt shows (None when no row shows one).
+``images[b]``: the images row ``b`` shows, its prompt's and its observations', in
+placeholder order (None when no row shows one).
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@ the same :func:`policy_forward` runs on the bare HF model.
 An image-text model (its config has a ``vision_config``: model=tiny_vlm's Idefics3)
 loads as transformers' AutoModelForImageTextToText. A micro-batch whose rows show
 images (``PackedRows.images``, in the order their placeholder tokens appear in the
-packed ids) gets their pixels from the model's own image processor
+packed ids, a prompt's and an episode's observations' alike) gets their pixels from the model's own image processor
 (:class:`ImagePixels`: the PNG bytes in, the settings vLLM's processor reads too);
 the model runs its vision tower and connector once per image and puts the features at
-the image tokens' positions, then the decoder runs as for text. A text-only micro-batch
+the image tokens' positions the policy did not generate, then the decoder runs as for
+text. A text-only micro-batch
 takes the text path unchanged.
 """
 
@@ -60,9 +61,10 @@ def image_embeds(
 ) -> torch.Tensor:
     """The input embeddings ``[R, S, D]`` with each image's features (its vision tower
     and connector, once per image) in its placeholder tokens: ``pixels["image_tokens"]``
-    ``[R, S]`` marks the prompts' image tokens only, so an image token the policy
-    generated keeps its own embedding (as in the engine, which puts features only where
-    its processor expanded a placeholder)."""
+    ``[R, S]`` marks the image tokens of the prompts and observations only (the tokens
+    outside the loss mask), so an image token the policy generated keeps its own
+    embedding (as in the engine, which puts features only where its processor expanded a
+    placeholder)."""
     embeds = lm.get_input_embeddings()(input_ids)
     where = pixels["image_tokens"]
     out = lm.get_image_features(
@@ -72,7 +74,7 @@ def image_embeds(
     if feats.shape[0] != int(where.sum()):
         raise ValueError(
             f"{feats.shape[0]} image feature tokens for {int(where.sum())} image tokens in the "
-            "prompts: the rows' images do not match their placeholders"
+            "prompts and observations: the rows' images do not match their placeholders"
         )
     return embeds.masked_scatter(where[..., None], feats.to(embeds.dtype))
 
@@ -89,14 +91,14 @@ class ImagePixels:
         self.image_token_id = image_token_id
 
     def __call__(self, pk: PackedRows, device: torch.device) -> dict[str, torch.Tensor]:
-        """``pixel_values``, ``pixel_attention_mask`` and ``image_tokens`` (the prompts'
-        image tokens, ``[R, S]`` bool) of the micro-batch ``pk``."""
+        """``pixel_values``, ``pixel_attention_mask`` and ``image_tokens`` (the prompts' and
+        observations' image tokens, ``[R, S]`` bool) of the micro-batch ``pk``."""
         from PIL import Image as PIL
 
         pil = [[PIL.open(io.BytesIO(im.png)).convert("RGB")] for im in pk.images]
         out = self.processor(images=pil, return_tensors="pt")
         got = {k: out[k].to(device) for k in ("pixel_values", "pixel_attention_mask")}
-        tokens = (pk.input_ids == self.image_token_id) & pk.prompt_mask
+        tokens = (pk.input_ids == self.image_token_id) & pk.context_mask
         return {**got, "image_tokens": tokens.to(device)}
 
 

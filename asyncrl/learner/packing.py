@@ -154,7 +154,9 @@ class PackedRows:
     targets: torch.Tensor  # [N] int64
     seqs: list[int]
     images: list[Image] = field(default_factory=list)
-    prompt_mask: torch.Tensor | None = None  # [R, S] bool, the prompts' tokens (images only)
+    # [R, S] bool (images only): the tokens the policy did not generate, the prompts' and
+    # the observations' (response tokens outside the loss mask): where image features go
+    context_mask: torch.Tensor | None = None
 
 
 def build_packed(batch: TrainBatch, rows: list[list[int]], pad_id: int = 0) -> PackedRows:
@@ -195,16 +197,22 @@ def build_packed(batch: TrainBatch, rows: list[list[int]], pad_id: int = 0) -> P
     out = PackedRows(t(ids), t(pos), t(flat), t(seq), t(tok), t(tgt.astype(np.int64)), seqs)
     if batch.images is not None:
         out.images = [im for i in seqs for im in batch.images[i]]
-        out.prompt_mask = t(prompt_positions(rows, lens, start, width))
+        trained = batch.mask.numpy()
+        out.context_mask = t(context_positions(rows, lens, start, trained, width))
     return out
 
 
-def prompt_positions(rows: list[list[int]], lens: np.ndarray, start: np.ndarray, width: int):
-    """``[R, width]`` bool: True at the packed rows' prompt tokens."""
+def context_positions(
+    rows: list[list[int]], lens: np.ndarray, start: np.ndarray, trained: np.ndarray, width: int
+) -> np.ndarray:
+    """``[R, width]`` bool: True at the packed rows' prompt tokens and at their response
+    tokens outside the loss mask (``trained[i]``: sequence ``i``'s, response-aligned)."""
     mask = np.zeros((len(rows), width), dtype=bool)
     for r, row in enumerate(rows):
         off = 0
         for i in row:
             mask[r, off : off + start[i]] = True
+            n = lens[i] - start[i]
+            mask[r, off + start[i] : off + lens[i]] = ~trained[i, :n]
             off += lens[i]
     return mask

@@ -137,7 +137,10 @@ def token_table(r: dict, decode=None) -> str:
         f"{r['reward']:.4f}, staleness {r['staleness']}, finish {r['finish_reason']})",
         f"prompt: {r['prompt']!r}",
         *(
-            [f"images: {', '.join(r['images'])} (in the run's trajectories/)"]
+            [
+                f"images: {', '.join(r['images'])} (in the run's trajectories/; the prompt's, "
+                "then the observations', in placeholder order)"
+            ]
             if r.get("images")
             else []
         ),
