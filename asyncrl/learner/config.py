@@ -213,20 +213,15 @@ class LearnerSettings(Settings):
 
 
 def check_ep(ep: int, tp: int, world_size: int) -> None:
-    """``learner.ep``: 1, or every rank a distinct expert shard (``ep == world_size``,
-    no tensor parallelism); the model's side is checked by learner/moe_check.py."""
+    """``learner.ep``: 1, or a divisor of ``world_size`` (``world_size / ep`` data-parallel
+    copies of the experts), without tensor parallelism; the model's side is checked by
+    learner/moe_check.py."""
     if ep == 1:
         return
     if world_size % ep:
         raise ConfigError(
             f"learner.ep={ep} does not divide learner.world_size={world_size}: each rank "
             f"holds 1/ep of the experts"
-        )
-    if ep != world_size:
-        raise ConfigError(
-            f"learner.ep={ep} with learner.world_size={world_size}: built for ep == world_size "
-            f"only (experts replicated over data-parallel groups are not); set learner.ep="
-            f"{world_size} or 1"
         )
     if tp > 1:
         raise ConfigError(f"learner.ep={ep} with learner.tp={tp}: not built together; set one to 1")

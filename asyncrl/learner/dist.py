@@ -3,8 +3,11 @@
 One torch.distributed group over all learner ranks: NCCL on CUDA, gloo on CPU. The
 ranks form a ``(world_size / tp) x tp`` mesh, ``("dp", "tp")``, rank ``dp_rank * tp +
 tp_rank``; with ``tp > 1`` each decoder layer is first split over ``tp``
-(learner/tensor_parallel.py). FSDP2 ``fully_shard`` over ``dp`` then wraps every decoder
-layer and the root :class:`PolicyModel` (embeddings, final norm, LM head, value head).
+(learner/tensor_parallel.py). With ``ep > 1`` they form ``(world_size / ep) x ep``,
+``("dp", "ep")``: each MoE layer's experts are split over ``ep`` and FSDP-sharded over
+``dp`` (learner/expert_parallel.py). FSDP2 ``fully_shard`` then wraps every decoder
+layer and the root :class:`PolicyModel` (embeddings, final norm, LM head, value head),
+over ``dp`` with ``tp``, over every rank without.
 bf16 compute with fp32 reduction on CUDA; plain fp32 on CPU. Gradients are *summed*
 across ``dp`` (not averaged): each data-parallel group's loss already carries its share
 of the global normalisation.
@@ -64,27 +67,36 @@ def shard(
     policy: PolicyModel, world_size: int, device: torch.device, tp: int = 1, ep: int = 1
 ) -> None:
     """With ``tp > 1`` split each decoder layer over the mesh's ``tp`` dimension; with
-    ``ep > 1`` (``== world_size``) each rank keeps its share of every MoE layer's experts,
-    which FSDP leaves alone (learner/expert_parallel.py); then ``fully_shard`` each
-    decoder layer and the root over ``dp``; sum-reduce gradients."""
+    ``ep > 1`` each rank keeps its ``ep`` rank's share of every MoE layer's experts
+    (learner/expert_parallel.py), FSDP-sharded over the ``dp`` ranks that hold the same
+    share (their own FSDP units, as torchtitan shards experts over its ``dp_mod_ep``
+    mesh; with ``ep == world_size`` FSDP leaves them alone); then ``fully_shard`` each
+    decoder layer and the root over ``dp`` (``tp``) or every rank; sum-reduce
+    gradients."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from asyncrl.learner.expert_parallel import parallelize_experts
+    from asyncrl.learner.expert_parallel import expert_modules, parallelize_experts
     from asyncrl.learner.tensor_parallel import parallelize_layers
 
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if device.type == "cuda"
+        else MixedPrecisionPolicy()
+    )
     if tp > 1:
         mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
         parallelize_layers(decoder_layers(policy.lm), policy.lm.config, mesh["tp"])
         mesh = mesh["dp"]
     else:
         mesh = init_device_mesh(device.type, (world_size,))
-    experts = parallelize_experts(policy.lm, mesh) if ep > 1 else set()
-    mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if device.type == "cuda"
-        else MixedPrecisionPolicy()
-    )
+    experts: set[nn.Parameter] = set()
+    if ep > 1:
+        dp_ep = init_device_mesh(device.type, (world_size // ep, ep), mesh_dim_names=("dp", "ep"))
+        experts = parallelize_experts(policy.lm, dp_ep["ep"])
+        if world_size > ep:  # replicated over dp: shard them there, gradients summed
+            for m in expert_modules(policy.lm):
+                fully_shard(m, mesh=dp_ep["dp"], mp_policy=mp)
     for layer in decoder_layers(policy.lm):
         fully_shard(layer, mesh=mesh, mp_policy=mp, ignored_params=experts)
     fully_shard(policy, mesh=mesh, mp_policy=mp, ignored_params=experts)
@@ -96,17 +108,24 @@ def shard(
 
 
 def fsdp_units(policy: PolicyModel) -> list[tuple[nn.Module, list[str]]]:
-    """``(module, names of the parameters it owns)`` per FSDP unit, root first; names are
+    """``(module, names of the parameters it owns)`` per FSDP unit: the root first, then
+    each decoder layer followed by the units inside it (a MoE layer's experts with
+    ``ep < world_size``); a parameter belongs to the innermost unit holding it. Names are
     :class:`PolicyModel` FQNs (``named_parameters`` drops the tied LM head)."""
-    layers = decoder_layers(policy.lm)
+    from torch.distributed.fsdp import FSDPModule
+
     module_names = {id(m): n for n, m in policy.named_modules()}
-    prefix = {id(layer): module_names[id(layer)] + "." for layer in layers}
-    names = [n for n, _ in policy.named_parameters()]
-    owned = {id(layer): [n for n in names if n.startswith(prefix[id(layer)])] for layer in layers}
-    in_layers = {n for ns in owned.values() for n in ns}
-    units = [(policy, [n for n in names if n not in in_layers])]
-    units += [(layer, owned[id(layer)]) for layer in layers]
-    return units
+    mods = [policy] + [
+        m for layer in decoder_layers(policy.lm) for m in layer.modules()
+        if m is layer or isinstance(m, FSDPModule)
+    ]  # fmt: skip
+    prefix = [module_names[id(m)] + "." if m is not policy else "" for m in mods]
+    owned: list[list[str]] = [[] for _ in mods]
+    for n, _ in policy.named_parameters():
+        owner = max((k for k, pre in enumerate(prefix) if n.startswith(pre)),
+                    key=lambda k: len(prefix[k]))  # fmt: skip
+        owned[owner].append(n)
+    return list(zip(mods, owned))
 
 
 def stream_parameters(policy: PolicyModel, sharded: bool) -> Iterator[tuple[str, torch.Tensor]]:

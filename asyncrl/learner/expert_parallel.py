@@ -14,9 +14,14 @@ sorted by expert). The router weights multiply on the token's own rank, so the r
 gradient never crosses ranks; the all-to-all's backward is the all-to-all with the splits
 swapped. gloo runs ``all_to_all_single`` with uneven splits on a CPU (NCCL the same call).
 
-Built here: ``ep == world_size`` (every rank a distinct expert shard; the non-expert
-weights FSDP-sharded over the same ranks, the experts left out of FSDP: each expert's
-gradient is whole on its one rank). Rows are shared among all ranks as by plain FSDP.
+The ranks form the mesh ``("dp", "ep")`` (learner/dist.py ``shard``): ``ep`` consecutive
+ranks share one copy of the experts, each holding its ``1/ep`` of them, and tokens go
+by all-to-all within those ``ep`` ranks only. With ``ep < world_size`` the ``world_size /
+ep`` ranks holding the same share (one per ``ep`` group) FSDP-shard it among themselves
+and sum its gradients, as Megatron's expert data parallelism and torchtitan's
+``dp_mod_ep`` FSDP mesh do; with ``ep == world_size`` FSDP leaves the experts alone
+(each expert's gradient is whole on its one rank). The non-expert weights are FSDP-sharded
+over every rank, and rows are shared among all ranks as by plain FSDP.
 """
 
 from __future__ import annotations
@@ -45,8 +50,9 @@ def expert_modules(lm: nn.Module) -> list[nn.Module]:
 
 def parallelize_experts(lm: nn.Module, mesh: Any) -> set[nn.Parameter]:
     """Keep this rank's ``num_experts / ep`` experts of every MoE layer (``Shard(0)`` over
-    the 1-D ``mesh``, whose size is ``ep``) and route tokens to them by all-to-all.
-    Returns the expert parameters (FSDP leaves them alone). ValueError without experts."""
+    the 1-D ``mesh``, this rank's ``ep`` group) and route tokens to them by all-to-all
+    within that group. Returns the expert parameters (the other FSDP units leave them
+    alone). ValueError without experts."""
     mods = expert_modules(lm)
     if not mods:
         raise ValueError(f"{type(lm).__name__} has no fused experts to split (learner.ep)")
