@@ -197,10 +197,11 @@ def test_each_worker_receives_only_its_shard_in_every_mode():
     def worker(g: int) -> None:
         rx = ReceiverEndpoint()
         spec = JoinSpec("g", HOST, port[0], g, world, timeout_s, 60.0, "gloo")
-        for _ in versions:
+        for v in range(len(versions) + 1):
             held: list = []
-            report = rx.sync(spec, load=lambda t: pytest.fail("full tensors"),
-                             load_shard=lambda t, held=held: held.append({n: x.clone() for n, x in t}))  # fmt: skip
+            keep = lambda t, held=held: held.append({n: x.clone() for n, x in t})  # noqa: E731
+            fail = lambda t: pytest.fail("full tensors where a shard was due")  # noqa: E731
+            report = rx.sync(spec, load=keep if v == len(versions) else fail, load_shard=keep)
             got[g].append((report, held[0] if held else None))
 
     threads = [threading.Thread(target=worker, args=(g,), daemon=True) for g in got]
@@ -212,6 +213,8 @@ def test_each_worker_receives_only_its_shard_in_every_mode():
         tx.snapshot(v, list(tensors.items()), transient=False)
         base = v - 1 if v else NO_VERSION
         stats.append(tx.send("g", v, base, mode, shards=TP, with_digests=True))
+    # not resharded: the workers hold shards, so a delta cannot apply and full tensors go
+    last = tx.send("g", 2, 2, "sparse_delta")
     for t in threads:
         t.join(60.0)
     tx.close_all()
@@ -220,6 +223,9 @@ def test_each_worker_receives_only_its_shard_in_every_mode():
     model_bytes = sum(t.numel() * t.element_size() for t in v0.values())
     for g, syncs in got.items():
         rank = (g - 1) % TP
+        report, held = syncs.pop()
+        assert report.ok and held.keys() == v2.keys(), report.error
+        assert all(torch.equal(held[n], v2[n]) for n in v2)
         for v, (report, held) in enumerate(syncs):
             assert report.ok, report.error
             want = dict(plan.shard(rank, versions[v]))
@@ -227,6 +233,7 @@ def test_each_worker_receives_only_its_shard_in_every_mode():
             assert all(torch.equal(held[n], want[n]) for n in want), (g, v)
             assert report.digests is None  # the sender's shard digests are what verify uses
     assert [s.mode for s in stats] == ["full", "sparse_delta", "changed_buckets"]
+    assert last.mode == "full" and last.bytes_per_rank > model_bytes
     full, sparse, changed = stats
     assert model_bytes * 0.4 < full.bytes_per_rank < model_bytes * 0.6  # half, plus the header
     assert full.bytes_sent > 2 * full.bytes_per_rank  # four workers, each its own shard

@@ -5,7 +5,7 @@ One sync, as both sides see it (rank 0 = :class:`WeightSender`, here; ranks 1..N
 :class:`~asyncrl.transport.group.TransferGroup`; the wire protocol: wire.py)::
 
     sender                                   each receiver
-    pack stream -> shadow[v]                 receive(): post arrive/<seq> = held version
+    pack stream -> shadow[v]                 receive(): post arrive/<seq> = held version|layout
     wait all arrive/<seq> (store, timeout) <-'
     plan per bucket vs shadow[held]
     bcast header (len, json) --------------> learn version, mode, plan (+ manifest once)
@@ -106,6 +106,7 @@ class WeightSender(SyncEnd):
             torch.device(shadow_device) if shadow_device is not None else group.device
         )
         self._peer_manifest: str | None = None  # fingerprint the receivers already have
+        self.held_layouts: dict[int, str] = {}  # rank -> fingerprint of its held copy
 
     @torch.no_grad()
     def send(
@@ -211,6 +212,8 @@ class WeightSender(SyncEnd):
     ) -> tuple[Mode, list[BucketPlan]]:
         """Per-bucket plan against the receivers' version; ``full`` when there is no usable base."""
         base = self.shadows.get(base_version) if base_version != NO_VERSION else None
+        if any(fp != packed.manifest.fingerprint for fp in self.held_layouts.values()):
+            base = None  # a receiver holds another layout (resharded before): full
         return plan_against(packed, base, mode)
 
     # ---- resharded: each receiver gets only its engine TP rank's shard ----------------
@@ -238,6 +241,10 @@ class WeightSender(SyncEnd):
             held = self._arrivals(seq, version, arrive_timeout_s or self.group.timeout_s)
             t2 = time.perf_counter()
             abort = self._version_mismatch(held, receiver_version)
+            bases = [
+                b if all(self.held_layouts.get(g) == p.manifest.fingerprint for g in d) else None
+                for p, b, d in zip(packs, bases, dsts, strict=True)
+            ]  # a receiver holding another layout (full tensors before) gets full
             planned = [plan_against(p, b, mode) for p, b in zip(packs, bases, strict=True)]
             used = Mode.FULL if any(u is Mode.FULL for u, _ in planned) else mode
             if used is Mode.FULL:
@@ -346,7 +353,10 @@ class WeightSender(SyncEnd):
             ) from e
         if self._hb is not None:
             self._hb.enter("work")
-        held = {r: int(g.store.get(k)) for r, k in keys.items()}
+        arrived = {r: g.store.get(k).decode().split("|") for r, k in keys.items()}
+        held = {r: int(a[0]) for r, a in arrived.items()}
+        # the bucket layout each holds: a delta applies only onto the same layout
+        self.held_layouts = {r: a[1] if len(a) > 1 else "" for r, a in arrived.items()}
         for r in range(g.world_size):  # everyone is past seq-1 now: its keys can go
             for kind in ("arrive", "done", "fail"):
                 g.store.delete_key(g.key(kind, seq - 1, r))

@@ -138,9 +138,9 @@ class WeightReceiver(SyncEnd):
         raises when the sender aborted the sync."""
         g = self.group
         try:
-            g.store.set(
-                g.key("arrive", seq, g.rank), str(self.version if self.hold_copy else NO_VERSION)
-            )
+            held = self.version if self.hold_copy else NO_VERSION
+            layout = self.manifest.fingerprint if self.manifest is not None else ""
+            g.store.set(g.key("arrive", seq, g.rank), f"{held}|{layout}")
             header = self._header(None)[0]
         except Exception as e:  # noqa: BLE001 - store or collective: reported the same way
             raise self._failure(seq, None, HEADER_BUCKET, e) from e
