@@ -241,3 +241,30 @@ def test_each_worker_receives_only_its_shard_in_every_mode():
     assert changed.buckets_skipped > 0 and changed.bytes_per_rank < full.bytes_per_rank
     assert len(full.shard_digests) == TP and full.shard_digests[0] != full.shard_digests[1]
     assert full.metrics()["broker/bytes_per_engine_rank"] == full.bytes_per_rank
+
+
+# ----------------------------------------------------------------- refusals before Ray
+def test_resharding_what_the_plan_cannot_serve_is_refused_before_ray(tmp_path, capsys, monkeypatch):
+    """``broker.reshard`` (on by default) with a TP engine: a model family the plan does
+    not know, or LoRA adapters, stop the run with one line naming the way out."""
+    import shutil
+
+    from helpers import refused_before_ray
+    from hydra import compose, initialize_config_dir
+
+    def cfg(*overrides: str):
+        with initialize_config_dir(config_dir=str(TINY.parents[3] / "conf"), version_base=None):
+            return compose(config_name="config", overrides=[*overrides, "progress=false"])
+
+    moe = tmp_path / "moe"
+    shutil.copytree(TINY.parent, moe)
+    config = json.loads(TINY.read_text())
+    (moe / "config.json").write_text(json.dumps({**config, "model_type": "qwen2_moe"}))
+    tp2 = "actor.engine.tensor_parallel_size=2"
+    line = refused_before_ray(cfg(tp2, f"model.path={moe}"), tmp_path, capsys, monkeypatch)
+    assert line.startswith(
+        f"asyncrl: config error: broker.reshard=true with {tp2}: model_type 'qwen2_moe'"
+    ), line
+    assert line.endswith("set broker.reshard=false (every worker then gets the full tensors)")
+    line = refused_before_ray(cfg(tp2, "learner.lora.rank=4"), tmp_path, capsys, monkeypatch)
+    assert f"broker.reshard=true with {tp2}: learner.lora sends adapters" in line, line

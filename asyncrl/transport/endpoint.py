@@ -166,11 +166,13 @@ class SenderEndpoint:
                         version, None, receiver_version=base, mode=mode,
                         arrive_timeout_s=arrive_timeout_s,
                     )  # fmt: skip
+                t0 = time.perf_counter()
                 packs = self.shard_packs(version, shards)
                 if packs is None:
                     raise KeyError(f"version {version} is not in the shadow store")
                 bases = self.shard_packs(base, shards) or [None] * shards
                 stats = sender.send_shards(version, packs, bases, base, mode, arrive_timeout_s)
+                stats.pack_seconds = time.perf_counter() - t0 - stats.wait_seconds - stats.seconds
                 if with_digests:
                     stats.shard_digests = [digests(p.named_tensors()) for p in packs]
                 return stats
