@@ -241,35 +241,15 @@ class WeightSender(SyncEnd):
             held = self._arrivals(seq, version, arrive_timeout_s or self.group.timeout_s)
             t2 = time.perf_counter()
             abort = self._version_mismatch(held, receiver_version)
-            bases = [
-                b if all(self.held_layouts.get(g) == p.manifest.fingerprint for g in d) else None
-                for p, b, d in zip(packs, bases, dsts, strict=True)
-            ]  # a receiver holding another layout (full tensors before) gets full
-            planned = [plan_against(p, b, mode) for p, b in zip(packs, bases, strict=True)]
-            used = Mode.FULL if any(u is Mode.FULL for u, _ in planned) else mode
-            if used is Mode.FULL:
-                planned = [plan_against(p, None, Mode.FULL) for p in packs]
-            plans = [pl for _, pl in planned]
-            fps = [p.manifest.fingerprint for p in packs]
-            header = {
-                "v": version,
-                "base": receiver_version,
-                "mode": used.value,
-                "shards": n,
-                "fp": fps,
-                "manifest": None
-                if self._peer_manifest == "|".join(fps)
-                else [p.manifest.to_bytes().decode() for p in packs],
-                "plan": [[[int(b.kind), b.nnz] for b in pl] for pl in plans],
-                "abort": abort[0] if abort is not None else None,
-            }
+            used, plans = self._plan_shards(packs, bases, dsts, mode)
+            header = self._shard_header(version, receiver_version, used, packs, plans, abort)
             try:
                 header_bytes = self._header(header)[1]
             except Exception as e:  # noqa: BLE001 - reported the same way as any collective
                 raise self._failure(seq, version, HEADER_BUCKET, e) from e
             if abort is not None:
                 raise TransferError(abort[0], abort[1], HEADER_BUCKET, version)
-            self._peer_manifest = "|".join(fps)
+            self._peer_manifest = "|".join(header["fp"])
             progress = {"bucket": HEADER_BUCKET}
             try:
                 for s in range(n):
@@ -295,6 +275,47 @@ class WeightSender(SyncEnd):
             gbps=sent / max(t3 - t2, 1e-9) / 1e9,
             bytes_per_rank=header_bytes + max(per_shard, default=0),
         )
+
+    def _plan_shards(
+        self,
+        packs: list[PackedModel],
+        bases: list[PackedModel | None],
+        dsts: list[list[int]],
+        mode: Mode,
+    ) -> tuple[Mode, list[list[BucketPlan]]]:
+        """Per shard, per bucket; ``full`` for all when any shard has no usable base (a
+        receiver holding another layout, full tensors before, has none)."""
+        planned = [
+            plan_against(p, b if all(self.held_layouts.get(g) == p.manifest.fingerprint
+                                     for g in d) else None, mode)
+            for p, b, d in zip(packs, bases, dsts, strict=True)
+        ]  # fmt: skip
+        if any(u is Mode.FULL for u, _ in planned):
+            return Mode.FULL, [plan_against(p, None, Mode.FULL)[1] for p in packs]
+        return mode, [pl for _, pl in planned]
+
+    def _shard_header(
+        self,
+        version: int,
+        base: int,
+        used: Mode,
+        packs: list[PackedModel],
+        plans: list[list[BucketPlan]],
+        abort: tuple[str, list[int]] | None,
+    ) -> dict:
+        """Every shard's fingerprint, manifest (once per group and layout) and plan."""
+        fps = [p.manifest.fingerprint for p in packs]
+        known = self._peer_manifest == "|".join(fps)
+        return {
+            "v": version,
+            "base": base,
+            "mode": used.value,
+            "shards": len(packs),
+            "fp": fps,
+            "manifest": None if known else [p.manifest.to_bytes().decode() for p in packs],
+            "plan": [[[int(b.kind), b.nnz] for b in pl] for pl in plans],
+            "abort": abort[0] if abort is not None else None,
+        }
 
     def _sends(
         self,
