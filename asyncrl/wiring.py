@@ -5,6 +5,7 @@ included) without losing the accounting."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from asyncrl.actor.settings import ActorSettings
-from asyncrl.broker.settings import BrokerSettings
+from asyncrl.broker.settings import BrokerKind, BrokerSettings
 from asyncrl.config import ConfigError, Settings, build, setting, settings_from
 from asyncrl.engine.split import check_model as check_engine_split
 from asyncrl.envs.settings import EnvSettings
@@ -33,6 +34,7 @@ from asyncrl.rewards.settings import RewardSettings
 from asyncrl.runtime import RaySettings
 from asyncrl.tasks.base import Prompt, Task, TaskSampler
 from asyncrl.tasks.sampler import SamplerSettings, with_sampler
+from asyncrl.transport.reshard import check_family
 from asyncrl.utils.affinity import keep_off, restore
 from asyncrl.utils.runlog import LogSettings, Scalars
 
@@ -134,12 +136,35 @@ def _check_learner_fits(learner: LearnerSettings, actor: ActorSettings, ray: Ray
         )
 
 
-def _check_splits(model_path: str, learner: LearnerSettings, actor: ActorSettings) -> None:
+def _check_splits(
+    model_path: str, learner: LearnerSettings, actor: ActorSettings, broker: BrokerSettings
+) -> None:
     """The model splits as the learner's and the engines' layouts ask."""
     check_model(model_path, learner.tp)  # learner.tp: a plan, whole heads per rank
     # a MoE model to split (learner.ep), to replay or to record the routes of
     check_experts(model_path, learner.ep, learner.moe.routing_replay, actor.record_experts)
     check_engine_split(model_path, actor.engine.tensor_parallel_size)  # whole heads per worker
+    _check_reshard(model_path, learner, actor, broker)
+
+
+def _check_reshard(model_path: str, learner: LearnerSettings, actor: ActorSettings,
+                   broker: BrokerSettings) -> None:  # fmt: skip
+    """``broker.reshard`` with a tensor-parallel engine on the process-group broker: the
+    resharding plan knows the model's layout, and the learner sends whole weights."""
+    tp = actor.engine.tensor_parallel_size
+    if not broker.reshard or tp == 1 or broker.kind != BrokerKind.GLOO:
+        return
+    fix = "set broker.reshard=false (every worker then gets the full tensors)"
+    if learner.lora.rank:
+        raise ConfigError(
+            f"broker.reshard=true with actor.engine.tensor_parallel_size={tp}: learner.lora "
+            f"sends adapters, which the engine merges into whole weights; {fix}"
+        )
+    why = check_family(json.loads((Path(model_path) / "config.json").read_text()))
+    if why is not None:
+        raise ConfigError(
+            f"broker.reshard=true with actor.engine.tensor_parallel_size={tp}: {why}; {fix}"
+        )
 
 
 def prepare(cfg: DictConfig) -> Setup:
@@ -171,7 +196,7 @@ def prepare(cfg: DictConfig) -> Setup:
     model_path = resolve_model(cfg, task)
     env.check_template(model_path)  # a message-level env: its chat template, append-only
     actor = actor.recording(learner.moe.routing_replay)  # actor.record_experts: null follows
-    _check_splits(model_path, learner, actor)
+    _check_splits(model_path, learner, actor, broker)
     if learner.lora.on:  # learner.lora: layers the model has (the check imports torch)
         from asyncrl.learner.lora import check_targets
 

@@ -12,7 +12,11 @@ Per model size: v0 full (warm-up, establishes the receivers' copy), then one
 AdamW step before each of: v1 sparse_delta, v2 changed_buckets, v3 full (the
 timed GB/s), v4 rolling sparse_delta (one receiver at a time), v5 LoRA: rank-16
 adapters on every matrix but the embedding, all that ``learner.lora`` sends (its
-"of full" is of the whole model's bytes; the engine's merge is not timed here). The same
+"of full" is of the whole model's bytes; the engine's merge is not timed here), v6 full
+resharded: the receivers taken as engines of ``RESHARD_TP`` workers each, every worker
+sent only its tensor-parallel shard (asyncrl/transport/reshard.py, the model named as a
+Qwen2 decoder), beside v3's full broadcast in bytes per engine rank and seconds (no row
+where the MLP width does not split ``RESHARD_TP`` ways, or the receivers do not). The same
 SenderEndpoint / ReceiverEndpoint classes serve the WeightBroker and the vLLM
 worker extension. ``--quick``: ~10M parameters (seconds). Without it: a sweep
 from ~10M to ~500M parameters (minutes; ~10 GB of memory at the top).
@@ -49,6 +53,9 @@ JOIN_S = 120.0  # spawned receivers import torch first
 QUICK_PARAMS = [10_000_000]
 LORA_RANK = 16  # `learner.lora.rank=16`
 LORA_VERSION = 5  # after the schedule's v0-v4
+RESHARD_TP = 2  # engine tensor-parallel size of the resharded row
+RESHARD_VERSION = 6
+HEAD_DIM = 64  # the stack's attention head width (make_model's k/v: one head per 256)
 SWEEP_PARAMS = [10_000_000, 50_000_000, 100_000_000, 250_000_000, 500_000_000]
 # Every tensor is trained here (no frozen ones), and one AdamW step at lr 1e-6 moves ~2%
 # of the bf16 elements, spread everywhere: every bucket changes, so `changed_buckets`
@@ -77,6 +84,24 @@ def make_model(params: int, seed: int = 0) -> list[torch.nn.Parameter]:
 
 def names(model: list[torch.nn.Parameter]) -> list[str]:
     return [f"p{i}.{'norm' if p.dim() == 1 else 'weight'}" for i, p in enumerate(model)]
+
+
+def qwen2(model: list[torch.nn.Parameter]) -> tuple[list[str], dict[str, Any]]:
+    """The stack's tensors named as a Qwen2 decoder's (HF names), and its config."""
+    vocab, d = model[0].shape
+    out = ["model.embed_tokens.weight"]
+    parts = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+             "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+             "mlp.down_proj"]  # fmt: skip
+    layers = (len(model) - 2) // len(parts)
+    out += [f"model.layers.{i}.{p}.weight" for i in range(layers) for p in parts]
+    out.append("model.norm.weight")
+    config = {
+        "model_type": "qwen2", "hidden_size": d, "num_attention_heads": d // HEAD_DIM,
+        "num_key_value_heads": d // 4 // HEAD_DIM, "head_dim": HEAD_DIM,
+        "intermediate_size": model[7].shape[0], "vocab_size": vocab, "tie_word_embeddings": True,
+    }  # fmt: skip
+    return out, config
 
 
 def adamw_step(model: list[torch.nn.Parameter], opt: torch.optim.Optimizer, seed: int) -> None:
@@ -125,7 +150,7 @@ def _receiver(inbox: Any, outbox: Any) -> None:
     while (cmd := inbox.get())[0] != "stop":
         _, key, port, rank, world = cmd
         spec = JoinSpec(key, HOST, port, rank, world, TIMEOUT_S, JOIN_S, "gloo", True)
-        report = rx.sync(spec, lambda tensors: None, with_digests=True)
+        report = rx.sync(spec, lambda t: None, with_digests=True, load_shard=lambda t: None)
         outbox.put((report.ok, report.digests))
     rx.close_all()
 
@@ -143,8 +168,11 @@ class Receivers:
             p.start()
         self.opened: set[str] = set()
 
-    def sync(self, ep, key: str, members: list[int], version: int, base: int, mode: str):
-        """One sync of group ``key`` (receivers ``members``); returns (stats, digests per member)."""
+    def sync(
+        self, ep, key: str, members: list[int], version: int, base: int, mode: str, shards: int = 0
+    ):
+        """One sync of group ``key`` (receivers ``members``; ``shards`` > 1: engines of that
+        many workers, each sent its shard); returns (stats, digests per member)."""
 
         def go(port: int) -> None:
             for rank, m in enumerate(members, start=1):
@@ -155,7 +183,7 @@ class Receivers:
             self.opened.add(key)
         else:
             go(ep.senders[key].group.port)
-        stats = ep.send(key, version, base, mode)
+        stats = ep.send(key, version, base, mode, shards=shards, with_digests=shards > 1)
         got = [self.outboxes[m].get(timeout=JOIN_S + TIMEOUT_S) for m in members]
         return stats, got
 
@@ -208,10 +236,35 @@ def run_size(params: int, receivers: int, bucket_mb: float) -> list[dict[str, An
                 [everyone], mcp, ok)  # fmt: skip
         r["sent_frac"] = ratio(r["bytes_sent"], rows[0]["bytes_full"])  # of the whole model's
         rows.append(r)
+        rows += resharded(model, ep, rx, everyone, mcp)
     finally:
         rx.close()
         ep.close_all()
     return rows
+
+
+def resharded(model, ep, rx, everyone: list[int], mcp: float) -> list[dict[str, Any]]:
+    """v6: a full sync to engines of ``RESHARD_TP`` workers, each sent only its shard
+    (no row where the layout does not split, said on stderr)."""
+    from asyncrl.transport.reshard import UnsupportedLayout, plan_for
+
+    hf, config = qwen2(model)
+    try:
+        plan_for(config, [(n, tuple(p.shape)) for n, p in zip(hf, model)], RESHARD_TP)
+    except UnsupportedLayout as e:
+        print(f"no resharded row: {e}", file=sys.stderr)
+        return []
+    if len(everyone) % RESHARD_TP:
+        print(f"no resharded row: {len(everyone)} receivers, TP {RESHARD_TP}", file=sys.stderr)
+        return []
+    ep.model_config = config
+    snap = ep.snapshot(RESHARD_VERSION, zip(hf, model), retain=[])
+    base = LORA_VERSION  # what the receivers hold (its shadow is gone: full anyway)
+    s, got = rx.sync(ep, "tp", everyone, RESHARD_VERSION, base, "full", shards=RESHARD_TP)
+    assert s.shard_digests is not None
+    ok = all(d == s.shard_digests[i % RESHARD_TP] for i, (_, d) in enumerate(got))
+    mode = f"full resharded tp={RESHARD_TP}"
+    return [row(model, RESHARD_VERSION, mode, 0, len(everyone), snap, [s], [everyone], mcp, ok)]
 
 
 def row(model, version, mode, k, receivers, snap, stats, sets, mcp, ok) -> dict[str, Any]:
@@ -225,6 +278,7 @@ def row(model, version, mode, k, receivers, snap, stats, sets, mcp, ok) -> dict[
         "receivers": receivers,
         "bytes_full": snap["nbytes"],
         "bytes_sent": sent,
+        "bytes_per_rank": max(s.bytes_per_rank for s in stats),  # what one worker received
         "sent_frac": ratio(sent, snap["nbytes"] * len(sets)),
         "buckets": snap["buckets"] * len(sets),
         "skipped": sum(s.buckets_skipped for s in stats),
@@ -255,6 +309,16 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "rolling_bytes": by[4]["bytes_sent"],
         "lora_bytes": by[LORA_VERSION]["bytes_sent"],
         "lora_frac": by[LORA_VERSION]["sent_frac"],
+        "full_bytes_per_rank": full["bytes_per_rank"],
+        "full_seconds": full["seconds"],
+        **(
+            {
+                "resharded_bytes_per_rank": by[RESHARD_VERSION]["bytes_per_rank"],
+                "resharded_seconds": by[RESHARD_VERSION]["seconds"],
+            }
+            if RESHARD_VERSION in by
+            else {}
+        ),  # fmt: skip
         "bitexact": all(r["bitexact"] for r in rows),
     }
 
@@ -295,10 +359,11 @@ def main() -> None:
         print(f"{n / 1e6:.0f}M parameters done in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
     print_table(
         f"weight sync, gloo on {HOST}, {args.receivers} receiver(s), {args.bucket_mb:g} MB buckets",
-        ["params", "mode", "bytes sent", "of full", "buckets", "skipped", "sparse", "s", "GB/s",
-         "memcpy GB/s", "bit-exact"],
-        [[r["params"], r["mode"], r["bytes_sent"], r["sent_frac"], r["buckets"], r["skipped"],
-          r["sparse"], r["seconds"], r["gbps"], r["memcpy_gbps"], r["bitexact"]] for r in rows],
+        ["params", "mode", "bytes sent", "bytes/rank", "of full", "buckets", "skipped", "sparse",
+         "s", "GB/s", "memcpy GB/s", "bit-exact"],
+        [[r["params"], r["mode"], r["bytes_sent"], r["bytes_per_rank"], r["sent_frac"],
+          r["buckets"], r["skipped"], r["sparse"], r["seconds"], r["gbps"], r["memcpy_gbps"],
+          r["bitexact"]] for r in rows],
     )  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     csv_path = write_csv(args.out / "weight_sync.csv", rows, fingerprint=run_fingerprint())

@@ -3,11 +3,14 @@
 Fast: where each worker's OpenMP threads go (asyncrl/engine/cpu_binding.py) and what
 the driver refuses (asyncrl/engine/split.py). Slow, one engine start: a RolloutActor
 whose engine runs two workers, the real learner and the real gloo broker. Before and
-after an in-place sync of perturbed weights (attention and MLP of layer 0), each
-worker holds exactly its shard of the learner's tensors, bit for bit (vLLM's fused
-q/k/v and gate/up split by heads and rows, o/down by columns, the embedding by padded
-vocabulary rows), both workers loaded the learner's bytes, and the engine's
-behaviour log-probs match the learner's recomputation.
+after an in-place resharded sync of perturbed weights (attention and MLP of layer 0;
+``broker.reshard``: each worker receives only its shard), each worker holds exactly
+its shard of the learner's tensors, bit for bit (vLLM's fused q/k/v and gate/up split
+by heads and rows, o/down by columns, the embedding by padded vocabulary rows), each
+worker loaded exactly the resharding plan's slice of the learner's bytes, and the
+engine's behaviour log-probs match the learner's recomputation. Then a resharded sync
+and a full-tensor sync of the same weights leave every worker parameter identical,
+bit for bit, with about half the bytes per engine rank.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import sys
 import helpers
 import numpy as np
 import pytest
+import weight_sync_controls
 from helpers import collect_at, sync_world
+from weight_sync_controls import set_reshard
 
 from asyncrl.config import ConfigError
 from asyncrl.engine.cpu_binding import omp_binding, shares
@@ -124,6 +129,7 @@ def tp_world(ray_local, tiny_model, task):
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cloudpickle.register_pickle_by_value(helpers)
+    cloudpickle.register_pickle_by_value(weight_sync_controls)  # set_reshard's function
     cfg = compose_config([])
     sampling = SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=8)
     engine = EngineSettings.defaults(
@@ -132,6 +138,18 @@ def tp_world(ray_local, tiny_model, task):
     )  # fmt: skip
     with sync_world(ray, cfg, str(tiny_model), task, sampling, engine, 120.0, 300.0) as world:
         yield world
+
+
+def shard_digests(model_dir, hf: dict) -> list[dict[str, str]]:
+    """Per engine TP rank, the digests of the resharding plan's slice of ``hf``."""
+    import json
+
+    from asyncrl.transport.endpoint import digests
+    from asyncrl.transport.reshard import plan_for
+
+    config = json.loads((model_dir / "config.json").read_text())
+    plan = plan_for(config, [(k, tuple(v.shape)) for k, v in hf.items()], TP)
+    return [digests(plan.shard(r, hf)) for r in range(TP)]
 
 
 def _compare(learner, trajs: list) -> float:
@@ -170,11 +188,45 @@ def test_a_tp2_engine_holds_the_learners_shards_before_and_after_an_in_place_syn
     assert m["broker/errors"] == 0, broker.errors
     assert broker.actor_versions == {"actor0": 1}
     loaded = ray.get(actor.loaded_digests.remote())
-    digests = learner.weight_digests()
-    assert len(loaded) == TP and all(x["version"] == 1 and x["digests"] == digests for x in loaded)
+    shards = shard_digests(tiny_model, learner.full_state_dict())
+    assert len(loaded) == TP and [x["digests"] for x in loaded] == shards
+    assert all(x["version"] == 1 for x in loaded)
     n = check_shards(ray.get(actor.worker_params.remote()), full(), TP, kv_heads)
     after = collect_at(ray, w["queue"], 1)
     diff = _compare(learner, after)
     print(f"TP{TP}: {n} worker parameters bit-exact; after the sync max |dlogp| {diff:.2e}, "
           f"sync {m.get('broker/sync_seconds', float('nan')):.3f} s")  # fmt: skip
     assert diff < FP32_LOGP_TOL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_resharded_sync_leaves_the_workers_as_a_full_tensor_sync_does(ray_local, tp_world):
+    ray = ray_local
+    w = tp_world
+    actor, learner, broker = w["actor"], w["learner"], w["broker"]
+    ray.get(learner.ranks[0].__ray_call__.remote(perturb_layer0, 2, 0.05))
+    broker.publish(2)  # resharded: each worker receives its shard
+    resharded = broker.wait()
+    after_shards = ray.get(actor.worker_params.remote())
+    set_reshard(broker, False)
+    try:
+        broker.publish(3)  # the same weights, every worker gets the full tensors
+        full = broker.wait()
+    finally:
+        set_reshard(broker, True)
+    after_full = ray.get(actor.worker_params.remote())
+    assert resharded["broker/errors"] == 0 and full["broker/errors"] == 0, broker.errors
+    assert broker.actor_versions == {"actor0": 3}
+    by_rank = {x["rank"]: x["params"] for x in after_full}
+    n = 0
+    for x in after_shards:
+        assert x["params"].keys() == by_rank[x["rank"]].keys()
+        for name, got in x["params"].items():
+            assert got == by_rank[x["rank"]][name], (x["rank"], name)  # dtype, shape, bytes
+            n += 1
+    per_rank = resharded["broker/bytes_per_engine_rank"], full["broker/bytes_per_engine_rank"]
+    print(f"TP{TP}: {n} worker parameters identical after a resharded and a full sync; "
+          f"bytes per engine rank {per_rank[0]:.0f} vs {per_rank[1]:.0f}, sync "
+          f"{resharded['broker/sync_seconds']:.3f} s vs {full['broker/sync_seconds']:.3f} s")  # fmt: skip
+    assert 0.4 < per_rank[0] / per_rank[1] < 0.6

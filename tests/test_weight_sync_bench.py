@@ -16,7 +16,7 @@ ROOT = Path(__file__).parents[1]
 @pytest.mark.slow
 def test_weight_sync_benchmark_smallest_settings(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "weight_sync.py"), "--quick",
-           "--params", "300000", "--receivers", "1", "--bucket-mb", "0.0625",
+           "--params", "300000", "--receivers", "2", "--bucket-mb", "0.0625",
            "--out", str(tmp_path)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -35,5 +35,8 @@ def test_weight_sync_benchmark_smallest_settings(tmp_path):
     assert figures["sparse_delta_bytes"] < 0.2 * figures["full_bytes"]
     assert figures["sparse_delta_bytes"] < figures["changed_buckets_bytes"]
     assert figures["changed_buckets_bytes"] <= figures["full_bytes"] * 1.01
+    # two receivers as one engine of TP 2: each worker gets about half of the full broadcast
+    assert 0.4 < figures["resharded_bytes_per_rank"] / figures["full_bytes_per_rank"] < 0.6
+    assert "full resharded tp=2" in done.stdout
     # rank-16 adapters on a d=256 stack: about a tenth of the model
     assert 0 < figures["lora_bytes"] < 0.25 * figures["full_bytes"]

@@ -70,6 +70,17 @@ def set_policy(client: Any, mode: str, rolling_k: int = 0) -> None:
     ray.get(client.handle.__ray_call__.remote(_set_policy, mode, rolling_k))
 
 
+def _set_reshard(broker: Any, on: bool) -> None:
+    broker.s.reshard = on
+
+
+def set_reshard(client: Any, on: bool) -> None:
+    """Whether a running WeightBroker's later syncs send each TP worker only its shard."""
+    import ray
+
+    ray.get(client.handle.__ray_call__.remote(_set_reshard, on))
+
+
 def learner_digests(ranks: list[Any]) -> dict[str, str]:
     """Per-tensor digests of the live weights (every rank takes part; rank 0's answer)."""
     import ray

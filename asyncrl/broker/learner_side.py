@@ -53,7 +53,9 @@ class SenderSide:
         self.host = host
 
     @classmethod
-    def start(cls, broker_id: str, broker: Any, s: BrokerSettings) -> SenderSide:
+    def start(
+        cls, broker_id: str, broker: Any, s: BrokerSettings, model_config: dict | None = None
+    ) -> SenderSide:
         host = s.host or default_host()
         endpoint = SenderEndpoint(
             host=host,
@@ -63,6 +65,7 @@ class SenderSide:
             bucket_mb=s.bucket_mb,
             shadow_device=s.shadow_device,
             max_versions=s.max_versions,
+            model_config=model_config,
         )
         return cls(broker_id, broker, endpoint, host)
 
@@ -89,8 +92,9 @@ class SenderSide:
                     ),
                 )
             stats = self.endpoint.send(
-                key, order.version, order.base, order.mode, order.arrive_timeout_s
-            )
+                key, order.version, order.base, order.mode, order.arrive_timeout_s,
+                order.shards, order.with_digests,
+            )  # fmt: skip
         except TransferError as e:
             self.endpoint.close(key)
             return SendDone(key, False, error=str(e), peer_ranks=e.peer_ranks, bucket=e.bucket)
@@ -99,7 +103,8 @@ class SenderSide:
             return SendDone(key, False, error=f"{type(e).__name__}: {e}")
         return SendDone(
             key, True, stats.bytes_sent, stats.bytes_full, stats.buckets_skipped,
-            stats.buckets_sparse, stats.seconds,
+            stats.buckets_sparse, stats.seconds, bytes_per_rank=stats.bytes_per_rank,
+            shard_digests=stats.shard_digests,
         )  # fmt: skip
 
     def close(self, keys: tuple[str, ...] | None) -> None:

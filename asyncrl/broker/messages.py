@@ -71,6 +71,8 @@ class SendOrder:
     mode: str
     arrive_timeout_s: float
     open_world: int = 0
+    shards: int = 0  # > 1: the members' engines have this many TP workers; each gets its shard
+    with_digests: bool = False  # resharded: the shards' digests come back (broker.verify)
     kind: str = "send"
 
 
@@ -98,6 +100,8 @@ class SendDone:
     error: str = ""
     peer_ranks: tuple[int, ...] = ()
     bucket: int | None = None
+    bytes_per_rank: int = 0  # what one engine worker received (its shard when resharded)
+    shard_digests: list[dict[str, str]] | None = None  # resharded, asked: per engine TP rank
     kind: str = "send_done"
 
     @classmethod

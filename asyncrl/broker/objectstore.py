@@ -95,6 +95,8 @@ class ObjectStoreBroker:
             "broker/weights_bytes": float(self._bytes),
             "broker/bytes_sent": sent,
             "broker/bytes_full": float(self._bytes * len(names)),
+            # every worker reloads the whole file (vLLM's loaders slice it): never resharded
+            "broker/bytes_per_engine_rank": float(self._bytes),
             "broker/gbps": sent / dt / 1e9 if dt > 0 else 0.0,
             "broker/errors": float(len(names) - n_ok),
             **{f"broker/version/{n}": float(v) for n, v in self.actor_versions.items()},

@@ -43,6 +43,7 @@ class BrokerSettings(Settings):
     retry: bool = setting()  # retry live members of a failed set once, in a fresh group
     prime: bool = setting()  # at start, sync version 0 (fails fast; later syncs are deltas)
     verify: bool = setting()  # per-tensor sha256 on both ends every sync (tests, debugging)
+    reshard: bool = setting()  # a tensor-parallel engine's workers each get only their shard
     host: str | None = setting()  # learner address the workers connect to; null = its node IP
 
     def check(self) -> None:

@@ -33,6 +33,7 @@ class SyncTally:
     weights_bytes: int = 0  # the snapshot's size (every tensor, once)
     bytes_sent: int = 0
     bytes_full: int = 0
+    bytes_per_engine_rank: int = 0  # the most one engine worker received (max over sets)
     buckets_skipped: int = 0
     buckets_sparse: int = 0
     transfer_seconds: float = 0.0
@@ -53,6 +54,7 @@ class SyncTally:
         if sender.ok:
             self.bytes_sent += sender.bytes_sent
             self.bytes_full += sender.bytes_full
+            self.bytes_per_engine_rank = max(self.bytes_per_engine_rank, sender.bytes_per_rank)
             self.buckets_skipped += sender.buckets_skipped
             self.buckets_sparse += sender.buckets_sparse
             self.transfer_seconds += sender.seconds
@@ -77,6 +79,7 @@ class SyncTally:
             "broker/weights_bytes": float(self.weights_bytes),
             "broker/bytes_sent": float(self.bytes_sent),
             "broker/bytes_full": float(self.bytes_full),
+            "broker/bytes_per_engine_rank": float(self.bytes_per_engine_rank),
             "broker/buckets_skipped": float(self.buckets_skipped),
             "broker/buckets_sparse": float(self.buckets_sparse),
             "broker/transfer_seconds": self.transfer_seconds,
@@ -103,13 +106,16 @@ def culprits(group: Group, sender: SendDone, views: dict[str, ActorView]) -> set
     return out
 
 
-def digest_mismatch(name: str, res: Reloaded, snap: Snapshot) -> str | None:
+def digest_mismatch(
+    name: str, res: Reloaded, snap: Snapshot, shards: list[dict[str, str]] | None = None
+) -> str | None:
     """With ``verify``: a message unless every worker of ``name`` loaded exactly the
-    snapshot's bytes (None without digests)."""
-    want = snap.digests
-    if not want:
+    snapshot's bytes, or (resharded: ``shards``, the sender's digests per engine TP
+    rank) exactly its shard's (None without digests)."""
+    if not snap.digests:
         return None
     for w, got in enumerate(res.digests or [None]):
+        want = shards[w % len(shards)] if shards else snap.digests
         if got != want:
             got = got or {}
             diff = sorted(k for k in set(want) | set(got) if got.get(k) != want.get(k))

@@ -139,7 +139,8 @@ class SyncRun:
             group.listening = asyncio.get_running_loop().create_future()
         order = SendOrder(
             group.key, version, sset.base, self.s.mode, self._arrive_timeout_s(sset.members),
-            open_world=group.world if new else 0,
+            open_world=group.world if new else 0, shards=self._shards(sset.members),
+            with_digests=self.s.verify,
         )  # fmt: skip
         done = asyncio.ensure_future(self._sent(order, new))
         if new:
@@ -190,7 +191,7 @@ class SyncRun:
             if res.ok:
                 view.loaded, view.held, view.failures = version, res.held, 0
                 acc.add_actor(res, time.time())
-                bad = digest_mismatch(name, res, snap)
+                bad = digest_mismatch(name, res, snap, sender.shard_digests)
                 if bad:
                     self._error(acc, bad)
                 continue
@@ -241,6 +242,13 @@ class SyncRun:
             return True
         except Exception:  # noqa: BLE001 - any failure to answer means it cannot serve
             return False
+
+    def _shards(self, members: tuple[str, ...]) -> int:
+        """The engines' TP size when every member's workers get only their shard
+        (``broker.reshard``, every member with the same number of workers > 1), else 0."""
+        sizes = {self.roster.views[m].workers for m in members}
+        size = sizes.pop() if len(sizes) == 1 else 0
+        return size if self.s.reshard and size > 1 else 0
 
     def _receive_order(self, version: int, group: Group, name: str) -> ReceiveOrder:
         s = self.s

@@ -109,8 +109,42 @@ class AsyncRLWorkerExtension:
         first rank of this engine's workers (each adds its own rank in the engine)."""
         join = JoinSpec.from_wire(spec)
         join = dataclasses.replace(join, rank=join.rank + int(getattr(self, "rank", 0)))
-        report = self._asyncrl_rx().sync(join, self._asyncrl_load, with_digests)
+        report = self._asyncrl_rx().sync(
+            join, self._asyncrl_load, with_digests, load_shard=self._asyncrl_load_shard
+        )
         return dataclasses.asdict(report)
+
+    @torch.no_grad()
+    def _asyncrl_load_shard(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy this worker's own shard (engine parameter names and shapes, from a
+        resharded sync: asyncrl/transport/reshard.py) straight into its parameters: no
+        full tensor, no slicing by vLLM's loaders. A vocabulary shard's padding rows are
+        zeroed as vLLM's loader does. A layer whose weight vLLM-CPU packed for its GEMM
+        after loading (the plain weight dropped) gets the shard as its weight again and
+        is packed anew (its ``process_weights_after_loading``), as the reload does."""
+        model = self.model_runner.get_model()
+        touched: dict[str, torch.nn.Module] = {}
+        for name, t in tensors:
+            module_name, _, leaf = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            module = getattr(module, "base_layer", module)  # a LoRA wrapper's layer
+            param = module.get_parameter(leaf)
+            if param.numel() == 0 and t.numel():  # packed and dropped: the weight again
+                setattr(module, leaf, torch.nn.Parameter(t.clone(), requires_grad=False))
+            elif param.shape == t.shape:
+                param.data.copy_(t)
+            else:  # a vocabulary shard: the real rows, then zero padding
+                param.data[: t.shape[0]].copy_(t)
+                param.data[t.shape[0] :].zero_()
+            touched[module_name] = module
+        for module in touched.values():
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+        self._asyncrl_retie()
+        recorder = self.__dict__.get("_asyncrl_experts")
+        if recorder is not None:
+            recorder.bind()
 
     def asyncrl_spin_nap(self) -> float:
         """The nap this worker's vLLM queues use instead of spinning (0: vLLM's spin)."""

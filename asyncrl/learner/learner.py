@@ -161,7 +161,9 @@ class Learner:
         self.tokens = TokenRecorder()  # what the loss used, per token, for the log
         if trajectory_log and rank == 0:
             self.traj_log = TrajectoryLog(trajectory_log)
-        self.weights = WeightsOut(rank, self.sharded, self.named_parameters_stream)
+        self.weights = WeightsOut(
+            rank, self.sharded, self.named_parameters_stream, self.model.config.to_dict()
+        )
         self.checkpoints = Checkpointer(self.policy, self.opt, self.sched, model_path, s, rank)
 
     def _build_policy(self, model_path: str) -> PolicyModel:

@@ -64,8 +64,17 @@ class WeightsOut:
     _sender: SenderSide | None = None  # while a process-group broker is attached
     _stream: Stream | None = None
 
-    def __init__(self, rank: int = 0, sharded: bool = False, stream: Stream | None = None):
+    model_config: dict[str, Any] | None = None  # the HF config (resharding plans)
+
+    def __init__(
+        self,
+        rank: int = 0,
+        sharded: bool = False,
+        stream: Stream | None = None,
+        model_config: dict[str, Any] | None = None,
+    ):
         self.rank, self.sharded, self._stream = rank, sharded, stream
+        self.model_config = model_config
 
     def named_parameters_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._stream is not None:
@@ -92,7 +101,10 @@ class WeightsOut:
         """Rank 0: the sender endpoint for ``broker`` (a Ray handle). Attaching again
         replaces the previous broker's."""
         self.detach_broker()
-        self._sender = SenderSide.start(broker_id, broker, settings)
+        config = self.model_config
+        if config is None and hasattr(getattr(self, "model", None), "config"):
+            config = self.model.config.to_dict()  # a plain model's
+        self._sender = SenderSide.start(broker_id, broker, settings, config)
         return self._sender.attached(os.getpid())
 
     def snapshot_weights(self, order: SnapshotOrder) -> Snapshot | None:

@@ -5,7 +5,7 @@ One sync, as both sides see it (rank 0 = :class:`WeightSender`, here; ranks 1..N
 :class:`~asyncrl.transport.group.TransferGroup`; the wire protocol: wire.py)::
 
     sender                                   each receiver
-    pack stream -> shadow[v]                 receive(): post arrive/<seq> = held version
+    pack stream -> shadow[v]                 receive(): post arrive/<seq> = held version|layout
     wait all arrive/<seq> (store, timeout) <-'
     plan per bucket vs shadow[held]
     bcast header (len, json) --------------> learn version, mode, plan (+ manifest once)
@@ -65,10 +65,14 @@ class SendStats:
     wait_seconds: float  # waiting for receivers to arrive
     seconds: float  # header + payloads
     gbps: float
+    # what one engine worker received: everything broadcast, or its own shard (resharded)
+    bytes_per_rank: int = 0
+    shard_digests: list[dict[str, str]] | None = None  # resharded, when asked: per shard
 
     def metrics(self) -> dict[str, float]:
         return {
             "broker/bytes_sent": self.bytes_sent,
+            "broker/bytes_per_engine_rank": self.bytes_per_rank,
             "broker/bytes_full": self.bytes_full,
             "broker/buckets_skipped": self.buckets_skipped,
             "broker/buckets_sparse": self.buckets_sparse,
@@ -102,6 +106,7 @@ class WeightSender(SyncEnd):
             torch.device(shadow_device) if shadow_device is not None else group.device
         )
         self._peer_manifest: str | None = None  # fingerprint the receivers already have
+        self.held_layouts: dict[int, str] = {}  # rank -> fingerprint of its held copy
 
     @torch.no_grad()
     def send(
@@ -151,6 +156,7 @@ class WeightSender(SyncEnd):
             wait_seconds=t2 - t1,
             seconds=t3 - t2,
             gbps=sent / max(t3 - t2, 1e-9) / 1e9,
+            bytes_per_rank=sent,
         )
 
     def _packed(
@@ -206,12 +212,146 @@ class WeightSender(SyncEnd):
     ) -> tuple[Mode, list[BucketPlan]]:
         """Per-bucket plan against the receivers' version; ``full`` when there is no usable base."""
         base = self.shadows.get(base_version) if base_version != NO_VERSION else None
-        if base is None or base.manifest != packed.manifest:  # evicted, or the layout changed
-            return Mode.FULL, [plan_bucket(Mode.FULL, new, None) for new in packed.buckets]
-        return mode, [
-            plan_bucket(mode, new, old)
-            for new, old in zip(packed.buckets, base.buckets, strict=True)
-        ]
+        if any(fp != packed.manifest.fingerprint for fp in self.held_layouts.values()):
+            base = None  # a receiver holds another layout (resharded before): full
+        return plan_against(packed, base, mode)
+
+    # ---- resharded: each receiver gets only its engine TP rank's shard ----------------
+    @torch.no_grad()
+    def send_shards(
+        self,
+        version: int,
+        packs: list[PackedModel],
+        bases: list[PackedModel | None],
+        receiver_version: int,
+        mode: Mode | str = Mode.SPARSE,
+        arrive_timeout_s: float | None = None,
+    ) -> SendStats:
+        """Like :meth:`send`, but receiver ``g`` (ranks ``1..N-1``, each engine's workers
+        in TP order) gets only ``packs[(g - 1) % len(packs)]``, point to point; deltas go
+        per shard against ``bases`` (the shards of ``receiver_version``, None where its
+        shadow is gone). One header (broadcast) carries every shard's manifest and plan."""
+        mode = Mode(mode)
+        n = len(packs)
+        dsts = [[g for g in range(1, self.group.world_size) if (g - 1) % n == s] for s in range(n)]
+        self._seq += 1
+        seq = self._seq
+        t1 = time.perf_counter()
+        with Heartbeat(self.group) as self._hb:
+            held = self._arrivals(seq, version, arrive_timeout_s or self.group.timeout_s)
+            t2 = time.perf_counter()
+            abort = self._version_mismatch(held, receiver_version)
+            used, plans = self._plan_shards(packs, bases, dsts, mode)
+            header = self._shard_header(version, receiver_version, used, packs, plans, abort)
+            try:
+                header_bytes = self._header(header)[1]
+            except Exception as e:  # noqa: BLE001 - reported the same way as any collective
+                raise self._failure(seq, version, HEADER_BUCKET, e) from e
+            if abort is not None:
+                raise TransferError(abort[0], abort[1], HEADER_BUCKET, version)
+            self._peer_manifest = "|".join(header["fp"])
+            progress = {"bucket": HEADER_BUCKET}
+            try:
+                for s in range(n):
+                    self._sends(packs[s], bases[s], plans[s], dsts[s], progress)
+            except Exception as e:  # noqa: BLE001
+                raise self._failure(seq, version, progress["bucket"], e) from e
+            self.group.store.set(self.group.key("done", seq, 0), "1")
+        t3 = time.perf_counter()
+        per_shard = [sum(b.nbytes for b in pl) for pl in plans]
+        sent = header_bytes + sum(b * len(d) for b, d in zip(per_shard, dsts, strict=True))
+        return SendStats(
+            version=version,
+            base_version=receiver_version,
+            mode=used.value,
+            bytes_sent=sent,
+            header_bytes=header_bytes,
+            bytes_full=sum(p.manifest.nbytes * len(d) for p, d in zip(packs, dsts, strict=True)),
+            buckets_total=sum(len(pl) for pl in plans),
+            **bucket_counts([b for pl in plans for b in pl]),
+            pack_seconds=0.0,
+            wait_seconds=t2 - t1,
+            seconds=t3 - t2,
+            gbps=sent / max(t3 - t2, 1e-9) / 1e9,
+            bytes_per_rank=header_bytes + max(per_shard, default=0),
+        )
+
+    def _plan_shards(
+        self,
+        packs: list[PackedModel],
+        bases: list[PackedModel | None],
+        dsts: list[list[int]],
+        mode: Mode,
+    ) -> tuple[Mode, list[list[BucketPlan]]]:
+        """Per shard, per bucket; ``full`` for all when any shard has no usable base (a
+        receiver holding another layout, full tensors before, has none)."""
+        planned = [
+            plan_against(p, b if all(self.held_layouts.get(g) == p.manifest.fingerprint
+                                     for g in d) else None, mode)
+            for p, b, d in zip(packs, bases, dsts, strict=True)
+        ]  # fmt: skip
+        if any(u is Mode.FULL for u, _ in planned):
+            return Mode.FULL, [plan_against(p, None, Mode.FULL)[1] for p in packs]
+        return mode, [pl for _, pl in planned]
+
+    def _shard_header(
+        self,
+        version: int,
+        base: int,
+        used: Mode,
+        packs: list[PackedModel],
+        plans: list[list[BucketPlan]],
+        abort: tuple[str, list[int]] | None,
+    ) -> dict:
+        """Every shard's fingerprint, manifest (once per group and layout) and plan."""
+        fps = [p.manifest.fingerprint for p in packs]
+        known = self._peer_manifest == "|".join(fps)
+        return {
+            "v": version,
+            "base": base,
+            "mode": used.value,
+            "shards": len(packs),
+            "fp": fps,
+            "manifest": None if known else [p.manifest.to_bytes().decode() for p in packs],
+            "plan": [[[int(b.kind), b.nnz] for b in pl] for pl in plans],
+            "abort": abort[0] if abort is not None else None,
+        }
+
+    def _sends(
+        self,
+        packed: PackedModel,
+        base: PackedModel | None,
+        plans: list[BucketPlan],
+        dsts: list[int],
+        progress: dict[str, int],
+    ) -> None:
+        """Send one shard's non-skipped buckets to each of ``dsts`` (tag: bucket index)."""
+        pending: deque[tuple[int, dist.Work, torch.Tensor]] = deque()
+        for i, plan in enumerate(plans):
+            if plan.kind is Kind.SKIP or plan.nbytes == 0:
+                continue
+            payload = self._encode(packed, base, i, plan)
+            progress["bucket"] = i
+            for dst in dsts:
+                pending.append((i, self.group.pg.send([payload], dst, i), payload))
+            while len(pending) > INFLIGHT * max(1, len(dsts)):
+                self._retire(pending, progress)
+        while pending:
+            self._retire(pending, progress)
+
+    def _encode(
+        self, packed: PackedModel, base: PackedModel | None, i: int, plan: BucketPlan
+    ) -> torch.Tensor:
+        """Bucket ``i``'s payload on the group's device: its bytes, or the sparse delta."""
+        new = packed.buckets[i]
+        if plan.kind is Kind.SPARSE:
+            assert base is not None
+            payload = encode_sparse(new, base.buckets[i])
+        else:
+            payload = new.view(torch.uint8)
+        payload = payload.to(self.group.device)
+        assert payload.numel() == plan.nbytes, (i, payload.numel(), plan)
+        return payload
 
     def _arrivals(self, seq: int, version: int, timeout_s: float) -> dict[int, int]:
         """Wait (store only, no collective) until every receiver entered sync ``seq``."""
@@ -234,7 +374,10 @@ class WeightSender(SyncEnd):
             ) from e
         if self._hb is not None:
             self._hb.enter("work")
-        held = {r: int(g.store.get(k)) for r, k in keys.items()}
+        arrived = {r: g.store.get(k).decode().split("|") for r, k in keys.items()}
+        held = {r: int(a[0]) for r, a in arrived.items()}
+        # the bucket layout each holds: a delta applies only onto the same layout
+        self.held_layouts = {r: a[1] if len(a) > 1 else "" for r, a in arrived.items()}
         for r in range(g.world_size):  # everyone is past seq-1 now: its keys can go
             for kind in ("arrive", "done", "fail"):
                 g.store.delete_key(g.key(kind, seq - 1, r))
@@ -286,14 +429,7 @@ class WeightSender(SyncEnd):
         for i, plan in enumerate(plans):
             if plan.kind is Kind.SKIP or plan.nbytes == 0:
                 continue
-            new = packed.buckets[i]
-            if plan.kind is Kind.SPARSE:
-                assert base is not None
-                payload = encode_sparse(new, base.buckets[i])
-            else:
-                payload = new.view(torch.uint8)
-            payload = payload.to(self.group.device)
-            assert payload.numel() == plan.nbytes, (i, payload.numel(), plan)
+            payload = self._encode(packed, base, i, plan)
             progress["bucket"] = i
             pending.append((i, self._bcast(payload), payload))
             if len(pending) >= INFLIGHT:
@@ -311,3 +447,15 @@ class WeightSender(SyncEnd):
 
 def _or_none(version: int | None) -> int:
     return NO_VERSION if version is None else version
+
+
+def plan_against(
+    packed: PackedModel, base: PackedModel | None, mode: Mode
+) -> tuple[Mode, list[BucketPlan]]:
+    """Per-bucket plan of ``packed`` for receivers holding ``base`` (None: nothing);
+    ``full`` when there is no usable base."""
+    if base is None or base.manifest != packed.manifest:  # evicted, or the layout changed
+        return Mode.FULL, [plan_bucket(Mode.FULL, new, None) for new in packed.buckets]
+    return mode, [
+        plan_bucket(mode, new, old) for new, old in zip(packed.buckets, base.buckets, strict=True)
+    ]

@@ -29,10 +29,11 @@ from typing import Any
 import torch
 
 from asyncrl.transport.broadcast import SendStats, WeightSender
-from asyncrl.transport.buckets import DEFAULT_BUCKET_MB, pack
+from asyncrl.transport.buckets import DEFAULT_BUCKET_MB, PackedModel, pack
 from asyncrl.transport.delta import Mode, ShadowStore
 from asyncrl.transport.group import TransferError, make_group, resolve_backend
 from asyncrl.transport.receiver import HeldCopy, WeightReceiver
+from asyncrl.transport.reshard import plan_for
 from asyncrl.transport.spec import NO_VERSION, JoinSpec, ReceiveReport
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -66,8 +67,10 @@ class SenderEndpoint:
         bucket_mb: float = DEFAULT_BUCKET_MB,
         shadow_device: str | None = None,
         max_versions: int = 4,
+        model_config: dict[str, Any] | None = None,
     ):
         self.host = host
+        self.model_config = model_config  # the HF config: what a resharding plan needs
         self.backend = resolve_backend(backend)
         self.timeout_s = timeout_s
         self.join_timeout_s = join_timeout_s if join_timeout_s is not None else timeout_s
@@ -76,6 +79,8 @@ class SenderEndpoint:
         self.shadow_device = torch.device(shadow_device or default_device)
         self.shadows = ShadowStore(max_versions)
         self.senders: dict[str, WeightSender] = {}
+        # (engine TP size, version) -> (the full shadow they came from, one pack per rank)
+        self._shards: dict[tuple[int, int], tuple[PackedModel, list[PackedModel]]] = {}
         self._lock = threading.Lock()
         self.lock_timeout_s = self.join_timeout_s + 2 * self.timeout_s
 
@@ -143,22 +148,56 @@ class SenderEndpoint:
         base: int,
         mode: Mode | str,
         arrive_timeout_s: float | None = None,
+        shards: int = 0,
+        with_digests: bool = False,
     ) -> SendStats:
         """Bring group ``key`` (all holding ``base``) to ``version``; a failure closes it.
         ``arrive_timeout_s``: how long the receivers may take to enter (default: the
-        group's timeout)."""
+        group's timeout). ``shards`` > 1: the members are engines of that many TP
+        workers, each worker gets only its shard (asyncrl/transport/reshard.py);
+        ``with_digests`` then returns each shard's digests in the stats."""
         sender = self.senders.get(key)
         if sender is None:
             raise KeyError(f"no group {key!r} (open it first); have {sorted(self.senders)}")
         with self._locked(f"send of version {version} to group {key}"):
             try:
-                return sender.send(
-                    version, None, receiver_version=base, mode=mode,
-                    arrive_timeout_s=arrive_timeout_s,
-                )  # fmt: skip
+                if shards <= 1:
+                    return sender.send(
+                        version, None, receiver_version=base, mode=mode,
+                        arrive_timeout_s=arrive_timeout_s,
+                    )  # fmt: skip
+                t0 = time.perf_counter()
+                packs = self.shard_packs(version, shards)
+                if packs is None:
+                    raise KeyError(f"version {version} is not in the shadow store")
+                bases = self.shard_packs(base, shards) or [None] * shards
+                stats = sender.send_shards(version, packs, bases, base, mode, arrive_timeout_s)
+                stats.pack_seconds = time.perf_counter() - t0 - stats.wait_seconds - stats.seconds
+                if with_digests:
+                    stats.shard_digests = [digests(p.named_tensors()) for p in packs]
+                return stats
             except TransferError:
                 self.close(key)
                 raise
+
+    def shard_packs(self, version: int, tp: int) -> list[PackedModel] | None:
+        """Shadow ``version`` resharded for ``tp`` engine ranks (one pack per rank, in
+        engine parameter names), built once per shadow; None without its shadow."""
+        full = self.shadows.get(version) if version != NO_VERSION else None
+        for k in [k for k in self._shards if self.shadows.get(k[1]) is None]:
+            del self._shards[k]  # its full shadow was dropped
+        if full is None:
+            return None
+        cached = self._shards.get((tp, version))
+        if cached is not None and cached[0] is full:
+            return cached[1]
+        if self.model_config is None:
+            raise ValueError("resharding needs the model's config on the sender")
+        named = dict(full.named_tensors())
+        plan = plan_for(self.model_config, [(n, tuple(t.shape)) for n, t in named.items()], tp)
+        packs = [pack(plan.shard(r, named), self.bucket_mb, self.shadow_device) for r in range(tp)]
+        self._shards[(tp, version)] = (full, packs)
+        return packs
 
     def close(self, key: str) -> None:
         sender = self.senders.pop(key, None)
@@ -196,16 +235,20 @@ class ReceiverEndpoint:
         spec: JoinSpec,
         load: Callable[[list[tuple[str, torch.Tensor]]], None],
         with_digests: bool = False,
+        load_shard: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
     ) -> ReceiveReport:
         """Receive group ``spec.key``'s next sync and hand it to ``load`` (in place: the
-        caller keeps the engine from stepping meanwhile)."""
+        caller keeps the engine from stepping meanwhile); a resharded sync's tensors
+        (this worker's shard, in engine parameter names) go to ``load_shard``."""
         t0 = time.perf_counter()
         try:
-            version, tensors, nbytes = self._receive(spec)
+            version, tensors, nbytes, sharded = self._receive(spec)
+            if sharded and load_shard is None:
+                raise TransferError("a resharded sync reached a worker that cannot load shards")
         except Exception as e:  # noqa: BLE001 - every failure goes back in the report
             return _failed(spec.rank, self._held.version, e, time.perf_counter() - t0)
         t1 = time.perf_counter()
-        load(tensors)
+        (load_shard if sharded and load_shard is not None else load)(tensors)
         t2 = time.perf_counter()
         self.loaded_version = version
         # Digests of exactly what was handed to the loader, before anything (the next
@@ -216,7 +259,7 @@ class ReceiverEndpoint:
             seconds=t1 - t0, reload_seconds=t2 - t1, digests=self._loaded_digests,
         )  # fmt: skip
 
-    def _receive(self, spec: JoinSpec) -> tuple[int, list[tuple[str, torch.Tensor]], int]:
+    def _receive(self, spec: JoinSpec) -> tuple[int, list[tuple[str, torch.Tensor]], int, bool]:
         rx = self._receivers.get(spec.key)
         try:
             if rx is None:
@@ -235,7 +278,7 @@ class ReceiverEndpoint:
             raise
         self._held = rx.held()
         assert rx.last_stats is not None
-        return version, tensors, rx.last_stats.bytes_received
+        return version, tensors, rx.last_stats.bytes_received, rx.shard is not None
 
     def _progress(self, i: int) -> None:
         if self.on_bucket is not None:

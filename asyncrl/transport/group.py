@@ -6,7 +6,7 @@ hosts a ``TCPStore``; everyone builds a ``ProcessGroupGloo`` (CPU) or
 traffic that lets a failure name its culprit instead of hanging:
 
 * ``arrive/<seq>/<rank>``: a rank entered sync ``seq`` (value: the version it
-  holds). The sender waits for every arrival *before* any collective, so a
+  holds and its bucket layout's fingerprint). The sender waits for every arrival *before* any collective, so a
   receiver that never calls ``receive`` is named after ``timeout_s`` and no
   collective is left dangling.
 * ``hb/<rank>``: ``"<beat>|<phase>|<seconds in phase>"``, written by a

@@ -74,6 +74,7 @@ class WeightReceiver(SyncEnd):
         self.manifest: Manifest | None = None
         self._buckets: list[torch.Tensor] | None = None
         self.last_stats: ReceiveStats | None = None
+        self.shard: int | None = None  # resharded syncs: this rank's engine TP shard
 
     def held(self) -> HeldCopy:
         return HeldCopy(self.version, self.manifest, self._buckets)
@@ -137,9 +138,9 @@ class WeightReceiver(SyncEnd):
         raises when the sender aborted the sync."""
         g = self.group
         try:
-            g.store.set(
-                g.key("arrive", seq, g.rank), str(self.version if self.hold_copy else NO_VERSION)
-            )
+            held = self.version if self.hold_copy else NO_VERSION
+            layout = self.manifest.fingerprint if self.manifest is not None else ""
+            g.store.set(g.key("arrive", seq, g.rank), f"{held}|{layout}")
             header = self._header(None)[0]
         except Exception as e:  # noqa: BLE001 - store or collective: reported the same way
             raise self._failure(seq, None, HEADER_BUCKET, e) from e
@@ -147,7 +148,24 @@ class WeightReceiver(SyncEnd):
             raise TransferError(
                 f"sender aborted the sync: {header['abort']}", [0], HEADER_BUCKET, int(header["v"])
             )
-        return header
+        return self._own_shard(header)
+
+    def _own_shard(self, header: dict) -> dict:
+        """A resharded sync's header lists every shard's manifest and plan; keep this
+        rank's (receivers are each engine's workers in TP order, so rank ``g`` holds
+        shard ``(g - 1) % shards``)."""
+        n = header.get("shards")
+        if not n:
+            self.shard = None
+            return header
+        s = self.shard = (self.group.rank - 1) % int(n)
+        manifests = header["manifest"]
+        return {
+            **header,
+            "fp": header["fp"][s],
+            "manifest": manifests[s] if manifests is not None else None,
+            "plan": header["plan"][s],
+        }
 
     def _receive_buckets(
         self, seq: int, header: dict
@@ -231,7 +249,8 @@ class WeightReceiver(SyncEnd):
             progress["bucket"] = i
             if self.on_bucket is not None:
                 self.on_bucket(i)
-            pending.append((i, self._bcast(buf), buf))
+            work = self._bcast(buf) if self.shard is None else self.group.pg.recv([buf], 0, i)
+            pending.append((i, work, buf))
             if len(pending) >= INFLIGHT:
                 finish()
         while pending:

@@ -2,7 +2,7 @@
 The sender is :class:`~asyncrl.transport.broadcast.WeightSender` (learner rank 0),
 the receivers :class:`~asyncrl.transport.receiver.WeightReceiver` (vLLM workers).
 
-    store (TransferGroup.key):  arrive/<seq>/<rank> = the version the receiver holds
+    store (TransferGroup.key):  arrive/<seq>/<rank> = "<held version>|<its layout's fingerprint>"
                                 done/<seq>/<rank>    the rank finished sync <seq>
                                 fail/<seq>/<rank>    why it failed (repr of the error)
     header:     bcast [MAGIC, nbytes] (int64), then nbytes of JSON: v, base, mode, fp,

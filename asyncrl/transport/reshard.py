@@ -1,0 +1,230 @@
+"""The resharding plan: which slice of which learner tensor each tensor-parallel engine
+rank needs, and where in its own (possibly fused) parameter it goes.
+
+    learner stream (HF names, full tensors)          engine rank r of tp (vLLM names)
+    q_proj, k_proj, v_proj [rows, H] ── rows of r ─▶ qkv_proj  = [q_r; k_r; v_r]
+    gate_proj, up_proj     [I, H]    ── rows of r ─▶ gate_up_proj = [gate_r; up_r]
+    o_proj, down_proj      [H, cols] ── cols of r ─▶ o_proj / down_proj (row parallel)
+    embed_tokens, lm_head  [V, H]    ── rows of r ─▶ the same name (padded vocabulary)
+    norms, row-parallel biases       ── whole     ─▶ the same name (replicated)
+
+Stated from vLLM's own sharding (pinned vLLM, vllm/model_executor/layers/linear.py and
+vocab_parallel_embedding.py): ``QKVParallelLinear`` splits query heads evenly and
+key/value heads evenly when there are at least ``tp`` of them, else replicates each
+over ``tp // kv_heads`` ranks (rank ``r`` holds head ``r // replicas``);
+``MergedColumnParallelLinear`` splits each of gate and up by rows and stacks them;
+``RowParallelLinear`` splits the input dimension and keeps its bias whole;
+``VocabParallelEmbedding`` pads the vocabulary to a multiple of :data:`VOCAB_PAD` and
+gives rank ``r`` rows ``[r * per, (r + 1) * per)`` of it (rows past the real vocabulary
+are zero). A tied LM head is not in the stream: vLLM ties it to the embedding.
+
+Supported families: the dense decoders we ship (``qwen2``: tiny; ``llama``: smollm2).
+Anything else (a mixture-of-experts model's expert tensors, a vision tower) raises
+:class:`UnsupportedLayout` naming the first tensor it cannot place; the driver refuses
+such runs before Ray (``broker.reshard``). Pure index arithmetic: no torch import, and
+:func:`plan_for` caches one plan per (model layout, stream, engine TP size).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: the vocabulary is padded to this
+FAMILIES = ("qwen2", "llama")  # model_type values whose layout the plan knows
+FUSED = {  # learner projection -> (engine parameter, its place among the fused parts)
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+ROW_PARALLEL = ("o_proj", "down_proj")  # input dimension split, bias whole
+VOCAB = ("embed_tokens", "lm_head")
+
+
+class UnsupportedLayout(ValueError):
+    """The plan cannot place a tensor (a family or a module it does not know)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows/columns ``[start, start + length)`` along ``dim`` of learner tensor ``source``."""
+
+    source: str
+    dim: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Target:
+    """One engine parameter of one TP rank: its ``pieces`` concatenated along dim 0
+    (fused parameters; a single piece otherwise) give ``shape``. ``rows``: the leading
+    rows that carry weights (a vocabulary shard's tail is padding, left zero)."""
+
+    name: str
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    rows: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    """Per engine TP rank, its targets in stream order (``ranks[r]``)."""
+
+    tp: int
+    family: str
+    ranks: tuple[tuple[Target, ...], ...]
+
+    def nbytes(self, rank: int, itemsize: Mapping[str, int]) -> int:
+        """Bytes of rank ``rank``'s shard (``itemsize``: per target, bytes per element)."""
+        return sum(t.numel * itemsize[t.name] for t in self.ranks[rank])
+
+    def shard(self, rank: int, tensors: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+        """``(engine name, tensor)`` of rank ``rank`` from the learner's full tensors
+        (torch tensors or anything with ``narrow``; fused parts are concatenated with
+        ``torch.cat``). Each is a new tensor or a view of the learner's."""
+        for t in self.ranks[rank]:
+            parts = [tensors[p.source].narrow(p.dim, p.start, p.length) for p in t.pieces]
+            if len(parts) == 1:
+                yield t.name, parts[0]
+            else:
+                import torch
+
+                yield t.name, torch.cat(parts, dim=0)
+
+
+@dataclass(frozen=True)
+class Heads:
+    """What the plan needs of a model's config."""
+
+    family: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any]) -> Heads:
+        c = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        family = str(c.get("model_type", "?"))
+        if family not in FAMILIES:
+            raise UnsupportedLayout(
+                f"model_type {family!r}: the resharding plan knows {list(FAMILIES)}"
+            )
+        heads = int(c["num_attention_heads"])
+        head_dim = int(c.get("head_dim") or c["hidden_size"] // heads)
+        kv = int(c.get("num_key_value_heads") or heads)
+        tied = bool(config.get("tie_word_embeddings", c.get("tie_word_embeddings", False)))
+        return cls(family, heads, kv, head_dim, tied)
+
+
+def split(n: int, tp: int, rank: int, what: str) -> tuple[int, int]:
+    """``(start, length)`` of rank ``rank``'s equal part of ``n``."""
+    if n % tp:
+        raise UnsupportedLayout(f"{what} of {n} does not split {tp} ways")
+    per = n // tp
+    return rank * per, per
+
+
+def kv_rows(h: Heads, tp: int, rank: int) -> tuple[int, int]:
+    """Rows of k_proj/v_proj engine rank ``rank`` holds (split or replicated heads)."""
+    if h.kv_heads >= tp:
+        start, per = split(h.kv_heads, tp, rank, "key/value heads")
+        return start * h.head_dim, per * h.head_dim
+    if tp % h.kv_heads:
+        raise UnsupportedLayout(f"{h.kv_heads} key/value heads over {tp} ranks")
+    return (rank // (tp // h.kv_heads)) * h.head_dim, h.head_dim
+
+
+def rank_targets(
+    h: Heads, shapes: Mapping[str, tuple[int, ...]], tp: int, rank: int
+) -> tuple[Target, ...]:
+    """Engine rank ``rank``'s targets, in the stream's order (a fused target where its
+    first part appears)."""
+    out: list[Target] = []
+    fused: dict[str, list[Piece | None]] = {}
+    for name, shape in shapes.items():
+        module, _, leaf = name.rpartition(".")
+        prefix, _, proj = module.rpartition(".")
+        if ".experts." in f".{name}" or "shared_expert" in name:
+            raise UnsupportedLayout(f"expert tensor {name}: experts are not resharded")
+        if proj in FUSED:
+            engine, slot = FUSED[proj]
+            if proj == "q_proj":
+                start, length = split(shape[0], tp, rank, f"{name} rows")
+            elif proj in ("k_proj", "v_proj"):
+                start, length = kv_rows(h, tp, rank)
+            else:
+                start, length = split(shape[0], tp, rank, f"{name} rows")
+            key = f"{prefix}.{engine}.{leaf}"
+            if key not in fused:
+                fused[key] = [None] * (3 if engine == "qkv_proj" else 2)
+                out.append(Target(key, (), (), 0))  # placeholder: keeps the stream order
+            fused[key][slot] = Piece(name, 0, start, length)
+        elif proj in ROW_PARALLEL and leaf == "weight":
+            start, length = split(shape[1], tp, rank, f"{name} columns")
+            piece = Piece(name, 1, start, length)
+            out.append(Target(name, (shape[0], length), (piece,), shape[0]))
+        elif proj in VOCAB:
+            if proj == "lm_head" and h.tied:
+                continue  # vLLM ties the head to the embedding and skips this tensor
+            per = split(-(-shape[0] // VOCAB_PAD) * VOCAB_PAD, tp, 0, f"{name} padded rows")[1]
+            start = min(rank * per, shape[0])
+            rows = min(per, shape[0] - start)
+            out.append(Target(name, (per, *shape[1:]), (Piece(name, 0, start, rows),), rows))
+        elif proj in ROW_PARALLEL or proj.endswith("norm") or name.endswith("norm.weight"):
+            piece = Piece(name, 0, 0, shape[0])
+            out.append(Target(name, tuple(shape), (piece,), shape[0]))
+        else:
+            raise UnsupportedLayout(f"no resharding rule for learner tensor {name} {shape}")
+    done = []
+    for t in out:
+        if t.name in fused:
+            pieces = fused[t.name]
+            missing = [i for i, p in enumerate(pieces) if p is None]
+            if missing:
+                raise UnsupportedLayout(f"{t.name}: fused parts {missing} absent from the stream")
+            first = shapes[pieces[0].source]  # type: ignore[union-attr]
+            rows = sum(p.length for p in pieces)  # type: ignore[union-attr]
+            done.append(Target(t.name, (rows, *first[1:]), tuple(pieces), rows))  # type: ignore[arg-type]
+        else:
+            done.append(t)
+    return tuple(done)
+
+
+@functools.lru_cache(maxsize=8)
+def cached_plan(config_json: str, stream: tuple[tuple[str, tuple[int, ...]], ...], tp: int):
+    h = Heads.of(json.loads(config_json))
+    shapes = dict(stream)
+    return ReshardPlan(tp, h.family, tuple(rank_targets(h, shapes, tp, r) for r in range(tp)))
+
+
+def plan_for(
+    config: Mapping[str, Any], stream: Iterable[tuple[str, tuple[int, ...]]], tp: int
+) -> ReshardPlan:
+    """The plan for a model (its HF ``config`` mapping), the learner's stream of
+    ``(name, shape)`` and ``tp`` engine ranks: computed once per such triple (cached).
+    Raises :class:`UnsupportedLayout`."""
+    if tp < 2:
+        raise ValueError(f"resharding needs an engine TP size >= 2, got {tp}")
+    key = json.dumps(dict(config), sort_keys=True, default=str)
+    return cached_plan(key, tuple((n, tuple(s)) for n, s in stream), tp)
+
+
+def check_family(config: Mapping[str, Any]) -> str | None:
+    """Why the plan cannot serve a model (a phrase), or None: for the driver's refusal."""
+    try:
+        Heads.of(config)
+    except (UnsupportedLayout, KeyError, TypeError, ValueError) as e:
+        return str(e)
+    return None
