@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.broker.settings import BrokerKind, BrokerSettings
 from asyncrl.config import ConfigError, Settings, build, setting, settings_from
+from asyncrl.engine.settings import TRANSFER_BACKEND
 from asyncrl.engine.split import check_model as check_engine_split
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.eval.launch import EvalPlan, prepare_eval
@@ -167,6 +168,28 @@ def _check_reshard(model_path: str, learner: LearnerSettings, actor: ActorSettin
         )
 
 
+def _engine_api(actor: ActorSettings, broker: BrokerSettings) -> None:
+    """``broker.engine_api=vllm``: the actors' engines start with asyncrl's vLLM
+    weight-transfer backend (asyncrl/engine/vllm_transfer.py), whose update sends every
+    worker the whole model: a resharded sync stays on asyncrl's path."""
+    if broker.kind != BrokerKind.GLOO or broker.engine_api != "vllm":
+        return
+    tp = actor.engine.tensor_parallel_size
+    if broker.reshard and tp > 1:
+        raise ConfigError(
+            f"broker.engine_api=vllm with broker.reshard=true and actor.engine."
+            f"tensor_parallel_size={tp}: vLLM's update API gets whole tensors; set "
+            "broker.reshard=false or broker.engine_api=asyncrl"
+        )
+    wanted = {"backend": TRANSFER_BACKEND}
+    have = actor.engine.extra.setdefault("weight_transfer_config", wanted)
+    if have != wanted:
+        raise ConfigError(
+            f"actor.engine.extra.weight_transfer_config={have!r} with broker.engine_api=vllm: "
+            f"asyncrl's broker drives {wanted!r}; drop the extra key"
+        )
+
+
 def prepare(cfg: DictConfig) -> Setup:
     """Check every component's settings and build the cheap parts, in the driver before
     Ray starts: every config error surfaces here as one ConfigError naming its key.
@@ -197,6 +220,7 @@ def prepare(cfg: DictConfig) -> Setup:
     env.check_template(model_path)  # a message-level env: its chat template, append-only
     actor = actor.recording(learner.moe.routing_replay)  # actor.record_experts: null follows
     _check_splits(model_path, learner, actor, broker)
+    _engine_api(actor, broker)
     if learner.lora.on:  # learner.lora: layers the model has (the check imports torch)
         from asyncrl.learner.lora import check_targets
 

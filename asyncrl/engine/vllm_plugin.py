@@ -35,6 +35,8 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from asyncrl.engine.settings import TRANSFER_BACKEND
+
 if TYPE_CHECKING:
     import torch
 
@@ -62,6 +64,7 @@ def register() -> None:
     """vLLM's plugin hook (called once per process, before any engine part is built)."""
     eager_rank_count()
     eager_vocab_mask()
+    register_transfer_engine()
     nap = nap_seconds()
     if not nap:
         return
@@ -82,6 +85,22 @@ def register() -> None:
 
     wait._asyncrl = nap  # type: ignore[attr-defined]
     SpinCondition.wait = wait
+
+
+def register_transfer_engine() -> None:
+    """asyncrl's transport as a vLLM weight-transfer backend, named ``TRANSFER_BACKEND``
+    (asyncrl/engine/vllm_transfer.py, imported when an engine asks for it). A vLLM
+    without that factory: nothing happens."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return
+    try:
+        WeightTransferEngineFactory.register_engine(
+            TRANSFER_BACKEND, "asyncrl.engine.vllm_transfer", "GlooTransferEngine"
+        )
+    except ValueError:  # registered already in this process
+        pass
 
 
 def eager_rank_count() -> None:
