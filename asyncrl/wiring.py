@@ -140,12 +140,14 @@ def _check_learner_fits(learner: LearnerSettings, actor: ActorSettings, ray: Ray
 def _check_splits(
     model_path: str, learner: LearnerSettings, actor: ActorSettings, broker: BrokerSettings
 ) -> None:
-    """The model splits as the learner's and the engines' layouts ask."""
+    """The model splits as the learner's and the engines' layouts ask (and the road the
+    weights take into the engines serves that split)."""
     check_model(model_path, learner.tp)  # learner.tp: a plan, whole heads per rank
     # a MoE model to split (learner.ep), to replay or to record the routes of
     check_experts(model_path, learner.ep, learner.moe.routing_replay, actor.record_experts)
     check_engine_split(model_path, actor.engine.tensor_parallel_size)  # whole heads per worker
     _check_reshard(model_path, learner, actor, broker)
+    _engine_api(actor, broker)  # vLLM's update API: whole tensors to every worker
 
 
 def _check_reshard(model_path: str, learner: LearnerSettings, actor: ActorSettings,
@@ -220,7 +222,6 @@ def prepare(cfg: DictConfig) -> Setup:
     env.check_template(model_path)  # a message-level env: its chat template, append-only
     actor = actor.recording(learner.moe.routing_replay)  # actor.record_experts: null follows
     _check_splits(model_path, learner, actor, broker)
-    _engine_api(actor, broker)
     if learner.lora.on:  # learner.lora: layers the model has (the check imports torch)
         from asyncrl.learner.lora import check_targets
 

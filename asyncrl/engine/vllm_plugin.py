@@ -15,6 +15,10 @@ a core in all. Here each turn of that loop naps instead (``ASYNCRL_VLLM_NAP_S``,
 (Dropping the spin altogether, so that every wait sleeps on the notification, stalled
 the engine: the first weight sync waited out vLLM's 5 s re-check over and over.)
 
+It also registers asyncrl's transport as a vLLM weight-transfer backend
+(:func:`register_transfer_engine`, asyncrl/engine/vllm_transfer.py), which an engine
+uses only when started with that backend (``broker.engine_api=vllm``).
+
 The environment carries the setting, so the engine's spawned processes inherit it;
 the actor sets it from ``actor.engine.spin_nap_s``. Unset or 0: vLLM's own spin. A
 vLLM without the class this wraps: nothing happens.
