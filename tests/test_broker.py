@@ -87,6 +87,25 @@ def test_settings_name_the_key_to_fix():
             BrokerSettings.defaults(**bad)
 
 
+def test_an_order_for_vllms_api_takes_the_engines_own_update_call():
+    """``ReceiveOrder.engine_api`` picks the engine's road (asyncrl's by default), the
+    version going along on vLLM's (its finish_weight_update sets it)."""
+    import dataclasses
+
+    from fake_engine import FakeEngine
+
+    from asyncrl.actor.weights import sync_workers
+    from asyncrl.broker.messages import ReceiveOrder
+
+    eng = FakeEngine()
+    order = ReceiveOrder("k", "127.0.0.1", 1, 1, 2, 3, "gloo", 5.0, 5.0, 5.0, 5.0)
+    assert order.engine_api == "asyncrl"
+    for api in ("vllm", "asyncrl"):
+        (r,) = asyncio.run(sync_workers(eng, dataclasses.replace(order, engine_api=api)))
+        assert r.ok and r.rank == 1
+    assert eng.log == ["receive_via_engine:k:3", "receive:k"]
+
+
 def test_objectstore_payload_travels_out_of_band(ray_local):
     """The payload pickles every tensor as an out-of-band buffer (what Ray keeps in the
     object store and maps back without a copy), unpickles as the same tensors sharing
