@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.broker.settings import BrokerKind, BrokerSettings
 from asyncrl.config import ConfigError, Settings, build, setting, settings_from
+from asyncrl.engine.settings import TRANSFER_BACKEND
 from asyncrl.engine.split import check_model as check_engine_split
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.eval.launch import EvalPlan, prepare_eval
@@ -139,12 +140,14 @@ def _check_learner_fits(learner: LearnerSettings, actor: ActorSettings, ray: Ray
 def _check_splits(
     model_path: str, learner: LearnerSettings, actor: ActorSettings, broker: BrokerSettings
 ) -> None:
-    """The model splits as the learner's and the engines' layouts ask."""
+    """The model splits as the learner's and the engines' layouts ask (and the road the
+    weights take into the engines serves that split)."""
     check_model(model_path, learner.tp)  # learner.tp: a plan, whole heads per rank
     # a MoE model to split (learner.ep), to replay or to record the routes of
     check_experts(model_path, learner.ep, learner.moe.routing_replay, actor.record_experts)
     check_engine_split(model_path, actor.engine.tensor_parallel_size)  # whole heads per worker
     _check_reshard(model_path, learner, actor, broker)
+    _engine_api(actor, broker)  # vLLM's update API: whole tensors to every worker
 
 
 def _check_reshard(model_path: str, learner: LearnerSettings, actor: ActorSettings,
@@ -164,6 +167,28 @@ def _check_reshard(model_path: str, learner: LearnerSettings, actor: ActorSettin
     if why is not None:
         raise ConfigError(
             f"broker.reshard=true with actor.engine.tensor_parallel_size={tp}: {why}; {fix}"
+        )
+
+
+def _engine_api(actor: ActorSettings, broker: BrokerSettings) -> None:
+    """``broker.engine_api=vllm``: the actors' engines start with asyncrl's vLLM
+    weight-transfer backend (asyncrl/engine/vllm_transfer.py), whose update sends every
+    worker the whole model: a resharded sync stays on asyncrl's path."""
+    if broker.kind != BrokerKind.GLOO or broker.engine_api != "vllm":
+        return
+    tp = actor.engine.tensor_parallel_size
+    if broker.reshard and tp > 1:
+        raise ConfigError(
+            f"broker.engine_api=vllm with broker.reshard=true and actor.engine."
+            f"tensor_parallel_size={tp}: vLLM's update API gets whole tensors; set "
+            "broker.reshard=false or broker.engine_api=asyncrl"
+        )
+    wanted = {"backend": TRANSFER_BACKEND}
+    have = actor.engine.extra.setdefault("weight_transfer_config", wanted)
+    if have != wanted:
+        raise ConfigError(
+            f"actor.engine.extra.weight_transfer_config={have!r} with broker.engine_api=vllm: "
+            f"asyncrl's broker drives {wanted!r}; drop the extra key"
         )
 
 

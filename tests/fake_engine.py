@@ -171,6 +171,14 @@ class FakeEngine:
             return self.receiver(spec, with_digests)
         return [ReceiveReport(ok=True, rank=spec.rank)]
 
+    async def receive_weights_via_engine(
+        self, spec: JoinSpec, version: int, with_digests: bool, timeout_s: float
+    ) -> list[ReceiveReport]:
+        self.log.append(f"receive_via_engine:{spec.key}:{version}")
+        if self.receiver is not None:
+            return self.receiver(spec, with_digests)
+        return [ReceiveReport(ok=True, rank=spec.rank)]
+
     async def load_weights_file(self, path: str, timeout_s: float) -> None:
         self.log.append("load")
         with open(path, "rb") as f:

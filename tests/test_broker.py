@@ -68,6 +68,8 @@ def test_settings_name_the_key_to_fix():
     assert PAYLOAD_MODES == tuple(m.value for m in Mode)
     ok = BrokerSettings.defaults(kind="gloo", mode="changed_buckets", rolling_k=2)
     assert ok.mode == "changed_buckets" and ok.rolling_k == 2 and ok.kind is BrokerKind.GLOO
+    api = BrokerSettings.defaults(kind="gloo", mode="full", engine_api="vllm")
+    assert api.engine_api == "vllm" and BrokerSettings.defaults().engine_api == "asyncrl"
     store = BrokerSettings.defaults(kind="objectstore", timeout_s=5)
     assert store.kind is BrokerKind.OBJECTSTORE and store.timeout_s == 5.0
     for bad, key in [
@@ -78,9 +80,30 @@ def test_settings_name_the_key_to_fix():
         ({"kind": "gloo", "timeout_s": 0}, "broker.timeout_s"),
         ({"kind": "gloo", "hold_copy": False, "mode": "sparse_delta"}, "broker.mode"),
         ({"kind": "gloo", "bucket_size": 1}, "bucket_size"),
+        ({"kind": "gloo", "engine_api": "nope"}, "broker.engine_api"),
+        ({"kind": "gloo", "engine_api": "vllm", "mode": "changed_buckets"}, "broker.engine_api"),
     ]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             BrokerSettings.defaults(**bad)
+
+
+def test_an_order_for_vllms_api_takes_the_engines_own_update_call():
+    """``ReceiveOrder.engine_api`` picks the engine's road (asyncrl's by default), the
+    version going along on vLLM's (its finish_weight_update sets it)."""
+    import dataclasses
+
+    from fake_engine import FakeEngine
+
+    from asyncrl.actor.weights import sync_workers
+    from asyncrl.broker.messages import ReceiveOrder
+
+    eng = FakeEngine()
+    order = ReceiveOrder("k", "127.0.0.1", 1, 1, 2, 3, "gloo", 5.0, 5.0, 5.0, 5.0)
+    assert order.engine_api == "asyncrl"
+    for api in ("vllm", "asyncrl"):
+        (r,) = asyncio.run(sync_workers(eng, dataclasses.replace(order, engine_api=api)))
+        assert r.ok and r.rank == 1
+    assert eng.log == ["receive_via_engine:k:3", "receive:k"]
 
 
 def test_objectstore_payload_travels_out_of_band(ray_local):

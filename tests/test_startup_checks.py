@@ -126,6 +126,43 @@ def test_an_engine_tensor_parallel_size_the_model_cannot_split_is_refused(
     assert "actor.engine.extra.tensor_parallel_size: set actor.engine.tensor_parallel_size" in line
 
 
+def test_vllms_update_api_is_refused_where_it_cannot_serve(tmp_path, capsys, monkeypatch):
+    """``broker.engine_api=vllm`` takes whole models (``broker.mode=full``), every worker
+    the whole of them (no resharding to a TP engine), and sets the engines' own
+    ``weight_transfer_config``; the default road is asyncrl's and sets nothing."""
+    from asyncrl.engine.settings import TRANSFER_BACKEND
+    from asyncrl.wiring import prepare
+
+    line = _refused(["broker.engine_api=vllm"], tmp_path, capsys, monkeypatch)
+    assert (
+        "broker.engine_api='vllm': vLLM's weight-update API takes whole models; "
+        "broker.mode=sparse_delta stays on asyncrl's" in line
+    ), line
+    line = _refused(["broker.engine_api=bogus"], tmp_path, capsys, monkeypatch)
+    assert "broker.engine_api='bogus': expected one of ('asyncrl', 'vllm')" in line
+    model = CONF.parent / "asyncrl/models/tiny_default"
+    tp2 = ["actor.engine.tensor_parallel_size=2", f"model.path={model}"]
+    vllm = ["broker.engine_api=vllm", "broker.mode=full"]
+    line = _refused([*vllm, *tp2], tmp_path, capsys, monkeypatch)
+    assert "broker.engine_api=vllm with broker.reshard=true and actor.engine." in line, line
+    line = _refused(
+        [*vllm, "+actor.engine.extra.weight_transfer_config.backend=nccl"], tmp_path, capsys,
+        monkeypatch,
+    )  # fmt: skip
+    assert "actor.engine.extra.weight_transfer_config={'backend': 'nccl'}" in line, line
+    wanted = {"backend": TRANSFER_BACKEND}
+    assert prepare(cfg(*vllm)).actor.engine.extra["weight_transfer_config"] == wanted
+    assert (
+        prepare(cfg(*vllm, *tp2, "broker.reshard=false")).actor.engine.extra[
+            "weight_transfer_config"
+        ]
+        == wanted
+    )
+    assert "weight_transfer_config" not in prepare(cfg()).actor.engine.extra
+    # the object-store broker takes no process-group sync: the key is not its to refuse
+    assert prepare(cfg("broker=objectstore", "broker.engine_api=vllm")).broker.mode
+
+
 def test_a_huge_prompt_is_refused_at_once(tmp_path, capsys, monkeypatch):
     """Issue 25: one 8 MB JSONL line hung start-up in the tiny model's warm start."""
     big = tmp_path / "big.jsonl"

@@ -6,6 +6,8 @@
   for a real engine with ``EngineSettings.defaults(extra={"worker_extension_cls":
   FAULTY_EXTENSION})``; ``ControlledRolloutActor.inject_weight_fault`` then reaches it
   through ``collective_rpc("asyncrl_inject_fault", ...)``.
+- :class:`TransferProbeExtension` (``TRANSFER_PROBE``): the extension plus
+  ``asyncrl_transfer_groups``, the groups vLLM's weight-transfer engine joined.
 - :func:`set_policy`: change a running WeightBroker's payload mode / rolling width.
 - :func:`learner_digests`: per-tensor digests of the learner's live weights.
 
@@ -55,6 +57,17 @@ class FaultyWorkerExtension(AsyncRLWorkerExtension):
             return super().asyncrl_sync(spec, with_digests)
         finally:
             self._asyncrl_rx().on_bucket = None  # a fault lasts one sync, reached or not
+
+
+TRANSFER_PROBE = "tests.weight_sync_controls.TransferProbeExtension"
+
+
+class TransferProbeExtension(AsyncRLWorkerExtension):
+    def asyncrl_transfer_groups(self) -> list[str] | None:
+        """The groups vLLM's weight-transfer engine was initialised for (None: vLLM made
+        none): evidence a sync went through vLLM's API, not ``asyncrl_sync``."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return None if engine is None else sorted(engine.specs)
 
 
 def _set_policy(broker: Any, mode: str, rolling_k: int) -> None:

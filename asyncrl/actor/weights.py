@@ -91,15 +91,23 @@ class WorkersFailed(RuntimeError):
 
 
 async def sync_workers(engine: Engine, order: ReceiveOrder) -> list[ReceiveReport]:
-    """One ``receive_weights`` call to every worker (join, receive, reload in place),
-    bounded by ``order.deadline_s``. Raises :class:`WorkersFailed` when a worker's
+    """One ``receive_weights`` call to every worker (join, receive, reload in place;
+    ``order.engine_api=vllm``: the engine's own update API, which also sets its weight
+    version), bounded by ``order.deadline_s``. Raises :class:`WorkersFailed` when a worker's
     receive did."""
     spec = JoinSpec(
         order.key, order.host, order.port, order.rank, order.world_size, order.timeout_s,
         order.join_timeout_s, order.backend, order.hold_copy,
     )  # fmt: skip
-    call = engine.receive_weights(spec, order.with_digests, order.deadline_s)
-    reports = await until_answered(engine, call, order.deadline_s, "asyncrl_sync")
+    if order.engine_api == "vllm":  # the engine's own update API (engine/vllm_transfer.py)
+        what = "vLLM's weight update"
+        call = engine.receive_weights_via_engine(
+            spec, order.version, order.with_digests, order.deadline_s
+        )
+    else:
+        what = "asyncrl_sync"
+        call = engine.receive_weights(spec, order.with_digests, order.deadline_s)
+    reports = await until_answered(engine, call, order.deadline_s, what)
     for r in reports:
         if not r.ok:
             raise WorkersFailed(r, min(x.held for x in reports))

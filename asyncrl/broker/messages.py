@@ -132,6 +132,7 @@ class ReceiveOrder:
     deadline_s: float
     hold_copy: bool = True
     with_digests: bool = False
+    engine_api: str = "asyncrl"  # asyncrl: the worker extension's call; vllm: vLLM's API
     kind: str = "receive"
 
 

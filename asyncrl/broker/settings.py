@@ -16,6 +16,9 @@ from asyncrl.config import TIMEOUT_S, ConfigError, Settings, setting
 BACKENDS = ("auto", "gloo", "nccl")
 # transport.delta.Mode's values, spelled out so that checking a config needs no torch
 PAYLOAD_MODES = ("full", "changed_buckets", "sparse_delta")
+# how an actor hands a sync to its engine's workers: asyncrl's worker extension
+# (asyncrl_sync), or vLLM's weight-update API over asyncrl's transfer backend
+ENGINE_APIS = ("asyncrl", "vllm")
 
 
 class BrokerKind(enum.StrEnum):
@@ -30,6 +33,7 @@ class BrokerSettings(Settings):
     kind: BrokerKind = setting()
     backend: str = setting()  # auto: NCCL when the learner has CUDA, else gloo
     mode: str = setting()  # full | changed_buckets | sparse_delta (all lossless)
+    engine_api: str = setting()  # asyncrl | vllm (vLLM's update API; mode=full only)
     rolling_k: int = setting(">= 0")  # > 0: at most k actors update at once, the rest generate
     bucket_mb: float = setting("(0, 65536]")  # flat bucket size per dtype
     timeout_s: float = setting(TIMEOUT_S)  # per collective / store wait (objectstore: per sync)
@@ -64,3 +68,11 @@ class BrokerSettings(Settings):
             bad("shadow_device", "expected null, cpu or cuda")
         if not self.hold_copy and self.mode != "full":
             bad("mode", "partial modes need broker.hold_copy=true (the receiver's base)")
+        if self.engine_api not in ENGINE_APIS:
+            bad("engine_api", f"expected one of {ENGINE_APIS}")
+        if self.kind == BrokerKind.GLOO and self.engine_api == "vllm" and self.mode != "full":
+            bad(
+                "engine_api",
+                f"vLLM's weight-update API takes whole models; broker.mode={self.mode} stays "
+                "on asyncrl's (set broker.engine_api=asyncrl or broker.mode=full)",
+            )

@@ -256,7 +256,7 @@ class SyncRun:
             group.key, self.host, group.port, group.ranks[name], group.world, version,
             self.backend, s.timeout_s, s.join_timeout_s, s.pause_timeout_s,
             deadline_s=self._receive_deadline_s(),
-            hold_copy=s.hold_copy, with_digests=s.verify,
+            hold_copy=s.hold_copy, with_digests=s.verify, engine_api=s.engine_api,
         )  # fmt: skip
 
     def _error(self, acc: SyncTally, msg: str) -> None:

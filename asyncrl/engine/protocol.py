@@ -118,6 +118,8 @@ class Engine(Protocol):
 
     Weights arrive through the worker-side receiver (``receive_weights``: join the
     broker's group, receive and reload in place, one report per worker;
+    ``receive_weights_via_engine``: the same through the engine's own weight-update API,
+    which also sets the engine's weight version to ``version``;
     ``load_weights_file``: a safetensors file), ``weight_states`` ({"held", "loaded"}
     per worker), ``close_weight_groups``; ``call_workers`` calls any other method of
     the workers (diagnostics: checksums, the nap in effect).
@@ -150,6 +152,10 @@ class Engine(Protocol):
     # receiving weights: the worker extension's calls (asyncrl/engine/worker_ext.py)
     async def receive_weights(
         self, spec: JoinSpec, with_digests: bool, timeout_s: float
+    ) -> list[ReceiveReport]: ...
+
+    async def receive_weights_via_engine(
+        self, spec: JoinSpec, version: int, with_digests: bool, timeout_s: float
     ) -> list[ReceiveReport]: ...
 
     async def load_weights_file(self, path: str, timeout_s: float) -> None: ...

@@ -10,6 +10,11 @@ from typing import Any
 
 from asyncrl.config import ConfigError, Settings, check_finite, setting
 
+# The name asyncrl's transport is registered under in vLLM's WeightTransferEngineFactory
+# (asyncrl/engine/vllm_transfer.py): an engine with weight_transfer_config={"backend":
+# TRANSFER_BACKEND} takes weights through vLLM's own update API (broker.engine_api=vllm)
+TRANSFER_BACKEND = "asyncrl"
+
 # vLLM's ``dtype`` names (EngineArgs.dtype)
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 

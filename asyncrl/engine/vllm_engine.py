@@ -370,6 +370,47 @@ class VLLMEngine:
         await self.forget_encoder_outputs()
         return [ReceiveReport.from_wire(r) for r in got]
 
+    async def receive_weights_via_engine(
+        self, spec: JoinSpec, version: int, with_digests: bool, timeout_s: float
+    ) -> list[ReceiveReport]:
+        """The same receive through vLLM's weight-update API (the engine started with
+        asyncrl's transfer backend, asyncrl/engine/vllm_transfer.py): init (join group
+        ``spec.key`` on first use), start, update (receive and reload in place), finish
+        with ``weight_version`` ``version``, then the workers' reports. The calls go out
+        together, in order (the engine core runs them in turn); a failed one fails the
+        later ones fast, and the reports say where it failed."""
+        from vllm.distributed.weight_transfer.base import (
+            WeightTransferInitRequest,
+            WeightTransferUpdateRequest,
+        )
+
+        init = WeightTransferInitRequest(dataclasses.asdict(spec))
+        update = {"key": spec.key, "with_digests": with_digests}
+        calls = [
+            self.llm.init_weight_transfer_engine(init),
+            self.llm.start_weight_update(),
+            self.llm.update_weights(WeightTransferUpdateRequest(update)),
+            self.llm.finish_weight_update(weight_version=str(version)),
+            self.call_workers("asyncrl_last_report", None, timeout_s),
+        ]
+        tasks = []
+        for c in calls:  # each sends its message in its first slice
+            tasks.append(asyncio.ensure_future(c))
+            await asyncio.sleep(0)
+        got = await asyncio.gather(*tasks, return_exceptions=True)
+        reports, errors = got[-1], [g for g in got if isinstance(g, BaseException)]
+        if isinstance(reports, BaseException) or any(r is None for r in reports):
+            raise errors[0]
+        out = [ReceiveReport.from_wire(r) for r in reports]
+        if errors and all(r.ok for r in out):  # loaded, but the version was not set
+            raise errors[0]
+        await self.forget_encoder_outputs()
+        return out
+
+    async def weight_version(self) -> str:
+        """vLLM's committed weight version (what its outputs are stamped with)."""
+        return await self.llm.get_weight_version()
+
     async def load_weights_file(self, path: str, timeout_s: float) -> None:
         await self.call_workers("asyncrl_load_file", {"path": path}, timeout_s)
         await self.forget_encoder_outputs()

@@ -15,6 +15,10 @@ a core in all. Here each turn of that loop naps instead (``ASYNCRL_VLLM_NAP_S``,
 (Dropping the spin altogether, so that every wait sleeps on the notification, stalled
 the engine: the first weight sync waited out vLLM's 5 s re-check over and over.)
 
+It also registers asyncrl's transport as a vLLM weight-transfer backend
+(:func:`register_transfer_engine`, asyncrl/engine/vllm_transfer.py), which an engine
+uses only when started with that backend (``broker.engine_api=vllm``).
+
 The environment carries the setting, so the engine's spawned processes inherit it;
 the actor sets it from ``actor.engine.spin_nap_s``. Unset or 0: vLLM's own spin. A
 vLLM without the class this wraps: nothing happens.
@@ -34,6 +38,8 @@ from __future__ import annotations
 import os
 import time
 from typing import TYPE_CHECKING
+
+from asyncrl.engine.settings import TRANSFER_BACKEND
 
 if TYPE_CHECKING:
     import torch
@@ -62,6 +68,7 @@ def register() -> None:
     """vLLM's plugin hook (called once per process, before any engine part is built)."""
     eager_rank_count()
     eager_vocab_mask()
+    register_transfer_engine()
     nap = nap_seconds()
     if not nap:
         return
@@ -82,6 +89,22 @@ def register() -> None:
 
     wait._asyncrl = nap  # type: ignore[attr-defined]
     SpinCondition.wait = wait
+
+
+def register_transfer_engine() -> None:
+    """asyncrl's transport as a vLLM weight-transfer backend, named ``TRANSFER_BACKEND``
+    (asyncrl/engine/vllm_transfer.py, imported when an engine asks for it). A vLLM
+    without that factory: nothing happens."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return
+    try:
+        WeightTransferEngineFactory.register_engine(
+            TRANSFER_BACKEND, "asyncrl.engine.vllm_transfer", "GlooTransferEngine"
+        )
+    except ValueError:  # registered already in this process
+        pass
 
 
 def eager_rank_count() -> None:

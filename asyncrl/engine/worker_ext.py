@@ -97,11 +97,26 @@ class AsyncRLWorkerExtension:
         return len(state)
 
     # ---- process-group receive (the weight broker) -------------------------------------
-    def _asyncrl_rx(self) -> ReceiverEndpoint:
+    def asyncrl_endpoint(self) -> ReceiverEndpoint:
+        """This worker's one receiver endpoint: that of asyncrl's vLLM weight-transfer
+        engine where vLLM built one (asyncrl/engine/vllm_transfer.py, ``broker.engine_api
+        =vllm``), so both roads share groups and the held copy; else its own."""
+        shadow = getattr(getattr(self, "weight_transfer_engine", None), "asyncrl_worker", None)
+        if shadow is not None:
+            return shadow.asyncrl_endpoint()
         rx = self.__dict__.get("_asyncrl_endpoint")
         if rx is None:
             rx = self.__dict__["_asyncrl_endpoint"] = ReceiverEndpoint()
         return rx
+
+    def _asyncrl_rx(self) -> ReceiverEndpoint:
+        return self.asyncrl_endpoint()
+
+    def asyncrl_last_report(self) -> dict[str, Any] | None:
+        """The report of this worker's last join or sync (a ReceiveReport as a dict): what
+        vLLM's weight-update calls, which answer None, leave behind."""
+        report = self._asyncrl_rx().last_report
+        return None if report is None else dataclasses.asdict(report)
 
     def asyncrl_sync(self, spec: dict[str, Any], with_digests: bool = False) -> dict[str, Any]:
         """Take part in the next sync of group ``spec['key']`` and load it in place
@@ -172,6 +187,9 @@ class AsyncRLWorkerExtension:
         recorder = self.__dict__.get("_asyncrl_experts")
         if recorder is None:
             recorder = self.__dict__["_asyncrl_experts"] = ExpertRecorder(self.model_runner)
+            shadow = getattr(getattr(self, "weight_transfer_engine", None), "asyncrl_worker", None)
+            if shadow is not None:  # its reloads re-bind the recorder too
+                shadow.__dict__["_asyncrl_experts"] = recorder
         return [recorder.book.layers, recorder.book.top_k]
 
     def asyncrl_take_experts(self, request_id: str, n: int) -> list[Any]:

@@ -225,6 +225,8 @@ class ReceiverEndpoint:
         self.loaded_version: int | None = None
         self._loaded_digests: dict[str, str] | None = None
         self.on_bucket: Callable[[int], None] | None = None
+        self.last_report: ReceiveReport | None = None  # of the last join or sync, for callers
+        # that cannot take a return value (vLLM's weight-transfer calls answer None)
 
     @property
     def held_version(self) -> int:
@@ -246,7 +248,8 @@ class ReceiverEndpoint:
             if sharded and load_shard is None:
                 raise TransferError("a resharded sync reached a worker that cannot load shards")
         except Exception as e:  # noqa: BLE001 - every failure goes back in the report
-            return _failed(spec.rank, self._held.version, e, time.perf_counter() - t0)
+            self.last_report = _failed(spec.rank, self._held.version, e, time.perf_counter() - t0)
+            return self.last_report
         t1 = time.perf_counter()
         (load_shard if sharded and load_shard is not None else load)(tensors)
         t2 = time.perf_counter()
@@ -254,21 +257,37 @@ class ReceiverEndpoint:
         # Digests of exactly what was handed to the loader, before anything (the next
         # receive) can touch those buffers.
         self._loaded_digests = digests(tensors) if with_digests else None
-        return ReceiveReport(
+        self.last_report = ReceiveReport(
             ok=True, rank=spec.rank, version=version, held=self._held.version, bytes=nbytes,
             seconds=t1 - t0, reload_seconds=t2 - t1, digests=self._loaded_digests,
         )  # fmt: skip
+        return self.last_report
+
+    def joined(self, key: str) -> bool:
+        return key in self._receivers
+
+    def join(self, spec: JoinSpec) -> None:
+        """Join group ``spec.key`` now (nothing when joined already); a failure is
+        raised and kept as :attr:`last_report`."""
+        if spec.key in self._receivers:
+            return
+        t0 = time.perf_counter()
+        try:
+            group = make_group(
+                spec.host, spec.port, spec.rank, spec.world_size, spec.timeout_s,
+                spec.backend, join_timeout_s=spec.join_timeout_s,
+            )  # fmt: skip
+        except Exception as e:
+            self.last_report = _failed(spec.rank, self._held.version, e, time.perf_counter() - t0)
+            raise
+        rx = WeightReceiver(group, hold_copy=spec.hold_copy, on_bucket=self._progress)
+        self._receivers[spec.key] = rx
 
     def _receive(self, spec: JoinSpec) -> tuple[int, list[tuple[str, torch.Tensor]], int, bool]:
-        rx = self._receivers.get(spec.key)
+        rx = None
         try:
-            if rx is None:
-                group = make_group(
-                    spec.host, spec.port, spec.rank, spec.world_size, spec.timeout_s,
-                    spec.backend, join_timeout_s=spec.join_timeout_s,
-                )  # fmt: skip
-                rx = WeightReceiver(group, hold_copy=spec.hold_copy, on_bucket=self._progress)
-                self._receivers[spec.key] = rx
+            self.join(spec)
+            rx = self._receivers[spec.key]
             rx.adopt(self._held)
             version, tensors = rx.receive()
         except Exception:
