@@ -28,7 +28,6 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import ray
 import torch
 
 from asyncrl.broker.learner_side import SenderSide
@@ -42,6 +41,14 @@ from asyncrl.broker.messages import (
     SnapshotOrder,
 )
 from asyncrl.broker.settings import BrokerSettings
+
+try:
+    from ray import method as ray_method
+except ImportError:  # a learner used without Ray (benchmarks/gpu_learner_check.py)
+
+    def ray_method(**_options: Any) -> Callable[[Callable], Callable]:
+        return lambda f: f
+
 
 Stream = Callable[[], Iterator[tuple[str, torch.Tensor]]]  # (HF name, full tensor), in order
 
@@ -118,14 +125,14 @@ class WeightsOut:
             return None
         return self._attached(order.broker_id).snapshot(order, stream)
 
-    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    @ray_method(concurrency_group=WEIGHTS_GROUP)
     def send_weights(self, order: SendOrder) -> SendDone:
         """Rank 0: one set's transfer (beside a train step, in its own thread)."""
         if self._sender is None:
             return SendDone(order.key, False, error="no broker is attached to learner rank 0")
         return self._sender.send(order)
 
-    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    @ray_method(concurrency_group=WEIGHTS_GROUP)
     def close_send_groups(self, order: CloseGroups) -> None:
         if self._sender is not None:
             self._sender.close(order.keys)
