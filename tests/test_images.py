@@ -29,7 +29,7 @@ FP32_LOGP_TOL = 1e-4  # one fp32 model, packed vs alone: only kernel order diffe
 
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory, tiny_model):
-    spec = TinyVLMSpec.defaults(warm_start_steps=0)
+    spec = TinyVLMSpec.defaults(warm_start_steps=0, warm_start_read_steps=0)
     out = tmp_path_factory.mktemp("vlm") / "m"
     return build_tiny_vlm(out, default_task(), spec, default_lm_spec(), measure=False)
 

@@ -28,6 +28,7 @@ from asyncrl.models.tiny_vlm import (
     build_vlm_tokenizer,
     default_lm_spec,
     default_task,
+    reading_targets,
 )
 from asyncrl.tasks.visual import IMAGE_PLACEHOLDER, prompt_images
 
@@ -40,7 +41,7 @@ TEMPERATURE = 1.0
 def spec() -> TinyVLMSpec:
     """model=tiny_vlm's spec without the warm start: the same architecture and
     processor, built in seconds (what is checked here does not depend on training)."""
-    return TinyVLMSpec.defaults(warm_start_steps=0)
+    return TinyVLMSpec.defaults(warm_start_steps=0, warm_start_read_steps=0)
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +87,41 @@ def test_the_build_is_deterministic(tmp_path, spec, tiny_model):
     import json
 
     task = default_task()
-    small = TinyVLMSpec.defaults(warm_start_steps=2, warm_start_batch=4)
+    small = TinyVLMSpec.defaults(warm_start_steps=2, warm_start_read_steps=2, warm_start_batch=4)
     a = build_tiny_vlm(tmp_path / "a", task, small, default_lm_spec(), measure=False)
     b = build_tiny_vlm(tmp_path / "b", task, small, default_lm_spec(), measure=False)
     meta_a, meta_b = (json.loads((d / "asyncrl_build.json").read_text()) for d in (a, b))
     assert meta_a["weights_sha256"] == meta_b["weights_sha256"]
     assert meta_a["warm_start_loss_last"] == meta_b["warm_start_loss_last"]
+    assert meta_a["warm_start_read_loss_last"] == meta_b["warm_start_read_loss_last"]
+
+
+def test_the_reading_targets_name_the_characters_drawn_in_each_tokens_region(spec):
+    """The renderer's character centres are where the ink is, and each lands in the
+    image token whose 16 x 16 region holds it (raster order); the other tokens read blank."""
+    task = default_task(noise=0.0)
+    rng = random.Random(5)
+    for _ in range(20):
+        prompt, centres = task.sample_with_centres(rng)
+        ink = np.asarray(prompt_images(prompt)[0])[:, :, 0]
+        cols = np.flatnonzero((ink < ink.max() - 20).any(0))
+        assert cols.min() - 1 <= centres[0][0] and centres[-1][0] <= cols.max() + 1
+        shown = prompt.meta["shown"]
+        t = reading_targets([shown], [centres], task, spec)[0]
+        assert t.shape == (spec.image_seq_len, 1 + len(task.alphabet))
+        assert torch.allclose(t.sum(-1), torch.ones(spec.image_seq_len))
+        for ch, (x, y) in zip(shown, centres, strict=True):
+            k = int(y // 16) * 4 + int(x // 16)
+            assert t[k, 1 + task.alphabet.index(ch)] > 0
+        assert (t[:, 0] == 1).sum() == spec.image_seq_len - len({
+            int(y // 16) * 4 + int(x // 16) for x, y in centres
+        })  # fmt: skip
+
+
+def test_sample_with_centres_draws_what_sample_draws():
+    task = default_task()
+    a, b = task.sample(random.Random(9)), task.sample_with_centres(random.Random(9))[0]
+    assert a.meta == b.meta and a.answer == b.answer
 
 
 def _vllm_samples(model_dir: str, images: list, n: int, max_tokens: int) -> list:

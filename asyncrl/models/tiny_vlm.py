@@ -21,8 +21,11 @@ The parts:
   ``vision_layers`` encoder layers; the connector's pixel shuffle folds each
   ``scale_factor`` x ``scale_factor`` block into one token: ``image_seq_len`` =
   (image_size / patch_size / scale_factor)^2 tokens per image.
-- warm start: supervised steps on the task's rendered prompts (loss on the answer and
-  EOS only), every weight trained, so that RL starts above zero reward.
+- warm start (:func:`warm_start`): supervised steps on the task's rendered prompts in
+  two phases: the tower and connector alone on a per-image-token reading loss (each
+  token names the characters drawn in its region), then every weight on the answer
+  (and EOS) plus the reading loss. Off by default: no recipe tried yet makes the tower
+  read well enough for the answer (docs/vision.md, Warm start).
 
 ``python -m asyncrl.models.tiny_vlm`` builds the default one into the cache (or
 ``--rebuild DIR``) and prints its directory and weights' sha256; the cache key is a hash
@@ -37,6 +40,7 @@ import argparse
 import fcntl
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -81,7 +85,9 @@ class TinyVLMSpec(Settings):
     vision_intermediate_size: int = setting("[1, 16384]")
     max_positions: int = setting("[16, 65536]")  # the language model's
     seed: int = setting(">= 0")
-    warm_start_steps: int = setting("[0, 100000]")
+    warm_start_read_steps: int = setting("[0, 100000]")  # the tower and connector alone
+    warm_start_steps: int = setting("[0, 100000]")  # every weight: answer + reading loss
+    warm_start_read_weight: float = setting("[0, 100]")
     warm_start_batch: int = setting("[1, 4096]")
     warm_start_lr: float = setting("(0, 1]")
 
@@ -237,35 +243,120 @@ def batch_of(prompts: list, processor, tokenizer) -> dict[str, torch.Tensor]:
     }
 
 
+def reading_classes(tokenizer, task: VisualAdditionTask) -> list[int]:
+    """The reading loss's classes, as token ids: blank (the pad token) and then each
+    character of the task's alphabet."""
+    return [tokenizer.pad_token_id, *tokenizer.convert_tokens_to_ids(list(task.alphabet))]
+
+
+def reading_targets(
+    shown: list[str], centres: list[list[tuple[float, float]]], task: VisualAdditionTask,
+    spec: TinyVLMSpec,
+) -> torch.Tensor:  # fmt: skip
+    """(batch, image_seq_len, classes) target distributions of the reading loss: image
+    token k (raster order over a square grid of regions of the image) should read the
+    characters whose centres the renderer put in its region, in equal shares, or blank
+    (class 0) where there are none."""
+    side = math.isqrt(spec.image_seq_len)
+    region = task.image_size / side
+    out = torch.zeros(len(shown), spec.image_seq_len, 1 + len(task.alphabet))
+    for i, (text, cs) in enumerate(zip(shown, centres, strict=True)):
+        for ch, (x, y) in zip(text, cs, strict=True):
+            row, col = (min(side - 1, max(0, int(v // region))) for v in (y, x))
+            out[i, row * side + col, 1 + task.alphabet.index(ch)] += 1.0
+    out[..., 0][out.sum(-1) == 0] = 1.0
+    return out / out.sum(-1, keepdim=True)
+
+
+def reading_loss(model, batch: dict[str, torch.Tensor], targets, classes: list[int]):
+    """Cross-entropy of each image token's connector output, read through the language
+    model's input embedding (logits = features @ E[classes]^T), against ``targets``."""
+    feats = model.model.get_image_features(
+        pixel_values=batch["pixel_values"], pixel_attention_mask=batch["pixel_attention_mask"]
+    ).pooler_output.reshape(targets.shape[0], targets.shape[1], -1)
+    table = model.model.text_model.embed_tokens.weight[classes]
+    logp = torch.log_softmax(feats @ table.T, dim=-1)
+    return -(targets * logp).sum(-1).mean()
+
+
 def warm_start(
     model, processor, tokenizer, task: VisualAdditionTask, spec: TinyVLMSpec
-) -> list[float]:
-    """``spec.warm_start_steps`` AdamW steps on freshly rendered demonstrations."""
+) -> dict[str, list[float]]:
+    """Two phases of AdamW steps on freshly rendered demonstrations:
+    ``warm_start_read_steps`` on the reading loss (:func:`reading_loss`) with only the
+    vision tower and connector trained (the language model and its embedding fixed), then
+    ``warm_start_steps`` on the answer loss (the answer and EOS) plus
+    ``warm_start_read_weight`` x the reading loss, every weight trained. Each phase's
+    learning rate rises linearly over ``WARMUP_STEPS`` to ``warm_start_lr`` and then
+    follows a cosine to 0. Returns each phase's losses per step (the reading loss of the
+    first, the answer loss of the second)."""
     rng = random.Random(spec.seed + 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.warm_start_lr, weight_decay=0.0)
-    model.train()
-    losses: list[float] = []
+    classes = reading_classes(tokenizer, task)
+    tower = [*model.model.vision_model.parameters(), *model.model.connector.parameters()]
+    losses: dict[str, list[float]] = {"read": [], "answer": []}
+    phases = (("read", spec.warm_start_read_steps, tower),
+              ("answer", spec.warm_start_steps, list(model.parameters())))  # fmt: skip
     t0 = last = time.time()
-    for step in range(spec.warm_start_steps):
-        batch = batch_of(
-            [task.sample(rng) for _ in range(spec.warm_start_batch)], processor, tokenizer
-        )
-        loss = model(**batch).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        now = time.time()
-        if now - last >= PROGRESS_EVERY_S:
-            last = now
-            print(
-                f"asyncrl: building tiny_vlm: warm start step {step + 1}/{spec.warm_start_steps}, "
-                f"loss {sum(losses[-20:]) / len(losses[-20:]):.3f}, {now - t0:.0f} s",
-                file=sys.stderr, flush=True,
-            )  # fmt: skip
+    for phase, steps, params in phases:
+        if not steps:
+            continue
+        trained = {id(p) for p in params}
+        for p in model.parameters():  # no gradient where nothing is trained
+            p.requires_grad_(id(p) in trained)
+        opt = torch.optim.AdamW(params, lr=spec.warm_start_lr, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s, n=steps: lr_factor(s, n))
+        model.train()
+        for step in range(steps):
+            drawn = [task.sample_with_centres(rng) for _ in range(spec.warm_start_batch)]
+            loss, logged = warm_start_loss(
+                model, drawn, processor, tokenizer, task, spec, classes, phase
+            )
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            losses[phase].append(logged)
+            now = time.time()
+            if now - last >= PROGRESS_EVERY_S:
+                last = now
+                recent = losses[phase][-20:]
+                print(
+                    f"asyncrl: building tiny_vlm: warm start, {phase} step {step + 1}/{steps}, "
+                    f"loss {sum(recent) / len(recent):.3f}, {now - t0:.0f} s",
+                    file=sys.stderr, flush=True,
+                )  # fmt: skip
+    for p in model.parameters():
+        p.requires_grad_(True)
     model.eval()
     return losses
+
+
+def warm_start_loss(
+    model, drawn: list, processor, tokenizer, task: VisualAdditionTask, spec: TinyVLMSpec,
+    classes: list[int], phase: str,
+) -> tuple[torch.Tensor, float]:  # fmt: skip
+    """One warm-start step's loss on ``drawn`` ((prompt, character centres) pairs) and
+    the figure logged for it: in phase ``"read"`` the reading loss (both); in phase
+    ``"answer"`` the answer loss plus ``warm_start_read_weight`` x the reading loss, and
+    the answer loss."""
+    prompts = [p for p, _ in drawn]
+    batch = batch_of(prompts, processor, tokenizer)
+    targets = reading_targets([p.meta["shown"] for p in prompts], [c for _, c in drawn], task, spec)
+    read = reading_loss(model, batch, targets, classes)
+    if phase == "read":
+        return read, read.item()
+    answer = model(**batch).loss
+    return answer + spec.warm_start_read_weight * read, answer.item()
+
+
+WARMUP_STEPS = 20  # each warm-start phase's linear learning-rate warm-up
+
+
+def lr_factor(step: int, steps: int) -> float:
+    """The learning rate's factor at ``step`` of ``steps``: a linear warm-up over
+    :data:`WARMUP_STEPS`, then a cosine to 0."""
+    return min(1.0, (step + 1) / WARMUP_STEPS) * 0.5 * (1.0 + math.cos(math.pi * step / steps))
 
 
 EVAL_PROMPTS = 256  # the fixed held-out split the build's accuracy is measured on
@@ -325,8 +416,10 @@ def build_tiny_vlm(
     if measure:
         accuracy["greedy_accuracy_before"] = greedy_accuracy(model, processor, tokenizer, task)
     t0 = time.time()
+    c0 = time.process_time()
     losses = warm_start(model, processor, tokenizer, task, spec)
-    seconds = round(time.time() - t0, 2)
+    seconds, cpu_seconds = round(time.time() - t0, 2), round(time.process_time() - c0, 2)
+    reads, answers = losses["read"], losses["answer"]
     if measure:
         accuracy["greedy_accuracy_after"] = greedy_accuracy(model, processor, tokenizer, task)
     tmp = out_dir.with_name(f"{out_dir.name}.tmp{os.getpid()}")
@@ -340,9 +433,12 @@ def build_tiny_vlm(
         "lm_weights_sha256": weights_sha256(lm_dir),
         "task": task_key(task),
         "params": sum(p.numel() for p in model.parameters()),
-        "warm_start_loss_first": losses[0] if losses else None,
-        "warm_start_loss_last": losses[-1] if losses else None,
+        "warm_start_read_loss_first": reads[0] if reads else None,
+        "warm_start_read_loss_last": reads[-1] if reads else None,
+        "warm_start_loss_first": answers[0] if answers else None,
+        "warm_start_loss_last": answers[-1] if answers else None,
         "warm_start_seconds": seconds,
+        "warm_start_cpu_seconds": cpu_seconds,
         **accuracy,
         "eval_prompts": EVAL_PROMPTS,
         "eval_seed": EVAL_SEED,
@@ -415,10 +511,16 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Build the tiny vision-language model offline.")
     ap.add_argument("--out", type=Path, default=None, help="cache dir (default $ASYNCRL_CACHE)")
     ap.add_argument("--warm-start-steps", type=int, default=None, help="default: model.vlm's")
+    ap.add_argument("--warm-start-read-steps", type=int, default=None, help="default: model.vlm's")
     ap.add_argument("--rebuild", type=Path, default=None, metavar="DIR",
                     help="build from scratch into DIR")  # fmt: skip
     args = ap.parse_args(argv)
-    overrides = {} if args.warm_start_steps is None else {"warm_start_steps": args.warm_start_steps}
+    overrides = {
+        k: v
+        for k, v in (("warm_start_steps", args.warm_start_steps),
+                     ("warm_start_read_steps", args.warm_start_read_steps))
+        if v is not None
+    }  # fmt: skip
     spec = TinyVLMSpec.defaults(**overrides)
     task, lm_spec = default_task(), default_lm_spec()
     if args.rebuild is not None:

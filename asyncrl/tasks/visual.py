@@ -74,14 +74,22 @@ class VisualAdditionTask:
         return len(str(self.max_operand * self.num_operands))
 
     def sample(self, rng: random.Random) -> Prompt:
+        return self.sample_with_centres(rng)[0]
+
+    def sample_with_centres(self, rng: random.Random) -> tuple[Prompt, list[tuple[float, float]]]:
+        """:meth:`sample`'s prompt (the same draws from ``rng``) and the pixel centre of
+        each character of ``meta["shown"]`` in its image (:func:`render_with_centres`)."""
         xs = [rng.randint(0, self.max_operand) for _ in range(self.num_operands)]
         text = "+".join(map(str, xs)) + "="
-        image = render(text, self.image_size, self.font_sizes, self.noise, rng)
-        return Prompt(
+        image, centres = render_with_centres(
+            text, self.image_size, self.font_sizes, self.noise, rng
+        )
+        prompt = Prompt(
             text=IMAGE_PLACEHOLDER,
             answer=str(sum(xs)),
             meta={"operands": xs, "shown": text, "images": [png_bytes(image)]},
         )
+        return prompt, centres
 
     def reward(self, prompt: Prompt, completion: str) -> dict[str, float]:
         got = completion.strip()
@@ -112,6 +120,15 @@ def render(
     """An RGB PIL image of ``text`` at a random font size and position (the whole text
     inside the image), ink and paper gray levels, and Gaussian pixel noise; every draw
     from ``rng``."""
+    return render_with_centres(text, image_size, font_sizes, noise, rng)[0]
+
+
+def render_with_centres(
+    text: str, image_size: int, font_sizes: tuple[int, ...], noise: float, rng: random.Random
+) -> tuple[Any, list[tuple[float, float]]]:
+    """:func:`render`'s image (the same draws from ``rng``, the same pixels) and the
+    (x, y) pixel centre of each of ``text``'s characters in it: where the drawing put
+    them, what a warm start supervises the vision tower's tokens with."""
     import numpy as np
     from PIL import Image, ImageDraw
 
@@ -128,7 +145,12 @@ def render(
         gen = np.random.default_rng(rng.getrandbits(64))
         pixels = np.asarray(img, dtype=np.float32) + gen.normal(0.0, noise, img.size[::-1])
         img = Image.fromarray(np.clip(pixels, 0, 255).round().astype(np.uint8), mode="L")
-    return img.convert("RGB")
+    mid_y = y + (top + bottom) / 2
+    centres = [
+        (x + (f.getlength(text[:i]) + f.getlength(text[: i + 1])) / 2, mid_y)
+        for i in range(len(text))
+    ]
+    return img.convert("RGB"), centres
 
 
 def png_bytes(image: Any) -> bytes:
