@@ -95,6 +95,7 @@ def test_the_production_actor_has_only_the_production_remote_methods():
         "halt", "rebind", "resume", "set_update_mode", "inject_weight_fault",
         "loaded_digests", "checksums", "worker_params",
         "introduce",  # start()'s first hand-off, for an actor a test gives its engine
+        "episodes_with",  # another env's episodes on this engine (the VLM fidelity test)
     }  # fmt: skip
 
 
