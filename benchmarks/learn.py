@@ -1,0 +1,214 @@
+"""Does a pretrained model get better at a task someone else wrote? A model (default
+``model=smollm2``, SmolLM2-135M-Instruct) trained by the real runtime on each of
+``--tasks``, with its held-out accuracy measured before and after by the run's own
+evaluation actor (asyncrl/eval/), on three held-out prompt sets drawn with different
+seeds.
+
+    per task:  parts + an EvalActor (its own engine) ─▶ Evaluator.step(0): version 0
+               (the model as loaded) scored on the sets ─▶ the training loop, --steps
+               versions (the evaluation of the last version starts as it is published)
+               ─▶ Evaluator.finish(): the last version scored on the same sets
+
+A set's score is greedy pass@1 (and pass@k of ``eval.k`` samples). ``spread_before``
+is the largest minus the smallest of the sets' pass@1 before training: how much the
+"before" figure moves with which held-out problems are drawn. ``gain`` is the sets'
+mean pass@1 after minus before; ``learned`` says whether the gain exceeds that spread.
+The training reward of the first and last tenth of the steps and the run's accounting
+(produced = trained + dropped + in flight) come with it. The last stdout line is one
+JSON object: ``by_task`` (one entry per task), ``model``, ``steps`` and the host.
+
+    python -m benchmarks.learn                     # chain_sum and addition, 30 steps each
+    python -m benchmarks.learn --tasks chain_sum --steps 20 learner.optim.lr=1e-5
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: see the note in benchmarks/common.py
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import os  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    Recorder,
+    compose,
+    emit_json,
+    parser,
+    print_table,
+    run_fingerprint,
+    start_ray,
+    stop_all,
+    write_csv,
+)
+
+# --tasks: name -> the task's overrides. chain_sum is reasoning-gym's (its generator and
+# its own scorer; 2-3 terms of 1-2 digits, so a 135M model starts above zero);
+# addition is asyncrl's own task in chat form, the one model=smollm2 trains by default.
+TASKS: dict[str, list[str]] = {
+    "chain_sum": [
+        "task=reasoning_gym",
+        "task.dataset=chain_sum",
+        "+task.config={min_terms: 2, max_terms: 3, min_digits: 1, max_digits: 2}",
+        "task.system='Reply with the result as a number only.'",
+    ],
+    "addition": [],
+}
+EVAL_SEEDS = (1, 2, 3)  # one held-out set per seed (eval.sets.<name>.seed)
+HELDOUT_FRAC = 0.3  # enough held-out problems that three sets of --eval-prompts differ
+LAST_SHARE = 0.1  # the training reward's first and last tenth of the steps
+
+
+def eval_overrides(steps: int, prompts: int, k: int) -> list[str]:
+    sets = ", ".join(f"s{s}: {{seed: {s}}}" for s in EVAL_SEEDS)
+    return [
+        f"eval.every={steps}",
+        f"eval.num_prompts={prompts}",
+        f"eval.k={k}",
+        f"eval.heldout_frac={HELDOUT_FRAC}",
+        "~eval.sets",
+        f"+eval.sets={{{sets}}}",
+    ]
+
+
+def run_task(name: str, overrides: list[str], args: Any) -> dict[str, Any]:
+    from asyncrl.eval.launch import launch
+    from asyncrl.loop import LoopHooks, run_loop
+    from asyncrl.wiring import prepare, start_parts
+
+    cfg = compose(
+        f"model={args.model}", *TASKS[name], *overrides,
+        *eval_overrides(args.steps, args.eval_prompts, args.eval_k),
+        f"max_steps={args.steps}", "progress=false",
+    )  # fmt: skip
+    setup = prepare(cfg)
+    out = args.out / name
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    eval_run = launch(setup.evaluation, setup)
+    parts = start_parts(setup, out, started_ray=False)
+    rec = Recorder()
+    try:
+        evaluator = eval_run.evaluator(parts.learner)
+        evaluator.step(0)  # version 0: the model as loaded, before any step
+        evaluator.finish()
+        t_train = time.time()
+        run_loop(cfg, parts, rec, hooks=LoopHooks(evaluator=evaluator))
+        train_s = time.time() - t_train
+        evaluator.finish()  # the last version's evaluation
+    finally:
+        q, _ = stop_all(parts)
+        eval_run.stop()
+    return summarise(name, evaluator.history, rec.steps, q, train_s, time.time() - t0)
+
+
+def summarise(
+    name: str,
+    history: dict[str, list[tuple[int, float, float]]],
+    steps: list[dict[str, float]],
+    queue: dict[str, Any],
+    train_s: float,
+    total_s: float,
+) -> dict[str, Any]:
+    """One task's row from the evaluator's history (set -> [(version, pass@1, pass@k)])."""
+    before = {s: rows[0] for s, rows in history.items() if rows and rows[0][0] == 0}
+    after = {s: rows[-1] for s, rows in history.items() if len(rows) > 1}
+    b1 = [r[1] for r in before.values()]
+    a1 = [r[1] for r in after.values()]
+    spread = max(b1) - min(b1) if b1 else float("nan")
+    gain = statistics.fmean(a1) - statistics.fmean(b1) if a1 and b1 else float("nan")
+    n = max(1, round(LAST_SHARE * len(steps)))
+
+    def reward(rows: list[dict[str, float]]) -> float:
+        count = sum(r["reward/count"] for r in rows)
+        return sum(r["reward/sum"] for r in rows) / count if count else float("nan")
+
+    return {
+        "task": name,
+        "pass1_before": b1,
+        "pass1_after": a1,
+        "passk_before": [r[2] for r in before.values()],
+        "passk_after": [r[2] for r in after.values()],
+        "version_after": max((r[0] for r in after.values()), default=None),
+        "mean_before": statistics.fmean(b1) if b1 else float("nan"),
+        "mean_after": statistics.fmean(a1) if a1 else float("nan"),
+        "spread_before": spread,
+        "gain": gain,
+        "learned": bool(gain > spread),
+        "reward_first": reward(steps[:n]),
+        "reward_last": reward(steps[-n:]),
+        "steps": len(steps),
+        "train_seconds": train_s,
+        "seconds": total_s,
+        "produced": queue["produced"],
+        "trained": queue["trained"],
+        "dropped_stale": queue["dropped_stale"],
+        "in_flight": queue["in_flight"],
+        "accounted": queue["produced"]
+        == queue["trained"] + queue["dropped_stale"] + queue["in_flight"],
+    }
+
+
+def arguments():
+    p = parser("learn", __doc__)
+    p.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
+    p.add_argument("--model", default="smollm2", help="a conf/model preset")
+    p.add_argument("--steps", type=int, default=None, help="learner steps per task (30; --quick 4)")
+    p.add_argument("--eval-prompts", type=int, default=64, help="prompts per held-out set")
+    p.add_argument("--eval-k", type=int, default=4, help="samples per prompt for pass@k")
+    p.add_argument("overrides", nargs="*", help="training-config overrides for every task")
+    args = p.parse_args()
+    args.steps = args.steps or (4 if args.quick else 30)
+    for t in args.tasks:  # a bad override or task: now, before Ray
+        compose(f"model={args.model}", *TASKS[t], *args.overrides,
+                *eval_overrides(args.steps, args.eval_prompts, args.eval_k))  # fmt: skip
+    return args
+
+
+def host() -> str:
+    name = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def main() -> None:
+    args = arguments()
+    import ray
+
+    start_ray()
+    rows = []
+    try:
+        for t in args.tasks:
+            rows.append(run_task(t, args.overrides, args))
+            print(f"{t}: {rows[-1]['seconds']:.0f} s", file=sys.stderr)
+    finally:
+        ray.shutdown()
+    write_csv(args.out / "learn.csv", [{k: (str(v) if isinstance(v, list) else v)
+                                       for k, v in r.items()} for r in rows],
+              fingerprint=run_fingerprint())  # fmt: skip
+    print_table(
+        f"{args.model}: held-out pass@1 before and after {args.steps} steps "
+        f"(sets of {args.eval_prompts} prompts, seeds {list(EVAL_SEEDS)})",
+        ["task", "before (per set)", "after (per set)", "spread before", "gain", "learned",
+         "reward first -> last", "train s", "accounted"],
+        [[r["task"], " ".join(f"{x:.3f}" for x in r["pass1_before"]),
+          " ".join(f"{x:.3f}" for x in r["pass1_after"]), r["spread_before"], r["gain"],
+          r["learned"], f"{r['reward_first']:.3f} -> {r['reward_last']:.3f}",
+          r["train_seconds"], r["accounted"]] for r in rows],
+    )  # fmt: skip
+    emit_json({"by_task": {r["task"]: r for r in rows}, "model": args.model,
+               "steps": args.steps, "host": host()})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
