@@ -120,6 +120,4 @@ def parallelize_layers(layers: nn.ModuleList, config: Any, tp_mesh: Any, ep: int
     plan = layer_plan(config, ep)
     for layer in layers:
         here = {n for n, _ in layer.named_modules()}
-        parallelize_module(
-            layer, tp_mesh, {k: styles[v]() for k, v in plan.items() if k in here}
-        )
+        parallelize_module(layer, tp_mesh, {k: styles[v]() for k, v in plan.items() if k in here})
