@@ -9,14 +9,14 @@
       then FSDP2 fully_shard over mesh["dp"] (learner/dist.py: ``shard``)
 
 The plan is the model family's own: the ``layers.*.`` entries of the HF config's
-``base_model_tp_plan`` (Llama, Qwen2, Mistral, ...), whose ``colwise`` / ``rowwise``
-styles map to torch's ``ColwiseParallel`` / ``RowwiseParallel``; ``replicated_with_grad_allreduce``
+``base_model_tp_plan`` (Llama, Qwen2, Mistral, Qwen3-MoE, ...). ``colwise`` / ``rowwise``
+map to torch's ``ColwiseParallel`` / ``RowwiseParallel``; ``replicated_with_grad_allreduce``
 (Qwen3's per-head ``q_norm`` / ``k_norm``, which see only this rank's heads) to torch's
-``SequenceParallel`` over the heads dimension: the weight is a replicated DTensor, the
+``SequenceParallel`` over the heads dimension: the weight is a replicated DTensor and the
 input is marked sharded on heads, so the weight's gradient comes out partial and FSDP
-sums it over ``tp`` before its own reduction. With ``learner.ep`` the MoE layers'
-experts are not split by ``tp`` (their plan entries are dropped; learner/expert_parallel.py
-splits them over ``ep``); a MoE model's experts are never split by ``tp`` alone. Everything outside the
+sums it over ``tp`` before its own reduction. A MoE layer's experts are never split by
+``tp``: with ``learner.ep`` their plan entries are dropped (learner/expert_parallel.py
+splits them over ``ep``), without it a MoE model is refused. Everything outside the
 decoder layers (embeddings, norms, LM head, value head) is replicated over ``tp`` and
 sharded by FSDP over ``dp`` only: the hidden state between layers is whole on every
 rank of a ``tp`` group (no sequence parallelism, no vocabulary-parallel loss). HF's
