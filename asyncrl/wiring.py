@@ -142,7 +142,7 @@ def _check_splits(
 ) -> None:
     """The model splits as the learner's and the engines' layouts ask (and the road the
     weights take into the engines serves that split)."""
-    check_model(model_path, learner.tp)  # learner.tp: a plan, whole heads per rank
+    check_model(model_path, learner.tp, learner.ep)  # learner.tp: a plan, whole heads per rank
     # a MoE model to split (learner.ep), to replay or to record the routes of
     check_experts(model_path, learner.ep, learner.moe.routing_replay, actor.record_experts)
     check_engine_split(model_path, actor.engine.tensor_parallel_size)  # whole heads per worker

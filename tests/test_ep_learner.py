@@ -1,7 +1,9 @@
 """Expert parallelism in the learner (``learner.ep``): two ranks (Ray actors, gloo, CPU),
 each holding half of every MoE layer's experts, tokens sent to them by all-to-all,
 against one plain rank on the same batches; four ranks as two data-parallel copies of
-that (``ep=2``, mesh ``("dp", "ep")`` = (2, 2)), likewise; and the start-up refusals.
+that (``ep=2``, mesh ``("dp", "ep")`` = (2, 2)), likewise; four ranks as TP2 x EP2 (the
+attention split over ``tp``, the experts over ``ep`` = the ``tp`` pairs, each ``tp`` rank
+routing half of its pair's tokens), likewise; and the start-up refusals.
 
 The two sides sum the same fp32 products in another order (a token's expert outputs
 come back over gloo and are added on its own rank; each expert's gradient adds the
@@ -29,6 +31,7 @@ from asyncrl.learner.group import LearnerGroup
 from asyncrl.learner.learner import Learner
 from asyncrl.learner.moe_check import check_model
 from asyncrl.learner.rank import LearnerRank
+from asyncrl.learner.tensor_parallel import check_model as check_tp
 from asyncrl.losses.advantages import GroupNormalized
 from asyncrl.losses.clipped import ClippedISLoss
 from asyncrl.models.tiny import random_qwen2, random_qwen3_moe
@@ -69,7 +72,8 @@ def max_diff(a: dict, b: dict) -> float:
     ("values", "says"),
     [
         ({"world_size": 3, "ep": 2}, "learner.ep=2 does not divide learner.world_size=3"),
-        ({"world_size": 2, "ep": 2, "tp": 2}, "learner.ep=2 with learner.tp=2"),
+        ({"world_size": 4, "ep": 2, "tp": 4}, "learner.ep=2 with learner.tp=4: ep must be a"),
+        ({"world_size": 8, "ep": 4, "tp": 8}, "learner.ep=4 with learner.tp=8: ep must be a"),
         ({"ep": 0}, "learner.ep=0: expected an integer in [1, 64]"),
     ],
 )
@@ -81,6 +85,17 @@ def test_bad_ep_is_refused_in_one_line(values, says):
 
 def test_ep_dividing_world_size_is_accepted():
     assert settings(world_size=4, ep=2).ep == 2
+    assert settings(world_size=4, ep=2, tp=2).ep == 2  # tp divides ep
+    assert settings(world_size=8, ep=4, tp=2).ep == 4
+
+
+def test_tp_on_a_moe_model_needs_ep(moe_dir):
+    """Tensor parallelism splits a MoE model's attention; its experts go by ``learner.ep``."""
+    check_tp(str(moe_dir), 2, 2)  # 2 heads, 2 key/value heads, 4 experts
+    with pytest.raises(ConfigError, match=r"^learner.tp=2: model .* has experts, which"):
+        check_tp(str(moe_dir), 2, 1)
+    with pytest.raises(ConfigError, match=r"^learner.tp=4: model .* num_attention_heads=2"):
+        check_tp(str(moe_dir), 4, 4)
 
 
 def test_the_model_must_have_experts_ep_divides(moe_dir, tmp_path):
@@ -199,6 +214,94 @@ def test_ep2_dp2_matches_one_rank(ray_local, moe_dir, tmp_path):
         grp.close()
     single = Learner(str(moe_dir), ClippedISLoss(), GroupNormalized(),
                      settings(micro_batch_tokens=10_000))  # fmt: skip
+    assert single.load(str(tmp_path / "ck"))["version"] == 2
+    assert max_diff(single.full_state_dict(), streamed) == 0.0  # bit-exact
+    resumed = single.train_step(third, 2)
+    print("next step after resume, relative:", {k: rel(after[k], resumed[k]) for k in KEYS})
+    assert all(rel(after[k], resumed[k]) <= REL_TOL for k in KEYS)
+
+
+@pytest.fixture(scope="module")
+def preset_moe_dir(tmp_path_factory):
+    """``model=tiny_moe``'s architecture (hidden 128, 2 layers, 4 heads of 32, 2 key/value
+    heads, 8 experts of 64, top-2) at random weights over the tests' 20-token vocabulary
+    (the preset's warm start takes minutes)."""
+    from helpers import composed
+
+    t = composed("model=tiny_moe").model.tiny
+    d = tmp_path_factory.mktemp("preset_moe")
+    random_qwen3_moe(20, t.hidden_size, t.num_layers, t.num_heads, t.num_kv_heads,
+                     t.intermediate_size, t.num_experts, t.experts_per_token, tie=True,
+                     out_dir=d, pad_token_id=0)  # fmt: skip
+    return d
+
+
+@pytest.mark.slow
+def test_tp2_ep2_matches_one_rank(ray_local, preset_moe_dir, tmp_path):
+    """Four ranks, ``tp=2 ep=2`` (mesh ``("dp", "tp")`` = (2, 2) for the attention, each
+    ``tp`` pair an ``ep`` pair for the experts, each expert FSDP-sharded over the two
+    ranks holding it) against one rank: the same two steps as above (the second replaying
+    recorded experts) give the same loss, grad norm, update norm, expert disagreement;
+    the streamed full weights and log-probs agree; a checkpoint written at this layout
+    resumes on one rank to the same weights and the same next step."""
+    torch.set_num_threads(1)
+    model = str(preset_moe_dir)
+    first = collate(trajs(24, seed=3, max_prompt=9, max_response=12))
+    recorded = trajs(24, seed=5, max_prompt=9, max_response=12)
+    record(preset_moe_dir, recorded, noise=PERTURB)
+    second = queue_items(recorded)
+    one = Learner(model, ClippedISLoss(), GroupNormalized(), settings(micro_batch_tokens=10_000))
+    grp = LearnerGroup(model, ClippedISLoss(), GroupNormalized(),
+                       settings(world_size=4, tp=2, ep=2, micro_batch_tokens=40))  # fmt: skip
+
+    def held(rank: LearnerRank) -> tuple[int, float, int]:
+        """On a rank: the rows of layer 0's experts it holds and their sum, and the rows
+        of layer 0's query projection (split over tp, then sharded over dp)."""
+        layer = rank.learner.model.model.layers[0]
+        w = layer.mlp.experts.gate_up_proj.to_local()
+        return (
+            w.shape[0],
+            float(w.detach().sum()),
+            layer.self_attn.q_proj.weight.to_local().shape[0],
+        )
+
+    try:
+        got = ray.get([r.__ray_call__.remote(held) for r in grp.ranks])
+        layer = one.model.model.layers[0]
+        full, q_rows = (
+            layer.mlp.experts.gate_up_proj.detach(),
+            layer.self_attn.q_proj.weight.shape[0],
+        )
+        for r in range(4):  # rank (dp d, tp t): ep half t, FSDP quarter d: experts 4t+2d, +1
+            d, t = divmod(r, 2)
+            mine = float(full[4 * t + 2 * d : 4 * t + 2 * d + 2].sum())
+            assert got[r] == (2, pytest.approx(mine, rel=1e-6), q_rows // 4), (r, got[r])
+        steps = [(one.step_on_batch(first, 0), grp.step_on_batch(first, 0))]
+        steps.append((one.train_step(second, 1), grp.train_step(second, 1)))
+        worst = {k: max(rel(a[k], b[k]) for a, b in steps) for k in KEYS}
+        print("TP2 x EP2 vs one rank, worst relative difference:", worst)
+        assert all(v <= REL_TOL for v in worst.values()), worst
+        assert steps[1][0]["learner/grad_norm"] > GRAD_CLIP  # the clip binds
+        d = [m["moe/expert_disagreement"] for m in steps[1]]
+        print("moe/expert_disagreement (one rank, TP2 x EP2):", d)
+        assert 0 < d[0] < 1 and abs(d[0] - d[1]) < 1e-9, d
+        p1, streamed = one.full_state_dict(), dict(grp.named_parameters_stream())
+        assert streamed.keys() == p1.keys()
+        assert all(streamed[k].shape == p1[k].shape for k in p1)  # whole, not shards
+        print("streamed weights, max |diff|:", max_diff(p1, streamed))
+        assert max_diff(p1, streamed) < PARAM_ATOL
+        ts = trajs(9, seed=11)
+        d = max(
+            float(np.abs(a - b).max()) for a, b in zip(one.logprobs_of(ts), grp.logprobs_of(ts))
+        )
+        print("log-probs, max |diff|:", d)
+        assert d < LOGP_ATOL
+        grp.save(str(tmp_path / "ck"))
+        third = queue_items(trajs(24, seed=7, max_prompt=9, max_response=12))
+        after = grp.train_step(third, 2)
+    finally:
+        grp.close()
+    single = Learner(model, ClippedISLoss(), GroupNormalized(), settings(micro_batch_tokens=10_000))
     assert single.load(str(tmp_path / "ck"))["version"] == 2
     assert max_diff(single.full_state_dict(), streamed) == 0.0  # bit-exact
     resumed = single.train_step(third, 2)

@@ -214,8 +214,9 @@ class LearnerSettings(Settings):
 
 def check_ep(ep: int, tp: int, world_size: int) -> None:
     """``learner.ep``: 1, or a divisor of ``world_size`` (``world_size / ep`` data-parallel
-    copies of the experts), without tensor parallelism; the model's side is checked by
-    learner/moe_check.py."""
+    copies of the experts) that ``tp`` divides (an ``ep`` group is whole ``tp`` groups;
+    experts are not split by ``tp``); the model's side is checked by learner/moe_check.py
+    and learner/tensor_parallel.py."""
     if ep == 1:
         return
     if world_size % ep:
@@ -223,8 +224,12 @@ def check_ep(ep: int, tp: int, world_size: int) -> None:
             f"learner.ep={ep} does not divide learner.world_size={world_size}: each rank "
             f"holds 1/ep of the experts"
         )
-    if tp > 1:
-        raise ConfigError(f"learner.ep={ep} with learner.tp={tp}: not built together; set one to 1")
+    if ep % tp:
+        raise ConfigError(
+            f"learner.ep={ep} with learner.tp={tp}: ep must be a multiple of tp (an "
+            f"expert-parallel group is whole tensor-parallel groups); set learner.ep to "
+            f"a multiple of {tp} dividing learner.world_size={world_size}"
+        )
 
 
 def fold_total_steps(raw: dict[str, Any], max_steps: int) -> dict[str, Any]:

@@ -5,7 +5,9 @@ ranks form a ``(world_size / tp) x tp`` mesh, ``("dp", "tp")``, rank ``dp_rank *
 tp_rank``; with ``tp > 1`` each decoder layer is first split over ``tp``
 (learner/tensor_parallel.py). With ``ep > 1`` they form ``(world_size / ep) x ep``,
 ``("dp", "ep")``: each MoE layer's experts are split over ``ep`` and FSDP-sharded over
-``dp`` (learner/expert_parallel.py). FSDP2 ``fully_shard`` then wraps every decoder
+``dp`` (learner/expert_parallel.py). With both, ``tp`` divides ``ep``: an ``ep`` group is
+``ep / tp`` consecutive ``tp`` groups, the experts are not split by ``tp``, and the rest is
+as with ``tp`` alone. FSDP2 ``fully_shard`` then wraps every decoder
 layer and the root :class:`PolicyModel` (embeddings, final norm, LM head, value head),
 over ``dp`` with ``tp``, over every rank without.
 bf16 compute with fp32 reduction on CUDA; plain fp32 on CPU. Gradients are *summed*
@@ -70,9 +72,9 @@ def shard(
     ``ep > 1`` each rank keeps its ``ep`` rank's share of every MoE layer's experts
     (learner/expert_parallel.py), FSDP-sharded over the ``dp`` ranks that hold the same
     share (their own FSDP units, as torchtitan shards experts over its ``dp_mod_ep``
-    mesh; with ``ep == world_size`` FSDP leaves them alone); then ``fully_shard`` each
-    decoder layer and the root over ``dp`` (``tp``) or every rank; sum-reduce
-    gradients."""
+    mesh; with ``ep == world_size`` FSDP leaves them alone; with ``tp > 1`` too, each
+    ``tp`` rank routes its share of the tokens); then ``fully_shard`` each decoder layer
+    and the root over ``dp`` (``tp``) or every rank; sum-reduce gradients."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -84,16 +86,18 @@ def shard(
         if device.type == "cuda"
         else MixedPrecisionPolicy()
     )
+    tp_mesh = None
     if tp > 1:
         mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-        parallelize_layers(decoder_layers(policy.lm), policy.lm.config, mesh["tp"])
+        tp_mesh = mesh["tp"]
+        parallelize_layers(decoder_layers(policy.lm), policy.lm.config, tp_mesh, ep)
         mesh = mesh["dp"]
     else:
         mesh = init_device_mesh(device.type, (world_size,))
     experts: set[nn.Parameter] = set()
     if ep > 1:
         dp_ep = init_device_mesh(device.type, (world_size // ep, ep), mesh_dim_names=("dp", "ep"))
-        experts = parallelize_experts(policy.lm, dp_ep["ep"])
+        experts = parallelize_experts(policy.lm, dp_ep["ep"], tp_mesh)
         if world_size > ep:  # replicated over dp: shard them there, gradients summed
             for m in expert_modules(policy.lm):
                 fully_shard(m, mesh=dp_ep["dp"], mp_policy=mp)

@@ -22,6 +22,20 @@ and sum its gradients, as Megatron's expert data parallelism and torchtitan's
 ``dp_mod_ep`` FSDP mesh do; with ``ep == world_size`` FSDP leaves the experts alone
 (each expert's gradient is whole on its one rank). The non-expert weights are FSDP-sharded
 over every rank, and rows are shared among all ranks as by plain FSDP.
+
+With ``learner.tp > 1`` as well (``tp`` dividing ``ep``: experts not split by ``tp``,
+torchtitan's ETP=1) an ``ep`` group is ``ep / tp`` whole tensor-parallel groups, as
+torchtitan borrows EP from the data-parallel and TP dimensions. The ``tp`` ranks of one
+group hold the same tokens (the hidden state between layers is whole on each), so each
+takes its ``1/tp`` of the layer's (token, k) rows first (``to_tp`` / ``from_tp``):
+
+      x, router weights ─▶ to_tp (identity; backward: the ``tp`` ranks' gradients summed)
+      ─▶ this ``tp`` rank's rows [T*t/tp, T*(t+1)/tp) ─▶ the all-to-all path above
+      ─▶ zeros elsewhere ─▶ from_tp (all-reduce over ``tp``; backward: identity) ─▶ [T, H]
+
+so every token reaches its experts once per data-parallel group, and the output, the
+router's gradient and the input's gradient come out whole and equal on every ``tp``
+rank, as tensor parallelism keeps everything outside a split layer.
 """
 
 from __future__ import annotations
@@ -48,11 +62,12 @@ def expert_modules(lm: nn.Module) -> list[nn.Module]:
     ]  # fmt: skip
 
 
-def parallelize_experts(lm: nn.Module, mesh: Any) -> set[nn.Parameter]:
+def parallelize_experts(lm: nn.Module, mesh: Any, tp_mesh: Any = None) -> set[nn.Parameter]:
     """Keep this rank's ``num_experts / ep`` experts of every MoE layer (``Shard(0)`` over
     the 1-D ``mesh``, this rank's ``ep`` group) and route tokens to them by all-to-all
-    within that group. Returns the expert parameters (the other FSDP units leave them
-    alone). ValueError without experts."""
+    within that group; with ``tp_mesh`` (this rank's tensor-parallel group, inside its
+    ``ep`` group) each ``tp`` rank routes its share of the tokens. Returns the expert
+    parameters (the other FSDP units leave them alone). ValueError without experts."""
     mods = expert_modules(lm)
     if not mods:
         raise ValueError(f"{type(lm).__name__} has no fused experts to split (learner.ep)")
@@ -69,6 +84,9 @@ def parallelize_experts(lm: nn.Module, mesh: Any) -> set[nn.Parameter]:
             setattr(m, name, p)
             params.add(p)
         m.ep_group, m.ep_size, m.local_experts = mesh.get_group(), ep, n
+        m.tp_group = tp_mesh.get_group() if tp_mesh is not None else None
+        m.tp_size = tp_mesh.size() if tp_mesh is not None else 1
+        m.tp_rank = tp_mesh.get_local_rank() if tp_mesh is not None else 0
         m.forward = ExpertsForward(m)
     return params
 
@@ -81,6 +99,17 @@ class ExpertsForward:
         self.experts = experts
 
     def __call__(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        m = self.experts
+        if m.tp_size == 1:
+            return self.dispatch(x, idx, w)
+        x, w = to_tp(x, m.tp_group), to_tp(w, m.tp_group)
+        lo, hi = tp_rows(x.shape[0], m.tp_size, m.tp_rank)
+        out = self.dispatch(x[lo:hi], idx[lo:hi], w[lo:hi])
+        return from_tp(F.pad(out, (0, 0, lo, x.shape[0] - hi)), m.tp_group)
+
+    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The layer's output for this rank's tokens ``x`` [T, H] (each rank of the ``ep``
+        group its own), by all-to-all to the experts and back."""
         m = self.experts
         K = idx.shape[1]
         flat = idx.reshape(-1)
@@ -149,3 +178,50 @@ class AllToAll(torch.autograd.Function):
     def backward(ctx, g):
         out_sizes, in_sizes = ctx.sizes
         return send_rows(g, in_sizes, out_sizes, ctx.group), None, None, None
+
+
+def tp_rows(n: int, tp: int, rank: int) -> tuple[int, int]:
+    """``[lo, hi)``: the rows of ``n`` that ``tp`` rank ``rank`` routes (sizes differ by at
+    most one; none when ``n < tp``)."""
+    return n * rank // tp, n * (rank + 1) // tp
+
+
+def to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``x`` (equal on every rank of the ``tp`` group) for a part of it to be used on each
+    rank: the gradient coming back is each rank's part, summed over the group."""
+    return ToTP.apply(x, group)
+
+
+def from_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum over the ``tp`` group of each rank's part (zeros elsewhere); the gradient,
+    equal on every rank, goes back to each unchanged."""
+    return FromTP.apply(x, group)
+
+
+class ToTP(torch.autograd.Function):
+    """Identity forward; all-reduce (sum) of the gradient over the group backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class FromTP(torch.autograd.Function):
+    """All-reduce (sum) over the group forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
