@@ -128,6 +128,9 @@ def host_cases(cases: dict, goal: float | None, quick: bool) -> tuple[list[dict]
             "asyncrl_learner_train": r["async"]["learner_train"],
             "measured": measured,
         }
+        parts[name]["errors"] = {
+            k: abs(v - measured[k]) / measured[k] for k, v in parts[name].items() if k in measured
+        }
         if run_foreign:
             at = dataclasses.replace(HOST_I, foreign_cpu=run_foreign[0])
             r2 = host_case(at, j, w, n, steps)
@@ -234,7 +237,23 @@ HOST_I_JOBS = {
         async_shutdown_s=89.0 - 73.39 - 5 * 1.1295)),
 }  # fmt: skip
 # name -> (job, steps of the run, its measured figures, where they are written)
-HOST_I_CASES: dict = {}
+# (+ the cores other users' jobs took during the asyncrl run's steps: host busy from
+# /proc/stat less the run's own process tree; a consequence of the run as much as an input)
+HOST_I_CASES = {
+    "default --quick, 2026-12-04 17:36-17:41": (
+        "default", 300, {"ratio": 3.574, "total_ratio": 2.994, "asyncrl_seconds_per_step": 0.2018,
+                         "sync_seconds_per_step": 0.7211, "asyncrl_total_seconds": 81.66,
+                         "sync_total_seconds": 244.5},
+        "python -m benchmarks.vs_sync --quick (seed 0, sync first): sync 0.721 s/step, 244.5 s; "
+        "asyncrl 0.202 s/step, 81.7 s, startup_seconds 15.41; load 8.1 -> 6.8 -> 8.6", 1.13),
+    "tool --quick, 2026-12-04 17:41-17:48": (
+        "tool", 12, {"ratio": 23.31, "total_ratio": 2.928, "asyncrl_seconds_per_step": 0.9327,
+                      "sync_seconds_per_step": 21.74, "asyncrl_total_seconds": 92.69,
+                      "sync_total_seconds": 271.4},
+        "python -m benchmarks.vs_sync --job tool --quick (seed 0, sync first): sync 21.74 s/step, "
+        "271.4 s; asyncrl 0.933 s/step, 92.7 s, startup_seconds 71.18; load 8.4 -> 14.8 -> 15.5",
+        1.16),
+}  # fmt: skip
 OTHER_SESSIONS = {
     "tool --quick, 2026-12-03 07:53 (load 11-15)": (
         "tool", 12, {"ratio": 12.06, "total_ratio": 1.239}, "docs/speed.md, the earlier calibration pair"),
