@@ -212,6 +212,9 @@ HOST_I_SOURCES = {
     "perf/wait_seconds - perf/publish_seconds): 0.016 s",
     "update": "A: means of perf/publish_seconds 0.032 and broker/pause_seconds_max 0.068",
     "handoff": "half of actor.handoff_linger_ms (100 ms)",
+    "one_thread": "C: the default job's sync loop on 1 thread, 0.0983 s generating and 0.1868 "
+    "training a step, 41.19 s wall - 100 x 0.28607: start-up 12.6 s; E on 1 thread: 0.4965 s "
+    "generating, 0.8634 training, 39.50 - 4 x 3.0827: start-up 27.2 s",
     "default_job": "B: generate 0.801 s and train 1.664 s a step (2 threads), spread over this "
     "model's padded decode steps and its batch's tokens (hf_step_from, train_token_from); "
     "start-up 255.7 s wall - 100 x 2.4406 s/step = 11.6 s; A: startup_seconds 44.32, shut-down "
@@ -235,6 +238,18 @@ HOST_I_JOBS = {
         hf_step1=hf_step_from(TOOL_JOB, 8.716), sync_train_token_s=train_token_from(TOOL_JOB, 4.002),
         sync_startup_s=80.9 - 4 * 12.862, async_startup_s=73.39,
         async_shutdown_s=89.0 - 73.39 - 5 * 1.1295)),
+}  # fmt: skip
+# The same jobs against a one-thread sync loop (vs_sync --sync-threads 1): C and E's
+# one-thread runs (HOST_I_SOURCES "one_thread")
+HOST_I_JOBS |= {
+    "default, sync on 1 thread": (DEFAULT_JOB, dataclasses.replace(
+        HOST_I_JOBS["default"][1], hf_step1=hf_step_from(DEFAULT_JOB, 0.0983),
+        sync_train_token_s=train_token_from(DEFAULT_JOB, 0.1868),
+        sync_startup_s=41.19 - 100 * 0.28607)),
+    "tool, sync on 1 thread": (TOOL_JOB, dataclasses.replace(
+        HOST_I_JOBS["tool"][1], hf_step1=hf_step_from(TOOL_JOB, 0.4965),
+        sync_train_token_s=train_token_from(TOOL_JOB, 0.8634),
+        sync_startup_s=39.50 - 4 * 3.0827)),
 }  # fmt: skip
 # name -> (job, steps of the run, its measured figures, where they are written)
 # (+ the cores other users' jobs took during the asyncrl run's steps: host busy from
