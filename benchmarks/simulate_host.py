@@ -268,6 +268,21 @@ HOST_I_CASES = {
         "python -m benchmarks.vs_sync --job tool --quick (seed 0, sync first): sync 21.74 s/step, "
         "271.4 s; asyncrl 0.933 s/step, 92.7 s, startup_seconds 71.18; load 8.4 -> 14.8 -> 15.5",
         1.16),
+    "default --quick --sync-threads 1, 2026-12-04 18:05-18:11": (
+        "default, sync on 1 thread", 300,
+        {"ratio": 1.084, "total_ratio": 0.7369, "asyncrl_seconds_per_step": 0.3813,
+         "sync_seconds_per_step": 0.4134, "asyncrl_total_seconds": 189.0,
+         "sync_total_seconds": 139.3},
+        "python -m benchmarks.vs_sync --quick --sync-threads 1 (seed 0, sync first; predicted "
+        "in commit 4763614 before it ran): startup_seconds 67.6; load 11.0 -> 13.8 -> 19.0", 1.49),
+    "tool --quick --sync-threads 1, 2026-12-04 18:10-18:14": (
+        "tool, sync on 1 thread", 12,
+        {"ratio": 3.033, "total_ratio": 0.7315, "asyncrl_seconds_per_step": 1.1123,
+         "sync_seconds_per_step": 3.374, "asyncrl_total_seconds": 89.68,
+         "sync_total_seconds": 65.6},
+        "python -m benchmarks.vs_sync --job tool --quick --sync-threads 1 (seed 0, sync first; "
+        "predicted in commit 4763614 before it ran): startup_seconds 69.98; load 16.3 -> 15.8 "
+        "-> 10.6", 1.62),
 }  # fmt: skip
 OTHER_SESSIONS = {
     "tool --quick, 2026-12-03 07:53 (load 11-15)": (
