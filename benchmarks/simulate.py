@@ -12,11 +12,16 @@ the model, never measurements.
     queue: a member with V - min(its token versions) > bound is dropped and counted
         ▼ batch_groups groups, oldest first
     learner: M ranks, train_fixed_s + tokens * train_token_s / M, then publish_s
+        │      (and step_overhead_s more before its next batch: the driver's calls)
         ▼ the weights to every engine: sync_fixed_s + bytes / bandwidth, paused per
           update mode: keep (in-flight sequences freeze, then continue, their min
           version unchanged), abort (in-flight episodes start again from the prompt on
           the new weights, their tokens wasted), wait (no new sequence starts; the
           in-flight ones finish, then the reload)
+
+On a host whose parts share its cores (``cpu_cores``, the 2-core host): a decoding engine,
+a training learner and the always-runnable rest share the cores; each busy part runs at
+min(1, cores / runnable) of its speed alone, re-shared at every event (processor sharing).
 
 The synchronous loop: each turn generates every live episode at once on all engines (HF
 ``generate`` pads: the batch decodes to its longest row; vLLM frees a row when it ends),
@@ -155,6 +160,17 @@ class AsyncSetup:
     auto_widen_after: int = 5
     startup_s: float = 0.0  # process start to the first trained step
     shutdown_s: float = 0.0  # the last step to the process's exit
+    step_overhead_s: float = 0.0  # per step past the publish: the driver's stats and metrics
+    # A host whose parts share its cores (cpu_cores 0: every part on its own device, as on
+    # a GPU cluster; else the cores the run gets, other users' jobs at a higher priority
+    # taken out). A decoding engine keeps ``engine_cpu`` cores' worth of threads runnable,
+    # a training learner ``learner_cpu``; ``background_cpu`` are always runnable (the
+    # driver, the queue, the broker, Ray's own processes). Every busy part then runs at
+    # min(1, cpu_cores / runnable) of its speed alone (processor sharing).
+    cpu_cores: float = 0.0
+    engine_cpu: float = 1.0
+    learner_cpu: float = 1.0
+    background_cpu: float = 0.0
 
     @property
     def sync_seconds(self) -> float:
@@ -196,10 +212,14 @@ class Engine:
         self.target = 0  # newest version published to this engine
         self.groups = 0
         self.busy_s = self.paused_s = 0.0
+        self.speed = 1.0  # the share of its CPU it gets (AsyncSim.reshare)
+
+    def decoding(self) -> bool:
+        return bool(self.active) and not self.paused
 
     def rate(self) -> float:
         b = len(self.active)
-        return 0.0 if b == 0 or self.paused else 1.0 / (self.s.step0 + self.s.step1 * b)
+        return 0.0 if b == 0 or self.paused else self.speed / (self.s.step0 + self.s.step1 * b)
 
     def advance(self, now: float) -> None:
         dt = now - self.t
@@ -232,6 +252,13 @@ class AsyncSim:
         self.trained_at: list[int] = []  # the learner's version each staleness was seen at
         self.tokens_generated = self.tokens_wasted = 0.0
         self.learner = dict(train=0.0, publish=0.0)
+        self.speed = 1.0  # every busy part's share of its speed alone (cpu_cores)
+        self.train_left = 0.0  # the step's work left (seconds alone) as of train_t
+        self.train_t = 0.0
+        self.train_epoch = 0
+        self.train_began = 0.0
+        self.actor_idle_s = 0.0  # no group in flight (the runtime's perf/actor_idle_frac)
+        self.speed_s = 0.0  # the integral of speed over time
 
     # -- the event loop
     def push(self, t: float, kind: str, *args) -> None:
@@ -240,10 +267,44 @@ class AsyncSim:
     def run(self) -> AsyncSim:
         self.now = 0.0
         self.try_start()
+        self.reshare()
         while self.events and len(self.step_done) < self.steps:
-            self.now, _, kind, args = heapq.heappop(self.events)
+            t, _, kind, args = heapq.heappop(self.events)
+            if not any(e.groups for e in self.engines):
+                self.actor_idle_s += t - self.now
+            self.speed_s += (t - self.now) * self.speed
+            self.now = t
             getattr(self, "on_" + kind)(*args)
+            self.reshare()
         return self
+
+    # -- the host's cores, shared
+    def share(self) -> float:
+        """Every busy part's speed as a fraction of its speed alone: processor sharing of
+        ``cpu_cores`` among the runnable threads (1 where the parts have their own devices)."""
+        s = self.s
+        if not s.cpu_cores:
+            return 1.0
+        decoding = sum(e.decoding() for e in self.engines)
+        runnable = s.background_cpu + s.learner_cpu * self.training + s.engine_cpu * decoding
+        return min(1.0, s.cpu_cores / runnable) if runnable > 0 else 1.0
+
+    def reshare(self) -> None:
+        """After every event: the parts' speeds follow who is runnable now; the engines'
+        clocks and the learner's step are brought up to now at the old speed first."""
+        f = self.share()
+        if f == self.speed:
+            return
+        for e in self.engines:
+            e.advance(self.now)
+            e.speed = f
+            self.schedule(e)
+        if self.training:
+            self.train_left -= (self.now - self.train_t) * self.speed
+            self.train_t = self.now
+            self.train_epoch += 1
+            self.push(self.now + max(self.train_left, 0.0) / f, "train_done", self.train_epoch)
+        self.speed = f
 
     # -- actors: the throttle and the engines
     def capacity(self) -> int:
@@ -343,12 +404,10 @@ class AsyncSim:
 
     # -- weight updates
     def on_publish_done(self) -> None:
-        self.publishing = False
         for e in self.engines:
             e.target = self.version
             if not e.syncing:
                 self.begin_sync(e)
-        self.try_train()
         self.try_start()
 
     def begin_sync(self, e: Engine) -> None:
@@ -419,21 +478,30 @@ class AsyncSim:
                 tokens += m.tokens
             self.counts["trained"] += len(g.members)
         s = self.s
-        dt = s.train_fixed_s + tokens * s.train_token_s / s.trainers
         self.training = True
-        self.learner["train"] += dt
-        self.push(self.now + dt, "train_done")
+        self.train_left = s.train_fixed_s + tokens * s.train_token_s / s.trainers
+        self.train_t = self.train_began = self.now
+        self.train_epoch += 1
+        self.push(self.now + self.train_left / self.speed, "train_done", self.train_epoch)
         self.try_start()
 
-    def on_train_done(self) -> None:
+    def on_train_done(self, epoch: int) -> None:
+        if epoch != self.train_epoch:  # rescheduled by reshare
+            return
+        self.learner["train"] += self.now - self.train_began
         self.training, self.publishing = False, True
         self.version += 1
         self.step_done.append(self.now)
         s = self.s
         if s.bound == AUTO and self.version % s.auto_widen_after == 0:
             self.bound = min(self.bound + 1, s.auto_ceiling)  # healthy steps: widen
-        self.learner["publish"] += s.publish_s
+        self.learner["publish"] += s.publish_s + s.step_overhead_s
         self.push(self.now + s.publish_s, "publish_done")
+        self.push(self.now + s.publish_s + s.step_overhead_s, "learner_free")
+
+    def on_learner_free(self) -> None:
+        self.publishing = False
+        self.try_train()
 
     # -- figures
     def in_queue(self) -> int:
@@ -465,6 +533,8 @@ def async_figures(sim: AsyncSim, warmup: int) -> dict:
         "learner_train": sim.learner["train"] / span,
         "learner_publish": sim.learner["publish"] / span,
         "learner_wait": 1.0 - (sim.learner["train"] + sim.learner["publish"]) / span,
+        "actor_idle": sim.actor_idle_s / span,
+        "cpu_share": sim.speed_s / span,  # the parts' mean speed as a share of alone
         "run_seconds": span,
     }
 
@@ -760,140 +830,7 @@ def prediction_tables(quick: bool = False) -> dict:
     return {"best_split": best, "update_modes": modes}
 
 
-# ---- this machine: host I (Intel Xeon, 2 cores), one calibration set -------------------------
-@dataclass(frozen=True)
-class HostCosts:
-    """Per-part costs of the 2-core host, each from a measured figure (HOST_I_SOURCES)."""
-
-    engine_cap: int  # actor.engine.max_num_seqs
-    engine_step0: float  # vLLM-CPU decode step, fixed seconds
-    engine_step1: float  # and per sequence in the step
-    hf_step0: float  # the sync loop's HF generate step (padded), fixed seconds
-    hf_step1: float  # and per row
-    learner_fixed_s: float  # asyncrl's learner step (one thread, beside the engine)
-    learner_token_s: float
-    sync_train_fixed_s: float  # the sync loop's step_on_batch (every core)
-    sync_train_token_s: float
-    publish_s: float  # perf/publish_seconds
-    pause_s: float  # the engine's pause per update (broker/pause_seconds_max)
-    handoff_s: float  # a finished group's way to the queue (actor.handoff_linger_ms)
-    async_startup_s: float  # summary.json startup_seconds
-    async_shutdown_s: float  # the rest of the process's wall clock past the last step
-    sync_startup_s: float
-
-
-def host_setups(c: HostCosts) -> tuple[AsyncSetup, SyncSetup]:
-    a = AsyncSetup(
-        engines=1, cap=c.engine_cap, step0=c.engine_step0, step1=c.engine_step1, trainers=1,
-        train_fixed_s=c.learner_fixed_s, train_token_s=c.learner_token_s, publish_s=c.publish_s,
-        sync_fixed_s=c.pause_s, sync_bytes=0.0, sync_gbps=1.0, handoff_s=c.handoff_s,
-        startup_s=c.async_startup_s, shutdown_s=c.async_shutdown_s,
-    )  # fmt: skip
-    s = SyncSetup(
-        engines=1, cap=10**6, step0=c.hf_step0, step1=c.hf_step1, padded=True, trainers=1,
-        train_fixed_s=c.sync_train_fixed_s, train_token_s=c.sync_train_token_s,
-        startup_s=c.sync_startup_s,
-    )  # fmt: skip
-    return a, s
-
-
-def host_case(c: HostCosts, w: Workload, steps: int, total_steps: int, seed: int = 0) -> dict:
-    a, s = host_setups(c)
-    return compare(w, a, s, steps, seed, warmup=1, total_steps=total_steps)
-
-
-# ---- validation and the command line --------------------------------------------------------
-# One calibration set: every per-part cost of the fresh `--job tool --quick` pair
-# (2026-12-03 07:53-08:14, host I, commit dbf8d1b, load 11-15 from other sessions), read
-# from its sync_summary.json, summary.json and TensorBoard (medians over its 12 steps).
-TOOL_JOB = Workload(
-    batch_groups=8, group_size=8, prompt_tokens=10, turn_tokens=Lognormal(11, 20, 20),
-    calls_mean=0.73, max_calls=1, obs_tokens=5, env_s=Lognormal(0.3, 2.0),
-)  # fmt: skip
-HOST_I_SOURCES = {
-    "workload": "conf/env/calculator.yaml (8 x 8 episodes, 20 tokens a turn, 2 calls at most, "
-    "tool latency lognormal median 300 ms p99 2 s); one call or none (the env allows 2; tool_calls_mean 0.73, turns_mean 1.73, "
-    "22.5 generated tokens per episode), learner/batch_tokens 1856 (summary.json, TensorBoard)",
-    "engine_step": "perf/tokens_per_s_generated 1140 with perf/actor_idle_frac 0.0004: the "
-    "engine full at max_num_seqs 64, 56 ms a step; step0 0 (assumed: a 0.4M-parameter model "
-    "on a CPU has no weight-read floor worth its name)",
-    "hf_step": "sync generate_seconds_per_step 8.61 over this model's padded decode steps",
-    "learner": "perf/train_seconds 0.529 for 1856 tokens (one thread)",
-    "sync_train": "sync train_seconds_per_step 3.228 for 1856 tokens (two threads)",
-    "update": "perf/publish_seconds 0.023; broker/pause_seconds_max 0.076",
-    "handoff": "half of actor.handoff_linger_ms (100 ms)",
-    "startup": "startup_seconds 133.7; asyncrl total 159.0 s - 133.7 - 11 x 1.129 s/step: "
-    "shutdown 12.9 s; sync total 197.0 - 12 x 13.615: start-up 33.6 s",
-}
-
-
-def hf_step_from(w: Workload, gen_s: float) -> float:
-    """The HF decode step's seconds per row that makes this model's padded generation of
-    ``w`` last the measured ``gen_s`` a step."""
-    unit = SyncSetup(1, 10**6, 0.0, 1.0, True, 1, 0.0, 0.0)
-    return gen_s / sync_figures(w, unit, 20)["generate_seconds"]
-
-
-HOST_I = HostCosts(
-    engine_cap=64, engine_step0=0.0, engine_step1=0.056 / 64,
-    hf_step0=0.0, hf_step1=hf_step_from(TOOL_JOB, 8.614),
-    learner_fixed_s=0.0, learner_token_s=0.529 / 1856,
-    sync_train_fixed_s=0.0, sync_train_token_s=3.228 / 1856,
-    publish_s=0.023, pause_s=0.076, handoff_s=0.05,
-    async_startup_s=133.7, async_shutdown_s=12.9, sync_startup_s=33.6,
-)  # fmt: skip
-# The default job: 16 x 8 sums of two 2-digit numbers, answers of ~3 tokens (6 at most)
-DEFAULT_JOB = Workload(batch_groups=16, group_size=8, prompt_tokens=8,
-                       turn_tokens=Lognormal(3, 5, 6))  # fmt: skip
-# name -> (workload, steps of the run, its measured figures, where they are written)
-HOST_I_CASES = {
-    "tool --quick, 2026-12-03 (the calibration run)": (
-        TOOL_JOB, 12, {"ratio": 12.06, "total_ratio": 1.239},
-        "this session: python -m benchmarks.vs_sync --job tool --quick, load 11-12",
-    ),
-    "tool, 40 steps, 2026-12-02": (
-        dataclasses.replace(TOOL_JOB, calls_mean=0.85), 40, {"ratio": 5.62, "total_ratio": 2.04},
-        "docs/speed.md, 'The tool job' (21:23-21:29, load 3.4-10.2); calls_mean 0.85 (the run's "
-        "tool_calls_mean rising to ~0.95)",
-    ),
-    "default --quick, 2026-12-02": (
-        DEFAULT_JOB, 300, {"ratio": 0.37, "total_ratio": 0.23},
-        "docs/speed.md, 'A faster host' (09:33, load 1-3)",
-    ),
-}  # fmt: skip
-
-
-def case(
-    name: str, figure: str, predicted: float, measured: float, goal: float, source: str
-) -> dict:
-    return {"name": name, "figure": figure, "predicted": predicted, "measured": measured,
-            "error": abs(predicted - measured) / measured, "goal": goal, "source": source}  # fmt: skip
-
-
-def validate(quick: bool = False) -> dict:
-    """Every validation case from the one calibration set HOST_I (and, for the published
-    case, verl's stated parameters with this file's GPU assumptions)."""
-    cases = []
-    for job, (w, steps, measured, source) in HOST_I_CASES.items():
-        r = host_case(HOST_I, w, min(steps, 12 if quick else 40), steps)
-        cases.append(case(job, "ratio", r["ratio"], measured["ratio"], 0.15, source))
-        cases.append(
-            case(job, "total_ratio", r["total_ratio"], measured["total_ratio"], 0.15, source)
-        )
-    v = verl_case(steps=8 if quick else 14, scale=32 if quick else 8)
-    cases.append(case("verl fully-async 7B, 128 H20", "speedup", v["ratio"], VERL["speedup"],
-                      0.25, "verl docs/advance/fully_async.md, 128-card table"))  # fmt: skip
-    host = [c["error"] for c in cases if c["goal"] == 0.15]
-    return {
-        "calibration": {"host": "HOST_I", **dataclasses.asdict(HOST_I), "sources": HOST_I_SOURCES},
-        "cases": cases,
-        "max_error_host": max(host),
-        "max_error_published": cases[-1]["error"],
-        "verl_async_seconds_per_step": v["async"]["seconds_per_step"],
-        "verl_sync_seconds_per_step": v["sync"]["seconds_per_step"],
-    }
-
-
+# ---- the command line (this host's calibration and validation: benchmarks/simulate_host.py) ---
 def main() -> None:
     from benchmarks.common import emit_json, parser, print_table
 
@@ -901,6 +838,8 @@ def main() -> None:
     p.add_argument("--validate", action="store_true", help="predicted vs measured figures")
     args = p.parse_args()
     if args.validate:
+        from benchmarks.simulate_host import validate
+
         out = validate(args.quick)
         print_table("simulate: predicted vs measured (one calibration set)",
                     ["case", "figure", "predicted", "measured", "error", "goal"],

@@ -121,3 +121,51 @@ def test_validate_prints_one_json_line_of_cases():
         assert {"name", "figure", "predicted", "measured", "error", "goal"} <= set(case)
         assert case["predicted"] > 0 and case["error"] == pytest.approx(
             abs(case["predicted"] - case["measured"]) / case["measured"])  # fmt: skip
+
+
+# One episode of one 10-token turn a batch; the engine decodes one sequence at a time at
+# 0.1 s a token (1 s an episode alone) and the learner trains 10 tokens at 0.1 s each
+# (1 s a step alone); no publish, pause or hand-off time.
+ONE = Workload(batch_groups=1, group_size=1, prompt_tokens=0, turn_tokens=Lognormal(10, 10))
+ALONE = AsyncSetup(
+    engines=1, cap=1, step0=0.0, step1=0.1, trainers=1, train_fixed_s=0.0, train_token_s=0.1,
+    publish_s=0.0, sync_fixed_s=0.0, sync_bytes=0.0, sync_gbps=1.0,
+)  # fmt: skip
+
+
+def seconds_per_step(**kw) -> float:
+    sim = AsyncSim(ONE, dataclasses.replace(ALONE, **kw), steps=8, seed=0).run()
+    return async_figures(sim, warmup=2)["seconds_per_step"]
+
+
+def test_parts_sharing_one_core_take_turns_on_it():
+    # From the first step on, the learner trains batch k (1 s alone) while the engine
+    # decodes episode k + 1 (1 s alone): each on its own device, a step every 1 s.
+    assert seconds_per_step() == pytest.approx(1.0)
+    # Both on one core: two jobs of 1 s each, each at half speed, both end after 2 s.
+    assert seconds_per_step(cpu_cores=1) == pytest.approx(2.0)
+    # Two cores for two one-thread parts: nothing shared, 1 s again.
+    assert seconds_per_step(cpu_cores=2) == pytest.approx(1.0)
+    # Two cores, and one more core's worth always runnable (the driver, other users):
+    # 3 runnable on 2 cores, each at 2/3 speed, so 1 s of work takes 1.5 s.
+    assert seconds_per_step(cpu_cores=2, background_cpu=1) == pytest.approx(1.5)
+    # An engine whose processes keep 3 cores runnable, with the learner's 1, on 2 cores:
+    # speed 2/4 for both while both run, 2 s a step.
+    assert seconds_per_step(cpu_cores=2, engine_cpu=3) == pytest.approx(2.0)
+
+
+def test_the_step_overhead_adds_to_a_learner_bound_step():
+    # The learner trains 1 s, then the driver's 0.5 s between steps; the engine (1 s an
+    # episode) has the next batch ready by then: 1.5 s a step, 1/3 of it the learner idle
+    # from the engine's side (the engine waits on the throttle meanwhile, not the learner).
+    assert seconds_per_step(step_overhead_s=0.5) == pytest.approx(1.5)
+
+
+def test_uneven_sharing_reschedules_the_learner_mid_step():
+    # One core, episodes of 0.5 s alone (step1 0.05). The engine runs ahead until the
+    # throttle holds it (3 batches at bound 2), so each new version lets one episode
+    # start as the learner takes its next batch: both at half speed until the episode's
+    # 0.5 s of work is done, 1 s later (the learner 0.5 s into its 1 s), then the learner
+    # alone on the core for its last 0.5 s. A step every 1.5 s: all the work a step
+    # holds (1 + 0.5 s) on one core, none lost to the reschedule.
+    assert seconds_per_step(cpu_cores=1, step1=0.05) == pytest.approx(1.5, rel=1e-6)
