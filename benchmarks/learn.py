@@ -47,14 +47,16 @@ from benchmarks.common import (  # noqa: E402
 )
 
 # --tasks: name -> the task's overrides. chain_sum is reasoning-gym's (its generator and
-# its own scorer; 2-3 terms of 1-2 digits, so a 135M model starts above zero);
-# addition is asyncrl's own task in chat form, the one model=smollm2 trains by default.
+# its own scorer, which gives full credit to the bare number only): two terms of 1-2
+# digits, added or subtracted, and the system prompt of model=smollm2's addition, so that
+# a 135M model starts above zero (docs/models.md); addition is asyncrl's own task in chat
+# form, which model=smollm2 trains by default.
 TASKS: dict[str, list[str]] = {
     "chain_sum": [
         "task=reasoning_gym",
         "task.dataset=chain_sum",
-        "+task.config={min_terms: 2, max_terms: 3, min_digits: 1, max_digits: 2}",
-        "task.system='Reply with the result as a number only.'",
+        "+task.config={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 2}",
+        "task.system='You are a calculator. Reply with the result as a number only.'",
     ],
     "addition": [],
 }
