@@ -15,6 +15,7 @@ import torch.distributed as dist
 from asyncrl.transport.buckets import Manifest, unpack
 from asyncrl.transport.delta import BucketPlan, Kind, Mode, apply_sparse
 from asyncrl.transport.group import Heartbeat, TransferError, TransferGroup
+from asyncrl.transport.shm import MappedSegment, host_identity
 from asyncrl.transport.spec import HEADER_BUCKET, NO_VERSION
 from asyncrl.transport.wire import (
     INFLIGHT,
@@ -140,7 +141,7 @@ class WeightReceiver(SyncEnd):
         try:
             held = self.version if self.hold_copy else NO_VERSION
             layout = self.manifest.fingerprint if self.manifest is not None else ""
-            g.store.set(g.key("arrive", seq, g.rank), f"{held}|{layout}")
+            g.store.set(g.key("arrive", seq, g.rank), f"{held}|{layout}|{host_identity()}")
             header = self._header(None)[0]
         except Exception as e:  # noqa: BLE001 - store or collective: reported the same way
             raise self._failure(seq, None, HEADER_BUCKET, e) from e
@@ -165,6 +166,7 @@ class WeightReceiver(SyncEnd):
             "fp": header["fp"][s],
             "manifest": manifests[s] if manifests is not None else None,
             "plan": header["plan"][s],
+            "shm": header["shm"][s] if header.get("shm") else None,
         }
 
     def _receive_buckets(
@@ -179,9 +181,16 @@ class WeightReceiver(SyncEnd):
             g.store.set(g.key("fail", seq, g.rank), "protocol")  # alive, just refusing
             raise
         plans = [BucketPlan(Kind(k), nnz, 0) for k, nnz in header["plan"]]
+        refs = header.get("shm")
+        if refs is not None and not (isinstance(refs, list) and len(refs) == len(plans)):
+            g.store.set(g.key("fail", seq, g.rank), "protocol")
+            raise TransferError(
+                f"header's shared-memory references do not match its {len(plans)} buckets",
+                [0], HEADER_BUCKET, header["v"],
+            )  # fmt: skip
         progress = {"bucket": HEADER_BUCKET}
         try:
-            touched = self._payloads(targets, plans, progress)
+            touched = self._payloads(targets, plans, progress, refs)
         except Exception as e:  # noqa: BLE001
             self._drop()
             raise self._failure(seq, int(header["v"]), progress["bucket"], e) from e
@@ -216,9 +225,15 @@ class WeightReceiver(SyncEnd):
         ]
 
     def _payloads(
-        self, targets: list[torch.Tensor], plans: list[BucketPlan], progress: dict[str, int]
+        self,
+        targets: list[torch.Tensor],
+        plans: list[BucketPlan],
+        progress: dict[str, int],
+        refs: list | None = None,
     ) -> dict[int, set[str]]:
-        """Receive every non-skipped bucket, applying bucket i while i+1 is in flight."""
+        """Receive every non-skipped bucket, applying bucket i while i+1 is in flight;
+        a bucket with a shared-memory reference (``refs[i]``: [segment, offset, bytes]) is
+        read from its segment instead, straight into the held copy."""
         assert self.manifest is not None
         touched: dict[int, set[str]] = {}
         pending: deque[tuple[int, dist.Work, torch.Tensor]] = deque()
@@ -227,6 +242,9 @@ class WeightReceiver(SyncEnd):
             i, work, buf = pending.popleft()
             progress["bucket"] = i
             self._wait(work)
+            apply(i, buf)
+
+        def apply(i: int, buf: torch.Tensor) -> None:
             spec = self.manifest.buckets[i]
             if plans[i].kind is Kind.SPARSE:
                 idx = apply_sparse(targets[i], buf, plans[i].nnz)
@@ -249,6 +267,10 @@ class WeightReceiver(SyncEnd):
             progress["bucket"] = i
             if self.on_bucket is not None:
                 self.on_bucket(i)
+            if refs is not None and refs[i] is not None:
+                self._read_segment(refs[i], nbytes, buf)
+                apply(i, buf)
+                continue
             work = self._bcast(buf) if self.shard is None else self.group.pg.recv([buf], 0, i)
             pending.append((i, work, buf))
             if len(pending) >= INFLIGHT:
@@ -256,6 +278,16 @@ class WeightReceiver(SyncEnd):
         while pending:
             finish()
         return touched
+
+    @staticmethod
+    def _read_segment(ref: object, nbytes: int, buf: torch.Tensor) -> None:
+        """Copy bucket payload ``ref`` ([segment, offset, bytes]) into ``buf`` after checking
+        it against the mapping and the manifest's ``nbytes`` (a bad one raises, naming it)."""
+        if not (isinstance(ref, list) and len(ref) == 3) or ref[2] != nbytes:
+            raise TransferError(f"header's segment reference {str(ref)[:120]} is not {nbytes} B")
+        with MappedSegment(*ref) as view:
+            buf.copy_(view)
+        del view
 
     def _drop(self) -> None:
         self.version, self._buckets = NO_VERSION, None
