@@ -236,3 +236,14 @@ def test_a_bad_segment_reference_is_refused_before_reading(tmp_path):
     del flat, view
     arena.release()
     assert os.listdir(tmp_path) == []
+
+
+def test_broker_shm_is_checked_before_ray():
+    from asyncrl.broker.settings import SHM_MODES, BrokerSettings
+    from asyncrl.config import ConfigError
+    from asyncrl.transport.shm import MODES
+
+    assert SHM_MODES == MODES
+    assert BrokerSettings.defaults().shm in SHM_MODES
+    with pytest.raises(ConfigError, match=r"broker\.shm='tmpfs'"):
+        BrokerSettings.defaults(shm="tmpfs")

@@ -66,6 +66,7 @@ class SenderSide:
             shadow_device=s.shadow_device,
             max_versions=s.max_versions,
             model_config=model_config,
+            shm=s.shm,
         )
         return cls(broker_id, broker, endpoint, host)
 
@@ -114,4 +115,4 @@ class SenderSide:
             self.endpoint.close(key)
 
     def stop(self) -> None:
-        self.endpoint.close_all()
+        self.endpoint.release()
