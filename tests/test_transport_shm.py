@@ -20,7 +20,7 @@ import torch
 
 from asyncrl.transport.endpoint import ReceiverEndpoint, SenderEndpoint, digests
 from asyncrl.transport.group import TransferError
-from asyncrl.transport.shm import PREFIX, SHM_DIR, MappedSegment, SegmentError, ShmArena
+from asyncrl.transport.shm import PREFIX, SHM_DIR, SegmentError, ShmArena, map_segment
 from asyncrl.transport.spec import NO_VERSION, JoinSpec
 from benchmarks.weight_sync import adamw_step, lora_adapters, make_model, qwen2
 
@@ -216,8 +216,10 @@ def test_a_bad_segment_reference_is_refused_before_reading(tmp_path):
     flat.copy_(torch.arange(100, dtype=torch.uint8))
     (name,) = arena.names()
     assert (os.stat(tmp_path / name).st_mode & 0o777) == 0o600
-    with MappedSegment(name, 10, 5, str(tmp_path)) as view:
-        assert view.tolist() == [10, 11, 12, 13, 14]
+    assert map_segment(name, 10, 5, str(tmp_path)).tolist() == [10, 11, 12, 13, 14]
+    mine = map_segment(name, 0, 100, str(tmp_path), private=True)  # copy-on-write
+    mine[0] = 255
+    assert flat[0].item() == 0 and mine[0].item() == 255
     bad = [
         (("../../etc/passwd", 0, 1), "not a weight segment name"),
         ((name, 90, 20), "outside its 100 B"),
@@ -227,13 +229,11 @@ def test_a_bad_segment_reference_is_refused_before_reading(tmp_path):
     ]
     for args, line in bad:
         with pytest.raises(SegmentError, match=line):
-            with MappedSegment(*args, directory=str(tmp_path)):
-                pass
+            map_segment(*args, directory=str(tmp_path))
     os.chmod(tmp_path / name, 0o644)
     with pytest.raises(SegmentError, match="not 600"):
-        with MappedSegment(name, 0, 1, str(tmp_path)):
-            pass
-    del flat, view
+        map_segment(name, 0, 1, str(tmp_path))
+    del flat
     arena.release()
     assert os.listdir(tmp_path) == []
 

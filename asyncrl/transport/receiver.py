@@ -15,7 +15,7 @@ import torch.distributed as dist
 from asyncrl.transport.buckets import Manifest, unpack
 from asyncrl.transport.delta import BucketPlan, Kind, Mode, apply_sparse
 from asyncrl.transport.group import Heartbeat, TransferError, TransferGroup
-from asyncrl.transport.shm import MappedSegment, host_identity
+from asyncrl.transport.shm import host_identity, map_segment
 from asyncrl.transport.spec import HEADER_BUCKET, NO_VERSION
 from asyncrl.transport.wire import (
     INFLIGHT,
@@ -233,7 +233,9 @@ class WeightReceiver(SyncEnd):
     ) -> dict[int, set[str]]:
         """Receive every non-skipped bucket, applying bucket i while i+1 is in flight;
         a bucket with a shared-memory reference (``refs[i]``: [segment, offset, bytes]) is
-        read from its segment instead, straight into the held copy."""
+        read from its segment instead: a dense one becomes the held bucket itself (the
+        sender's segment mapped copy-on-write: no byte copied; a later delta copies only
+        the pages it writes), a sparse one is applied from its staged segment."""
         assert self.manifest is not None
         touched: dict[int, set[str]] = {}
         pending: deque[tuple[int, dist.Work, torch.Tensor]] = deque()
@@ -258,6 +260,7 @@ class WeightReceiver(SyncEnd):
 
         for i, plan in enumerate(plans):
             nbytes = payload_nbytes(self.manifest, i, plan)
+            spec = self.manifest.buckets[i]
             if plan.kind is Kind.SKIP or nbytes == 0:
                 continue
             if plan.kind is Kind.DENSE:
@@ -268,7 +271,11 @@ class WeightReceiver(SyncEnd):
             if self.on_bucket is not None:
                 self.on_bucket(i)
             if refs is not None and refs[i] is not None:
-                self._read_segment(refs[i], nbytes, buf)
+                ref = _checked_ref(refs[i], nbytes)
+                if plan.kind is Kind.DENSE:  # the sender's bucket itself, copy-on-write
+                    targets[i] = map_segment(*ref, private=True).view(spec.dtype)
+                else:
+                    buf.copy_(map_segment(*ref))
                 apply(i, buf)
                 continue
             work = self._bcast(buf) if self.shard is None else self.group.pg.recv([buf], 0, i)
@@ -279,15 +286,15 @@ class WeightReceiver(SyncEnd):
             finish()
         return touched
 
-    @staticmethod
-    def _read_segment(ref: object, nbytes: int, buf: torch.Tensor) -> None:
-        """Copy bucket payload ``ref`` ([segment, offset, bytes]) into ``buf`` after checking
-        it against the mapping and the manifest's ``nbytes`` (a bad one raises, naming it)."""
-        if not (isinstance(ref, list) and len(ref) == 3) or ref[2] != nbytes:
-            raise TransferError(f"header's segment reference {str(ref)[:120]} is not {nbytes} B")
-        with MappedSegment(*ref) as view:
-            buf.copy_(view)
-        del view
-
     def _drop(self) -> None:
         self.version, self._buckets = NO_VERSION, None
+
+
+def _checked_ref(ref: object, nbytes: int) -> list:
+    """A header's ``[segment, offset, bytes]`` for a payload the manifest says is ``nbytes``
+    (the segment itself is checked when mapped)."""
+    if not (isinstance(ref, list) and len(ref) == 3) or ref[2] != nbytes:
+        raise TransferError(f"header's segment reference {str(ref)[:120]} is not {nbytes} B")
+    if ref[1] % 8:  # bucket dtypes are at most 8 bytes wide
+        raise TransferError(f"header's segment reference {str(ref)[:120]} is misaligned")
+    return ref
