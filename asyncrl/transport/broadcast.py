@@ -53,7 +53,7 @@ from asyncrl.transport.delta import (
 from asyncrl.transport.group import Heartbeat, TransferError, TransferGroup, silent_ranks
 from asyncrl.transport.shm import ShmArena, host_identity
 from asyncrl.transport.spec import HEADER_BUCKET, NO_VERSION
-from asyncrl.transport.wire import INFLIGHT, SyncEnd, bucket_counts
+from asyncrl.transport.wire import ABANDONED, INFLIGHT, SyncEnd, bucket_counts
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ class WeightSender(SyncEnd):
             try:
                 self._payloads(packed, base, plans, progress, refs)
                 if _any(refs):
-                    self._await_acks(seq)
+                    self._await_acks(seq, progress)
             except Exception as e:  # noqa: BLE001
                 raise self._failure(seq, version, progress["bucket"], e) from e
         finally:
@@ -297,11 +297,15 @@ class WeightSender(SyncEnd):
                 self.shm.drop(name)
         self._staged = []
 
-    def _await_acks(self, seq: int) -> None:
-        """Wait until every receiver posted ``done`` (it read its segments); raises when
-        one reports a failure, goes silent, or the group's timeout passes."""
+    def _await_acks(self, seq: int, progress: dict[str, int]) -> None:
+        """Wait until every receiver claimed sync ``seq`` as read (``read/<seq>/<rank>``,
+        posted once it holds every segment's bytes); raises when one reports a failure,
+        goes silent or the group's timeout passes. Giving up abandons the receivers that
+        have not claimed it (the same key, atomically), so a late one fails instead of
+        finishing a sync the sender reported failed; ``progress`` then names the bucket
+        the first of them was at (``at/<seq>/<rank>``)."""
         g = self.group
-        pending = {r: g.key("done", seq, r) for r in range(1, g.world_size)}
+        pending = {r: g.key("read", seq, r) for r in range(1, g.world_size)}
         deadline = time.monotonic() + g.timeout_s
         if self._hb is not None:
             self._hb.enter("wait")
@@ -314,19 +318,37 @@ class WeightSender(SyncEnd):
                     pass
                 pending = {r: k for r, k in pending.items() if not g.has(k)}
                 failed = [r for r in pending if g.has(g.key("fail", seq, r))]
+                silent = silent_ranks(g, seq, pending) if not failed else []
                 if failed:
                     why = g.store.get(g.key("fail", seq, failed[0])).decode()
-                    raise RuntimeError(f"receiver(s) {failed} failed reading shared memory: {why}")
-                silent = silent_ranks(g, seq, pending)
-                if silent:
-                    raise RuntimeError(f"receiver(s) {silent} went silent reading shared memory")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
+                    problem = f"receiver(s) {failed} failed reading shared memory: {why}"
+                elif silent:
+                    problem = f"receiver(s) {silent} went silent reading shared memory"
+                elif time.monotonic() > deadline:
+                    problem = (
                         f"receiver(s) {sorted(pending)} did not finish within {g.timeout_s:.1f}s"
                     )
+                else:
+                    continue
+                late = self._abandon(pending)
+                if not late:  # every one claimed it in the meantime
+                    return
+                at = [g.store.get(g.key("at", seq, r)) for r in late if g.has(g.key("at", seq, r))]
+                progress["bucket"] = min((int(b) for b in at), default=HEADER_BUCKET)
+                raise RuntimeError(problem)
         finally:
             if self._hb is not None:
                 self._hb.enter("work")
+
+    def _abandon(self, pending: dict[int, str]) -> list[int]:
+        """Mark every still-pending receiver's claim ``abandoned`` unless it claimed the
+        sync first; returns the abandoned ranks."""
+        g = self.group
+        out = []
+        for r, key in pending.items():
+            if g.store.compare_set(key, "", ABANDONED).decode() == ABANDONED:
+                out.append(r)
+        return sorted(out)
 
     def _plan(
         self, packed: PackedModel, base_version: int, mode: Mode
@@ -384,7 +406,7 @@ class WeightSender(SyncEnd):
                         shard_refs = refs[s] if refs is not None else None
                         self._sends(packs[s], bases[s], plans[s], dsts[s], progress, shard_refs)
                     if any(_any(r) for r in refs or ()):
-                        self._await_acks(seq)
+                        self._await_acks(seq, progress)
                 except Exception as e:  # noqa: BLE001
                     raise self._failure(seq, version, progress["bucket"], e) from e
             finally:
@@ -519,7 +541,7 @@ class WeightSender(SyncEnd):
         self.held_layouts = {r: a[1] if len(a) > 1 else "" for r, a in arrived.items()}
         self.held_hosts = {r: a[2] if len(a) > 2 else "" for r, a in arrived.items()}
         for r in range(g.world_size):  # everyone is past seq-1 now: its keys can go
-            for kind in ("arrive", "done", "fail"):
+            for kind in ("arrive", "done", "fail", "read", "at"):
                 g.store.delete_key(g.key(kind, seq - 1, r))
         return held
 

@@ -18,6 +18,7 @@ from asyncrl.transport.group import Heartbeat, TransferError, TransferGroup
 from asyncrl.transport.shm import host_identity, map_segment
 from asyncrl.transport.spec import HEADER_BUCKET, NO_VERSION
 from asyncrl.transport.wire import (
+    ABANDONED,
     INFLIGHT,
     SyncEnd,
     bucket_counts,
@@ -191,6 +192,8 @@ class WeightReceiver(SyncEnd):
         progress = {"bucket": HEADER_BUCKET}
         try:
             touched = self._payloads(targets, plans, progress, refs)
+            if refs is not None and any(r is not None for r in refs):
+                self._claim(seq)
         except Exception as e:  # noqa: BLE001
             self._drop()
             raise self._failure(seq, int(header["v"]), progress["bucket"], e) from e
@@ -268,6 +271,8 @@ class WeightReceiver(SyncEnd):
             else:
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
             progress["bucket"] = i
+            if refs is not None and refs[i] is not None:
+                self.group.store.set(self.group.key("at", self._seq, self.group.rank), str(i))
             if self.on_bucket is not None:
                 self.on_bucket(i)
             if refs is not None and refs[i] is not None:
@@ -285,6 +290,12 @@ class WeightReceiver(SyncEnd):
         while pending:
             finish()
         return touched
+
+    def _claim(self, seq: int) -> None:
+        """Claim sync ``seq`` as read (same-host road), unless the sender gave up first."""
+        g = self.group
+        if g.store.compare_set(g.key("read", seq, g.rank), "", "read").decode() == ABANDONED:
+            raise RuntimeError("the sender gave up on this sync before this receiver read it")
 
     def _drop(self) -> None:
         self.version, self._buckets = NO_VERSION, None

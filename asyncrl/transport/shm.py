@@ -158,16 +158,23 @@ class ShmArena:
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
         path = os.path.join(self.directory, name)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(path, flags, 0o600)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as e:
+            self._say("open", f"weight sync: no segment in {self.directory} ({e}); the wire")
+            return None
         try:
             os.fchmod(fd, 0o600)  # whatever the umask
-            os.ftruncate(fd, nbytes)
+            # Reserve the pages now: a full tmpfs then fails here (ENOSPC), not as a
+            # SIGBUS when pack() writes through the mapping.
+            os.posix_fallocate(fd, 0, nbytes)
             mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError:
-            os.close(fd)
+        except OSError as e:
             os.unlink(path)
-            raise
-        os.close(fd)
+            self._say("map", f"weight sync: a {nbytes} B segment failed ({e}); the wire")
+            return None
+        finally:
+            os.close(fd)
         flat = torch.frombuffer(mm, dtype=torch.uint8)
         with self._lock:
             self._live[name] = nbytes
