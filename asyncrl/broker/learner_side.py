@@ -105,7 +105,7 @@ class SenderSide:
         return SendDone(
             key, True, stats.bytes_sent, stats.bytes_full, stats.buckets_skipped,
             stats.buckets_sparse, stats.seconds, bytes_per_rank=stats.bytes_per_rank,
-            shard_digests=stats.shard_digests,
+            shard_digests=stats.shard_digests, shm=stats.road == "shm",
         )  # fmt: skip
 
     def close(self, keys: tuple[str, ...] | None) -> None:
