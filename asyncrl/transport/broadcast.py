@@ -386,29 +386,9 @@ class WeightSender(SyncEnd):
             abort = self._version_mismatch(held, receiver_version)
             used, plans = self._plan_shards(packs, bases, dsts, mode)
             try:
-                refs = None
-                if abort is None and self._shm_road():
-                    refs = [self._shm_refs(p, b, pl) for p, b, pl in zip(packs, bases, plans,
-                                                                         strict=True)]  # fmt: skip
-                header = self._shard_header(
-                    version, receiver_version, used, packs, plans, abort, refs
+                header_bytes, refs = self._shards_sync(
+                    seq, version, receiver_version, used, packs, bases, plans, dsts, abort
                 )
-                try:
-                    header_bytes = self._header(header)[1]
-                except Exception as e:  # noqa: BLE001 - reported the same way as any collective
-                    raise self._failure(seq, version, HEADER_BUCKET, e) from e
-                if abort is not None:
-                    raise TransferError(abort[0], abort[1], HEADER_BUCKET, version)
-                self._peer_manifest = "|".join(header["fp"])
-                progress = {"bucket": HEADER_BUCKET}
-                try:
-                    for s in range(n):
-                        shard_refs = refs[s] if refs is not None else None
-                        self._sends(packs[s], bases[s], plans[s], dsts[s], progress, shard_refs)
-                    if any(_any(r) for r in refs or ()):
-                        self._await_acks(seq, progress)
-                except Exception as e:  # noqa: BLE001
-                    raise self._failure(seq, version, progress["bucket"], e) from e
             finally:
                 self._unstage()
             self.group.store.set(self.group.key("done", seq, 0), "1")
@@ -431,6 +411,35 @@ class WeightSender(SyncEnd):
             bytes_per_rank=header_bytes + max(per_shard, default=0),
             road="shm" if any(_any(r) for r in refs or ()) else "wire",
         )
+
+    def _shards_sync(
+        self, seq: int, version: int, base: int, used: Mode, packs: list[PackedModel],
+        bases: list[PackedModel | None], plans: list[list[BucketPlan]], dsts: list[list[int]],
+        abort: tuple[str, list[int]] | None,
+    ) -> tuple[int, list[ShmRefs | None] | None]:  # fmt: skip
+        """The header, then each shard's payloads (wire or shared memory); returns (header
+        bytes, the shards' shared-memory references or None)."""
+        refs = None
+        if abort is None and self._shm_road():
+            refs = [self._shm_refs(p, b, pl) for p, b, pl in zip(packs, bases, plans, strict=True)]
+        header = self._shard_header(version, base, used, packs, plans, abort, refs)
+        try:
+            header_bytes = self._header(header)[1]
+        except Exception as e:  # noqa: BLE001 - reported the same way as any collective
+            raise self._failure(seq, version, HEADER_BUCKET, e) from e
+        if abort is not None:
+            raise TransferError(abort[0], abort[1], HEADER_BUCKET, version)
+        self._peer_manifest = "|".join(header["fp"])
+        progress = {"bucket": HEADER_BUCKET}
+        try:
+            for s in range(len(packs)):
+                shard_refs = refs[s] if refs is not None else None
+                self._sends(packs[s], bases[s], plans[s], dsts[s], progress, shard_refs)
+            if any(_any(r) for r in refs or ()):
+                self._await_acks(seq, progress)
+        except Exception as e:  # noqa: BLE001
+            raise self._failure(seq, version, progress["bucket"], e) from e
+        return header_bytes, refs
 
     def _plan_shards(
         self,

@@ -263,7 +263,6 @@ class WeightReceiver(SyncEnd):
 
         for i, plan in enumerate(plans):
             nbytes = payload_nbytes(self.manifest, i, plan)
-            spec = self.manifest.buckets[i]
             if plan.kind is Kind.SKIP or nbytes == 0:
                 continue
             if plan.kind is Kind.DENSE:
@@ -271,16 +270,13 @@ class WeightReceiver(SyncEnd):
             else:
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
             progress["bucket"] = i
-            if refs is not None and refs[i] is not None:
+            ref = refs[i] if refs is not None else None
+            if ref is not None:
                 self.group.store.set(self.group.key("at", self._seq, self.group.rank), str(i))
             if self.on_bucket is not None:
                 self.on_bucket(i)
-            if refs is not None and refs[i] is not None:
-                ref = _checked_ref(refs[i], nbytes)
-                if plan.kind is Kind.DENSE:  # the sender's bucket itself, copy-on-write
-                    targets[i] = map_segment(*ref, private=True).view(spec.dtype)
-                else:
-                    buf.copy_(map_segment(*ref))
+            if ref is not None:
+                self._from_segment(targets, i, _checked_ref(ref, nbytes), plan.kind, buf)
                 apply(i, buf)
                 continue
             work = self._bcast(buf) if self.shard is None else self.group.pg.recv([buf], 0, i)
@@ -290,6 +286,17 @@ class WeightReceiver(SyncEnd):
         while pending:
             finish()
         return touched
+
+    def _from_segment(
+        self, targets: list[torch.Tensor], i: int, ref: list, kind: Kind, buf: torch.Tensor
+    ) -> None:
+        """Bucket ``i`` from shared memory: a dense one becomes the sender's segment itself,
+        mapped copy-on-write; a sparse payload is read into ``buf``."""
+        if kind is Kind.DENSE:
+            assert self.manifest is not None
+            targets[i] = map_segment(*ref, private=True).view(self.manifest.buckets[i].dtype)
+        else:
+            buf.copy_(map_segment(*ref))
 
     def _claim(self, seq: int) -> None:
         """Claim sync ``seq`` as read (same-host road), unless the sender gave up first."""
