@@ -13,13 +13,16 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import pytest
 import torch
 
+from asyncrl.transport.broadcast import WeightSender
 from asyncrl.transport.endpoint import ReceiverEndpoint, SenderEndpoint, digests
-from asyncrl.transport.group import TransferError
+from asyncrl.transport.group import TransferError, free_port, make_group
+from asyncrl.transport.receiver import WeightReceiver
 from asyncrl.transport.shm import PREFIX, SHM_DIR, SegmentError, ShmArena, map_segment
 from asyncrl.transport.spec import NO_VERSION, JoinSpec
 from benchmarks.weight_sync import adamw_step, lora_adapters, make_model, qwen2
@@ -247,3 +250,45 @@ def test_broker_shm_is_checked_before_ray():
     assert BrokerSettings.defaults().shm in SHM_MODES
     with pytest.raises(ConfigError, match=r"broker\.shm='tmpfs'"):
         BrokerSettings.defaults(shm="tmpfs")
+
+
+class _HostileSender(WeightSender):
+    """Names a range past the end of each bucket's segment in its header."""
+
+    def _shm_refs(self, packed, base, plans):
+        refs = super()._shm_refs(packed, base, plans)
+        return [[r[0], r[2], r[2]] if r is not None else None for r in refs or []]
+
+
+def _receive_into(port: int, out: list) -> None:
+    group = make_group(HOST, port, 1, 2, 5.0, backend="gloo", join_timeout_s=JOIN_S)
+    try:
+        WeightReceiver(group).receive()
+        out.append(None)
+    except TransferError as e:
+        out.append(e)
+    finally:
+        group.close()
+
+
+def test_a_hostile_header_fails_the_sync_on_both_ends_with_one_line():
+    """A header whose segment range lies outside the segment: the receiver refuses it
+    before reading (its TransferError says so) and the sender's sync fails naming it."""
+    port, got = free_port(HOST), []
+    thread = threading.Thread(target=_receive_into, args=(port, got), daemon=True)
+    thread.start()
+    arena = ShmArena()
+    try:
+        group = make_group(HOST, port, 0, 2, 5.0, backend="gloo", join_timeout_s=JOIN_S)
+        sender = _HostileSender(group, bucket_mb=1.0, shm=arena)
+        model = make_model(2_000_000)
+        with pytest.raises(TransferError) as sent:
+            sender.send(0, zip(map(str, range(len(model))), model), mode="full")
+        group.close()
+    finally:
+        thread.join(timeout=30)
+        arena.release()
+    (err,) = got
+    assert isinstance(err, TransferError) and "outside its" in str(err), err
+    assert sent.value.peer_ranks == (1,) and "outside its" in str(sent.value), sent.value
+    assert _ours() == set()

@@ -190,8 +190,9 @@ class WeightSender(SyncEnd):
         """``version`` packed into buckets: from the stream (stored as its shadow),
         or the shadow stored before."""
         if named_tensors is not None:
+            alloc = self.shm.alloc if self.shm is not None else None
             return self.shadows.put(
-                version, pack(named_tensors, self.bucket_mb, self.shadow_device)
+                version, pack(named_tensors, self.bucket_mb, self.shadow_device, alloc=alloc)
             )
         packed = self.shadows.get(version)
         if packed is None:
