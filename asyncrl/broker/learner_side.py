@@ -66,6 +66,7 @@ class SenderSide:
             shadow_device=s.shadow_device,
             max_versions=s.max_versions,
             model_config=model_config,
+            shm=s.shm,
         )
         return cls(broker_id, broker, endpoint, host)
 
@@ -104,7 +105,7 @@ class SenderSide:
         return SendDone(
             key, True, stats.bytes_sent, stats.bytes_full, stats.buckets_skipped,
             stats.buckets_sparse, stats.seconds, bytes_per_rank=stats.bytes_per_rank,
-            shard_digests=stats.shard_digests,
+            shard_digests=stats.shard_digests, shm=stats.road == "shm",
         )  # fmt: skip
 
     def close(self, keys: tuple[str, ...] | None) -> None:
@@ -114,4 +115,4 @@ class SenderSide:
             self.endpoint.close(key)
 
     def stop(self) -> None:
-        self.endpoint.close_all()
+        self.endpoint.release()

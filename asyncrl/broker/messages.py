@@ -102,6 +102,7 @@ class SendDone:
     bucket: int | None = None
     bytes_per_rank: int = 0  # what one engine worker received (its shard when resharded)
     shard_digests: list[dict[str, str]] | None = None  # resharded, asked: per engine TP rank
+    shm: bool = False  # the payloads went through shared memory (transport/shm.py)
     kind: str = "send_done"
 
     @classmethod

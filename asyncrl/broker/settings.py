@@ -19,6 +19,9 @@ PAYLOAD_MODES = ("full", "changed_buckets", "sparse_delta")
 # how an actor hands a sync to its engine's workers: asyncrl's worker extension
 # (asyncrl_sync), or vLLM's weight-update API over asyncrl's transfer backend
 ENGINE_APIS = ("asyncrl", "vllm")
+# transport.shm.MODES, spelled out so that checking a config needs no torch: shared
+# memory for receivers on the learner's host (auto) or the group's wire only (off)
+SHM_MODES = ("auto", "off")
 
 
 class BrokerKind(enum.StrEnum):
@@ -48,6 +51,7 @@ class BrokerSettings(Settings):
     prime: bool = setting()  # at start, sync version 0 (fails fast; later syncs are deltas)
     verify: bool = setting()  # per-tensor sha256 on both ends every sync (tests, debugging)
     reshard: bool = setting()  # a tensor-parallel engine's workers each get only their shard
+    shm: str = setting()  # auto: same-host receivers read the buckets from /dev/shm | off
     host: str | None = setting()  # learner address the workers connect to; null = its node IP
 
     def check(self) -> None:
@@ -68,6 +72,8 @@ class BrokerSettings(Settings):
             bad("shadow_device", "expected null, cpu or cuda")
         if not self.hold_copy and self.mode != "full":
             bad("mode", "partial modes need broker.hold_copy=true (the receiver's base)")
+        if self.shm not in SHM_MODES:
+            bad("shm", f"expected one of {SHM_MODES}")
         if self.engine_api not in ENGINE_APIS:
             bad("engine_api", f"expected one of {ENGINE_APIS}")
         if self.kind == BrokerKind.GLOO and self.engine_api == "vllm" and self.mode != "full":

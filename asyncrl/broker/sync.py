@@ -45,6 +45,7 @@ class SyncTally:
     hops: dict[str, float] = field(default_factory=dict)
     t_ordered: float = 0.0  # wall clock: the last set's orders went to its actors
     sets: int = 0
+    shm_sets: int = 0  # sets whose payloads went through shared memory
     updated: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -58,6 +59,7 @@ class SyncTally:
             self.buckets_skipped += sender.buckets_skipped
             self.buckets_sparse += sender.buckets_sparse
             self.transfer_seconds += sender.seconds
+            self.shm_sets += sender.shm
 
     def add_actor(self, res: Reloaded, t_back: float) -> None:
         """Count one actor's successful update from its answer (``t_back``: when it came)."""
@@ -90,6 +92,7 @@ class SyncTally:
             "broker/reload_seconds": self.reload_max,
             **{f"broker/hop/{k}_seconds": v for k, v in self.hops.items()},
             "broker/sets": float(self.sets),
+            "broker/shm_sets": float(self.shm_sets),
             "broker/actors_updated": float(self.updated),
             "broker/errors": float(len(self.errors)),
             "broker/dead": float(dead),

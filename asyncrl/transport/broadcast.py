@@ -15,6 +15,13 @@ One sync, as both sides see it (rank 0 = :class:`WeightSender`, here; ranks 1..N
                                                sparse: scatter (idx, values) into it
                                              post done/<seq>; return (v, named views)
 
+When every receiver posted this host's identity with its arrival and the sender has a
+:class:`~asyncrl.transport.shm.ShmArena` (gloo groups only), the payloads take the
+same-host road instead (asyncrl/transport/shm.py): the header names, per bucket, the
+shared-memory segment holding its payload, no payload crosses the wire, and the sender
+waits for every receiver's ``done`` before it returns (and unlinks this sync's staged
+segments). Buckets without a segment still go over the wire, in order.
+
 Receivers of one group must hold the same version for a sync: the broker
 groups receivers by version (one group per sync set) and :meth:`WeightSender.send`
 checks the arrivals, aborting the sync cleanly (header with a reason, group
@@ -25,6 +32,7 @@ still usable) when they disagree. A failed collective or a deadline raises
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -42,9 +50,16 @@ from asyncrl.transport.delta import (
     encode_sparse,
     plan_bucket,
 )
-from asyncrl.transport.group import Heartbeat, TransferError, TransferGroup
+from asyncrl.transport.group import Heartbeat, TransferError, TransferGroup, silent_ranks
+from asyncrl.transport.shm import ShmArena, host_identity
 from asyncrl.transport.spec import HEADER_BUCKET, NO_VERSION
-from asyncrl.transport.wire import INFLIGHT, SyncEnd, bucket_counts
+from asyncrl.transport.wire import ABANDONED, INFLIGHT, SyncEnd, bucket_counts
+
+log = logging.getLogger(__name__)
+
+# A bucket's place on the same-host road: [segment name, byte offset, bytes], or None
+# where the bucket goes over the wire (or is skipped).
+ShmRefs = list[list | None]
 
 
 @dataclass
@@ -68,6 +83,7 @@ class SendStats:
     # what one engine worker received: everything broadcast, or its own shard (resharded)
     bytes_per_rank: int = 0
     shard_digests: list[dict[str, str]] | None = None  # resharded, when asked: per shard
+    road: str = "wire"  # "shm": payloads read from shared memory (transport/shm.py)
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -87,7 +103,9 @@ class WeightSender(SyncEnd):
     ``shadows`` may be shared by several senders (one per receiver group) on the
     same rank; by default each sender keeps its own. Shadows live on
     ``shadow_device`` (default: the group's device; ``"cpu"`` trades a host copy
-    per bucket for GPU memory).
+    per bucket for GPU memory). ``shm``: the arena whose segments hold the shadows'
+    buckets; with it, a sync whose receivers are all on this host takes the
+    same-host road (module docstring).
     """
 
     def __init__(
@@ -96,6 +114,7 @@ class WeightSender(SyncEnd):
         shadows: ShadowStore | None = None,
         bucket_mb: float = DEFAULT_BUCKET_MB,
         shadow_device: torch.device | str | None = None,
+        shm: ShmArena | None = None,
     ):
         if group.rank != 0:
             raise ValueError(f"WeightSender must be rank 0 of its group, got rank {group.rank}")
@@ -107,6 +126,11 @@ class WeightSender(SyncEnd):
         )
         self._peer_manifest: str | None = None  # fingerprint the receivers already have
         self.held_layouts: dict[int, str] = {}  # rank -> fingerprint of its held copy
+        self.held_hosts: dict[int, str] = {}  # rank -> the host identity it posted
+        self.shm = shm
+        self._road_said: str | None = None  # the last road decision logged
+        # this sync's own segments (sparse payloads), held so they live until unstaged
+        self._staged: list[tuple[str, torch.Tensor]] = []
 
     @torch.no_grad()
     def send(
@@ -138,7 +162,7 @@ class WeightSender(SyncEnd):
         with Heartbeat(self.group) as self._hb:
             held = self._arrivals(seq, version, arrive_timeout_s or self.group.timeout_s)
             t2 = time.perf_counter()
-            base_version, used, plans, header_bytes = self._sync(
+            base_version, used, plans, header_bytes, road = self._sync(
                 seq, version, packed, held, receiver_version, mode
             )
         t3 = time.perf_counter()
@@ -157,6 +181,7 @@ class WeightSender(SyncEnd):
             seconds=t3 - t2,
             gbps=sent / max(t3 - t2, 1e-9) / 1e9,
             bytes_per_rank=sent,
+            road=road,
         )
 
     def _packed(
@@ -165,8 +190,9 @@ class WeightSender(SyncEnd):
         """``version`` packed into buckets: from the stream (stored as its shadow),
         or the shadow stored before."""
         if named_tensors is not None:
+            alloc = self.shm.alloc if self.shm is not None else None
             return self.shadows.put(
-                version, pack(named_tensors, self.bucket_mb, self.shadow_device)
+                version, pack(named_tensors, self.bucket_mb, self.shadow_device, alloc=alloc)
             )
         packed = self.shadows.get(version)
         if packed is None:
@@ -183,29 +209,147 @@ class WeightSender(SyncEnd):
         held: dict[int, int],
         receiver_version: int | None,
         mode: Mode,
-    ) -> tuple[int, Mode, list[BucketPlan], int]:
+    ) -> tuple[int, Mode, list[BucketPlan], int, str]:
         """The header, then the payloads, to receivers holding ``held`` (rank ->
-        version). Returns (base version, mode used, per-bucket plans, header bytes)."""
+        version). Returns (base version, mode used, per-bucket plans, header bytes, road)."""
         g = self.group
         abort = self._version_mismatch(held, receiver_version)
         # No receivers (a group of one, for smoke tests): the caller says what they hold.
         base_version = next(iter(held.values()), _or_none(receiver_version))
         used, plans = self._plan(packed, base_version, mode) if abort is None else (Mode.FULL, [])
-        header = self._make_header(version, base_version, used, packed.manifest, plans, abort)
+        base = self.shadows.get(base_version)
         try:
-            header_bytes = self._header(header)[1]
-        except Exception as e:  # noqa: BLE001 - any collective failure is reported the same way
-            raise self._failure(seq, version, HEADER_BUCKET, e) from e
-        if abort is not None:  # receivers saw the reason too; the group stays usable
-            raise TransferError(abort[0], abort[1], HEADER_BUCKET, version)
-        self._peer_manifest = packed.manifest.fingerprint
-        progress = {"bucket": HEADER_BUCKET}
-        try:
-            self._payloads(packed, self.shadows.get(base_version), plans, progress)
-        except Exception as e:  # noqa: BLE001
-            raise self._failure(seq, version, progress["bucket"], e) from e
+            refs = self._shm_refs(packed, base, plans) if abort is None else None
+            header = self._make_header(
+                version, base_version, used, packed.manifest, plans, abort, refs
+            )
+            try:
+                header_bytes = self._header(header)[1]
+            except Exception as e:  # noqa: BLE001 - any collective failure is reported the same way
+                raise self._failure(seq, version, HEADER_BUCKET, e) from e
+            if abort is not None:  # receivers saw the reason too; the group stays usable
+                raise TransferError(abort[0], abort[1], HEADER_BUCKET, version)
+            self._peer_manifest = packed.manifest.fingerprint
+            progress = {"bucket": HEADER_BUCKET}
+            try:
+                self._payloads(packed, base, plans, progress, refs)
+                if _any(refs):
+                    self._await_acks(seq, progress)
+            except Exception as e:  # noqa: BLE001
+                raise self._failure(seq, version, progress["bucket"], e) from e
+        finally:
+            self._unstage()
         g.store.set(g.key("done", seq, 0), "1")
-        return base_version, used, plans, header_bytes
+        return base_version, used, plans, header_bytes, "shm" if _any(refs) else "wire"
+
+    # ---- the same-host road (asyncrl/transport/shm.py) --------------------------------
+    def _shm_road(self) -> bool:
+        """Whether this sync may use shared memory; a change of answer is logged once."""
+        if self.shm is None:
+            return False
+        me = host_identity()
+        away = sorted(r for r, h in self.held_hosts.items() if not me or h != me)
+        if self.group.backend != "gloo":
+            why: str | None = (
+                f"the group runs {self.group.backend}, shared memory is for CPU buckets"
+            )
+        elif away:
+            why = f"receiver rank(s) {away} are not provably on this host (host identity differs)"
+        else:
+            why = None
+        said = why or "shared memory"
+        if said != self._road_said:
+            self._road_said = said
+            if why is None:
+                log.info(
+                    "weight sync (port %d): shared memory, receivers on this host", self.group.port
+                )
+            else:
+                log.warning("weight sync (port %d): over %s, not shared memory: %s",
+                            self.group.port, self.group.backend, why)  # fmt: skip
+        return why is None
+
+    def _shm_refs(
+        self, packed: PackedModel, base: PackedModel | None, plans: list[BucketPlan]
+    ) -> ShmRefs | None:
+        """Per bucket, where a receiver reads its payload: the shadow's own segment (dense),
+        or a segment staged for this sync (sparse); None for skipped buckets and buckets
+        without a segment (they go over the wire). None overall: the wire for all."""
+        if not self._shm_road():
+            return None
+        assert self.shm is not None
+        refs: ShmRefs = []
+        for i, plan in enumerate(plans):
+            ref = None
+            if plan.kind is Kind.DENSE and plan.nbytes > 0:
+                seg = self.shm.segment_of(packed.buckets[i])
+                ref = [seg[0], 0, seg[1]] if seg is not None else None
+            elif plan.kind is Kind.SPARSE and plan.nbytes > 0:
+                staged = self.shm.stage(self._encode(packed, base, i, plan))
+                if staged is not None:
+                    self._staged.append(staged)
+                    ref = [staged[0], 0, plan.nbytes]
+            refs.append(ref)
+        return refs
+
+    def _unstage(self) -> None:
+        if self.shm is not None:
+            for name, _ in self._staged:
+                self.shm.drop(name)
+        self._staged = []
+
+    def _await_acks(self, seq: int, progress: dict[str, int]) -> None:
+        """Wait until every receiver claimed sync ``seq`` as read (``read/<seq>/<rank>``,
+        posted once it holds every segment's bytes); raises when one reports a failure,
+        goes silent or the group's timeout passes. Giving up abandons the receivers that
+        have not claimed it (the same key, atomically), so a late one fails instead of
+        finishing a sync the sender reported failed; ``progress`` then names the bucket
+        the first of them was at (``at/<seq>/<rank>``)."""
+        g = self.group
+        pending = {r: g.key("read", seq, r) for r in range(1, g.world_size)}
+        deadline = time.monotonic() + g.timeout_s
+        if self._hb is not None:
+            self._hb.enter("wait")
+        try:
+            while pending:
+                try:
+                    g.store.wait(list(pending.values()), datetime.timedelta(seconds=_ACK_POLL_S))
+                    return
+                except Exception:  # noqa: BLE001 - the store's timeout; a broken store fails below
+                    pass
+                pending = {r: k for r, k in pending.items() if not g.has(k)}
+                failed = [r for r in pending if g.has(g.key("fail", seq, r))]
+                silent = silent_ranks(g, seq, pending) if not failed else []
+                if failed:
+                    why = g.store.get(g.key("fail", seq, failed[0])).decode()
+                    problem = f"receiver(s) {failed} failed reading shared memory: {why}"
+                elif silent:
+                    problem = f"receiver(s) {silent} went silent reading shared memory"
+                elif time.monotonic() > deadline:
+                    problem = (
+                        f"receiver(s) {sorted(pending)} did not finish within {g.timeout_s:.1f}s"
+                    )
+                else:
+                    continue
+                late = self._abandon(pending)
+                if not late:  # every one claimed it in the meantime
+                    return
+                at = [g.store.get(g.key("at", seq, r)) for r in late if g.has(g.key("at", seq, r))]
+                progress["bucket"] = min((int(b) for b in at), default=HEADER_BUCKET)
+                raise RuntimeError(problem)
+        finally:
+            if self._hb is not None:
+                self._hb.enter("work")
+
+    def _abandon(self, pending: dict[int, str]) -> list[int]:
+        """Mark every still-pending receiver's claim ``abandoned`` unless it claimed the
+        sync first; returns the abandoned ranks."""
+        g = self.group
+        out = []
+        for r, key in pending.items():
+            if g.store.compare_set(key, "", ABANDONED).decode() == ABANDONED:
+                out.append(r)
+        return sorted(out)
 
     def _plan(
         self, packed: PackedModel, base_version: int, mode: Mode
@@ -242,20 +386,12 @@ class WeightSender(SyncEnd):
             t2 = time.perf_counter()
             abort = self._version_mismatch(held, receiver_version)
             used, plans = self._plan_shards(packs, bases, dsts, mode)
-            header = self._shard_header(version, receiver_version, used, packs, plans, abort)
             try:
-                header_bytes = self._header(header)[1]
-            except Exception as e:  # noqa: BLE001 - reported the same way as any collective
-                raise self._failure(seq, version, HEADER_BUCKET, e) from e
-            if abort is not None:
-                raise TransferError(abort[0], abort[1], HEADER_BUCKET, version)
-            self._peer_manifest = "|".join(header["fp"])
-            progress = {"bucket": HEADER_BUCKET}
-            try:
-                for s in range(n):
-                    self._sends(packs[s], bases[s], plans[s], dsts[s], progress)
-            except Exception as e:  # noqa: BLE001
-                raise self._failure(seq, version, progress["bucket"], e) from e
+                header_bytes, refs = self._shards_sync(
+                    seq, version, receiver_version, used, packs, bases, plans, dsts, abort
+                )
+            finally:
+                self._unstage()
             self.group.store.set(self.group.key("done", seq, 0), "1")
         t3 = time.perf_counter()
         per_shard = [sum(b.nbytes for b in pl) for pl in plans]
@@ -274,7 +410,37 @@ class WeightSender(SyncEnd):
             seconds=t3 - t2,
             gbps=sent / max(t3 - t2, 1e-9) / 1e9,
             bytes_per_rank=header_bytes + max(per_shard, default=0),
+            road="shm" if any(_any(r) for r in refs or ()) else "wire",
         )
+
+    def _shards_sync(
+        self, seq: int, version: int, base: int, used: Mode, packs: list[PackedModel],
+        bases: list[PackedModel | None], plans: list[list[BucketPlan]], dsts: list[list[int]],
+        abort: tuple[str, list[int]] | None,
+    ) -> tuple[int, list[ShmRefs | None] | None]:  # fmt: skip
+        """The header, then each shard's payloads (wire or shared memory); returns (header
+        bytes, the shards' shared-memory references or None)."""
+        refs = None
+        if abort is None and self._shm_road():
+            refs = [self._shm_refs(p, b, pl) for p, b, pl in zip(packs, bases, plans, strict=True)]
+        header = self._shard_header(version, base, used, packs, plans, abort, refs)
+        try:
+            header_bytes = self._header(header)[1]
+        except Exception as e:  # noqa: BLE001 - reported the same way as any collective
+            raise self._failure(seq, version, HEADER_BUCKET, e) from e
+        if abort is not None:
+            raise TransferError(abort[0], abort[1], HEADER_BUCKET, version)
+        self._peer_manifest = "|".join(header["fp"])
+        progress = {"bucket": HEADER_BUCKET}
+        try:
+            for s in range(len(packs)):
+                shard_refs = refs[s] if refs is not None else None
+                self._sends(packs[s], bases[s], plans[s], dsts[s], progress, shard_refs)
+            if any(_any(r) for r in refs or ()):
+                self._await_acks(seq, progress)
+        except Exception as e:  # noqa: BLE001
+            raise self._failure(seq, version, progress["bucket"], e) from e
+        return header_bytes, refs
 
     def _plan_shards(
         self,
@@ -302,8 +468,10 @@ class WeightSender(SyncEnd):
         packs: list[PackedModel],
         plans: list[list[BucketPlan]],
         abort: tuple[str, list[int]] | None,
+        shm: list[ShmRefs | None] | None = None,
     ) -> dict:
-        """Every shard's fingerprint, manifest (once per group and layout) and plan."""
+        """Every shard's fingerprint, manifest (once per group and layout), plan and
+        shared-memory references."""
         fps = [p.manifest.fingerprint for p in packs]
         known = self._peer_manifest == "|".join(fps)
         return {
@@ -315,6 +483,7 @@ class WeightSender(SyncEnd):
             "manifest": None if known else [p.manifest.to_bytes().decode() for p in packs],
             "plan": [[[int(b.kind), b.nnz] for b in pl] for pl in plans],
             "abort": abort[0] if abort is not None else None,
+            "shm": shm,
         }
 
     def _sends(
@@ -324,11 +493,13 @@ class WeightSender(SyncEnd):
         plans: list[BucketPlan],
         dsts: list[int],
         progress: dict[str, int],
+        refs: ShmRefs | None = None,
     ) -> None:
-        """Send one shard's non-skipped buckets to each of ``dsts`` (tag: bucket index)."""
+        """Send one shard's non-skipped buckets not in shared memory to each of ``dsts``
+        (tag: bucket index)."""
         pending: deque[tuple[int, dist.Work, torch.Tensor]] = deque()
         for i, plan in enumerate(plans):
-            if plan.kind is Kind.SKIP or plan.nbytes == 0:
+            if plan.kind is Kind.SKIP or plan.nbytes == 0 or (refs and refs[i] is not None):
                 continue
             payload = self._encode(packed, base, i, plan)
             progress["bucket"] = i
@@ -378,8 +549,9 @@ class WeightSender(SyncEnd):
         held = {r: int(a[0]) for r, a in arrived.items()}
         # the bucket layout each holds: a delta applies only onto the same layout
         self.held_layouts = {r: a[1] if len(a) > 1 else "" for r, a in arrived.items()}
+        self.held_hosts = {r: a[2] if len(a) > 2 else "" for r, a in arrived.items()}
         for r in range(g.world_size):  # everyone is past seq-1 now: its keys can go
-            for kind in ("arrive", "done", "fail"):
+            for kind in ("arrive", "done", "fail", "read", "at"):
                 g.store.delete_key(g.key(kind, seq - 1, r))
         return held
 
@@ -404,6 +576,7 @@ class WeightSender(SyncEnd):
         manifest: Manifest,
         plans: list[BucketPlan],
         abort: tuple[str, list[int]] | None,
+        shm: ShmRefs | None = None,
     ) -> dict:
         fp = manifest.fingerprint
         return {
@@ -415,6 +588,7 @@ class WeightSender(SyncEnd):
             "manifest": manifest.to_bytes().decode() if fp != self._peer_manifest else None,
             "plan": [[int(p.kind), p.nnz] for p in plans],
             "abort": abort[0] if abort is not None else None,
+            "shm": shm,
         }
 
     def _payloads(
@@ -423,11 +597,13 @@ class WeightSender(SyncEnd):
         base: PackedModel | None,
         plans: list[BucketPlan],
         progress: dict[str, int],
+        refs: ShmRefs | None = None,
     ) -> None:
-        """Broadcast every non-skipped bucket, encoding bucket i+1 while i is in flight."""
+        """Broadcast every non-skipped bucket not in shared memory, encoding bucket i+1
+        while i is in flight."""
         pending: deque[tuple[int, dist.Work, torch.Tensor]] = deque()
         for i, plan in enumerate(plans):
-            if plan.kind is Kind.SKIP or plan.nbytes == 0:
+            if plan.kind is Kind.SKIP or plan.nbytes == 0 or (refs and refs[i] is not None):
                 continue
             payload = self._encode(packed, base, i, plan)
             progress["bucket"] = i
@@ -443,6 +619,16 @@ class WeightSender(SyncEnd):
         i, work, _ = pending.popleft()  # the payload rides along so it outlives its collective
         progress["bucket"] = i
         self._wait(work)
+
+
+# How often the sender looks at the receivers' acknowledgements and heartbeats while they
+# read shared memory (the store's wait wakes at once when every ``done`` is there).
+_ACK_POLL_S = 0.5
+
+
+def _any(refs: ShmRefs | None) -> bool:
+    """Whether any bucket of a sync is read from shared memory."""
+    return refs is not None and any(r is not None for r in refs)
 
 
 def _or_none(version: int | None) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -121,7 +121,9 @@ class BucketPacker:
     copied to ``device`` as it arrives (for streams whose tensors are only valid
     until the next item, like an FSDP unshard; costs a second copy per byte).
     ``finish`` closes the open buckets in the order their dtypes first appeared;
-    the result depends only on the stream's metadata.
+    the result depends only on the stream's metadata. ``alloc(numel, dtype)`` (CPU only)
+    makes each bucket's buffer (shared memory: asyncrl/transport/shm.py); default
+    ``torch.empty``.
     """
 
     def __init__(
@@ -129,12 +131,14 @@ class BucketPacker:
         bucket_mb: float = DEFAULT_BUCKET_MB,
         device: torch.device | str = "cpu",
         copy_inputs: bool = False,
+        alloc: Callable[[int, torch.dtype], torch.Tensor] | None = None,
     ):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         self.bucket_bytes = int(bucket_mb * _MB)
         self.device = torch.device(device)
         self.copy_inputs = copy_inputs
+        self.alloc = alloc if self.device.type == "cpu" else None
         self._open: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
         self._open_numel: dict[torch.dtype, int] = {}
         self._specs: list[BucketSpec] = []
@@ -170,7 +174,10 @@ class BucketPacker:
         for name, t in items:
             entries.append(Entry(name, tuple(t.shape), offset))
             offset += t.numel()
-        flat = torch.empty(offset, dtype=dtype, device=self.device)
+        if self.alloc is not None:
+            flat = self.alloc(offset, dtype)
+        else:
+            flat = torch.empty(offset, dtype=dtype, device=self.device)
         for entry, (_, t) in zip(entries, items, strict=True):
             # view(shape).copy_ accepts non-contiguous and cross-device sources without a temp.
             flat[entry.offset : entry.offset + entry.numel].view(entry.shape).copy_(t)
@@ -183,9 +190,11 @@ def pack(
     bucket_mb: float = DEFAULT_BUCKET_MB,
     device: torch.device | str = "cpu",
     copy_inputs: bool = False,
+    alloc: Callable[[int, torch.dtype], torch.Tensor] | None = None,
 ) -> PackedModel:
-    """Consume a ``(name, tensor)`` stream (a generator is fine) into flat buckets."""
-    packer = BucketPacker(bucket_mb, device, copy_inputs)
+    """Consume a ``(name, tensor)`` stream (a generator is fine) into flat buckets
+    (``alloc``: see :class:`BucketPacker`)."""
+    packer = BucketPacker(bucket_mb, device, copy_inputs, alloc)
     for name, tensor in named_tensors:
         packer.add(name, tensor)
     return packer.finish()

@@ -20,6 +20,7 @@ forgotten (after a :class:`TransferError` a group is unusable).
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -34,9 +35,12 @@ from asyncrl.transport.delta import Mode, ShadowStore
 from asyncrl.transport.group import TransferError, make_group, resolve_backend
 from asyncrl.transport.receiver import HeldCopy, WeightReceiver
 from asyncrl.transport.reshard import plan_for
+from asyncrl.transport.shm import MODES as SHM_MODES
+from asyncrl.transport.shm import ShmArena
 from asyncrl.transport.spec import NO_VERSION, JoinSpec, ReceiveReport
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+log = logging.getLogger(__name__)
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -56,7 +60,14 @@ class SenderEndpoint:
     """Learner rank 0's end of every group: one shadow store shared by one
     :class:`WeightSender` per group. ``snapshot`` and ``send`` take one lock (a
     snapshot rewrites the shadows a send reads); ``lock_timeout_s`` bounds the
-    wait, so a wedged send turns into an error instead of a hung learner."""
+    wait, so a wedged send turns into an error instead of a hung learner.
+
+    ``shm="auto"`` (``broker.shm``; the transport's own users opt in): shadows are packed
+    into shared-memory segments (:class:`~asyncrl.transport.shm.ShmArena`, at most
+    ``shm_limit_bytes`` when set), and a sync whose receivers are all on this host reads
+    them from there (asyncrl/transport/shm.py); ``"off"``: the group's wire only.
+    Shared memory needs gloo and CPU shadows; otherwise one log line says why not.
+    """
 
     def __init__(
         self,
@@ -68,6 +79,8 @@ class SenderEndpoint:
         shadow_device: str | None = None,
         max_versions: int = 4,
         model_config: dict[str, Any] | None = None,
+        shm: str = "off",
+        shm_limit_bytes: int | None = None,
     ):
         self.host = host
         self.model_config = model_config  # the HF config: what a resharding plan needs
@@ -83,6 +96,23 @@ class SenderEndpoint:
         self._shards: dict[tuple[int, int], tuple[PackedModel, list[PackedModel]]] = {}
         self._lock = threading.Lock()
         self.lock_timeout_s = self.join_timeout_s + 2 * self.timeout_s
+        self.shm = self._arena(shm, shm_limit_bytes)
+
+    def _arena(self, mode: str, limit_bytes: int | None) -> ShmArena | None:
+        if mode not in SHM_MODES:
+            raise ValueError(f"shm must be one of {SHM_MODES}, got {mode!r}")
+        if mode == "off":
+            return None
+        if self.backend != "gloo" or self.shadow_device.type != "cpu":
+            log.warning(
+                "weight sync: no shared memory (backend %s, shadows on %s): it carries CPU "
+                "buckets over gloo only", self.backend, self.shadow_device,
+            )  # fmt: skip
+            return None
+        return ShmArena(limit_bytes)
+
+    def _alloc(self) -> Callable[[int, torch.dtype], torch.Tensor] | None:
+        return self.shm.alloc if self.shm is not None else None
 
     @contextmanager
     def _locked(self, what: str):
@@ -112,7 +142,8 @@ class SenderEndpoint:
             if retain is not None:
                 self.shadows.retain(set(retain))
             packed = self.shadows.put(
-                version, pack(named_tensors, self.bucket_mb, self.shadow_device, transient)
+                version,
+                pack(named_tensors, self.bucket_mb, self.shadow_device, transient, self._alloc()),
             )
             info: dict[str, Any] = {
                 "version": version,
@@ -139,7 +170,9 @@ class SenderEndpoint:
             join_timeout_s=self.join_timeout_s,
             on_listening=on_listening,
         )
-        self.senders[key] = WeightSender(group, self.shadows, self.bucket_mb, self.shadow_device)
+        self.senders[key] = WeightSender(
+            group, self.shadows, self.bucket_mb, self.shadow_device, self.shm
+        )
 
     def send(
         self,
@@ -195,7 +228,10 @@ class SenderEndpoint:
             raise ValueError("resharding needs the model's config on the sender")
         named = dict(full.named_tensors())
         plan = plan_for(self.model_config, [(n, tuple(t.shape)) for n, t in named.items()], tp)
-        packs = [pack(plan.shard(r, named), self.bucket_mb, self.shadow_device) for r in range(tp)]
+        packs = [
+            pack(plan.shard(r, named), self.bucket_mb, self.shadow_device, alloc=self._alloc())
+            for r in range(tp)
+        ]
         self._shards[(tp, version)] = (full, packs)
         return packs
 
@@ -207,6 +243,12 @@ class SenderEndpoint:
     def close_all(self) -> None:
         for key in list(self.senders):
             self.close(key)
+
+    def release(self) -> None:
+        """Close every group and unlink every shared-memory segment (the endpoint's end)."""
+        self.close_all()
+        if self.shm is not None:
+            self.shm.release()
 
 
 class ReceiverEndpoint:

@@ -15,8 +15,10 @@ import torch.distributed as dist
 from asyncrl.transport.buckets import Manifest, unpack
 from asyncrl.transport.delta import BucketPlan, Kind, Mode, apply_sparse
 from asyncrl.transport.group import Heartbeat, TransferError, TransferGroup
+from asyncrl.transport.shm import host_identity, map_segment
 from asyncrl.transport.spec import HEADER_BUCKET, NO_VERSION
 from asyncrl.transport.wire import (
+    ABANDONED,
     INFLIGHT,
     SyncEnd,
     bucket_counts,
@@ -140,7 +142,7 @@ class WeightReceiver(SyncEnd):
         try:
             held = self.version if self.hold_copy else NO_VERSION
             layout = self.manifest.fingerprint if self.manifest is not None else ""
-            g.store.set(g.key("arrive", seq, g.rank), f"{held}|{layout}")
+            g.store.set(g.key("arrive", seq, g.rank), f"{held}|{layout}|{host_identity()}")
             header = self._header(None)[0]
         except Exception as e:  # noqa: BLE001 - store or collective: reported the same way
             raise self._failure(seq, None, HEADER_BUCKET, e) from e
@@ -165,6 +167,7 @@ class WeightReceiver(SyncEnd):
             "fp": header["fp"][s],
             "manifest": manifests[s] if manifests is not None else None,
             "plan": header["plan"][s],
+            "shm": header["shm"][s] if header.get("shm") else None,
         }
 
     def _receive_buckets(
@@ -179,9 +182,18 @@ class WeightReceiver(SyncEnd):
             g.store.set(g.key("fail", seq, g.rank), "protocol")  # alive, just refusing
             raise
         plans = [BucketPlan(Kind(k), nnz, 0) for k, nnz in header["plan"]]
+        refs = header.get("shm")
+        if refs is not None and not (isinstance(refs, list) and len(refs) == len(plans)):
+            g.store.set(g.key("fail", seq, g.rank), "protocol")
+            raise TransferError(
+                f"header's shared-memory references do not match its {len(plans)} buckets",
+                [0], HEADER_BUCKET, header["v"],
+            )  # fmt: skip
         progress = {"bucket": HEADER_BUCKET}
         try:
-            touched = self._payloads(targets, plans, progress)
+            touched = self._payloads(targets, plans, progress, refs)
+            if refs is not None and any(r is not None for r in refs):
+                self._claim(seq)
         except Exception as e:  # noqa: BLE001
             self._drop()
             raise self._failure(seq, int(header["v"]), progress["bucket"], e) from e
@@ -216,9 +228,17 @@ class WeightReceiver(SyncEnd):
         ]
 
     def _payloads(
-        self, targets: list[torch.Tensor], plans: list[BucketPlan], progress: dict[str, int]
+        self,
+        targets: list[torch.Tensor],
+        plans: list[BucketPlan],
+        progress: dict[str, int],
+        refs: list | None = None,
     ) -> dict[int, set[str]]:
-        """Receive every non-skipped bucket, applying bucket i while i+1 is in flight."""
+        """Receive every non-skipped bucket, applying bucket i while i+1 is in flight;
+        a bucket with a shared-memory reference (``refs[i]``: [segment, offset, bytes]) is
+        read from its segment instead: a dense one becomes the held bucket itself (the
+        sender's segment mapped copy-on-write: no byte copied; a later delta copies only
+        the pages it writes), a sparse one is applied from its staged segment."""
         assert self.manifest is not None
         touched: dict[int, set[str]] = {}
         pending: deque[tuple[int, dist.Work, torch.Tensor]] = deque()
@@ -227,6 +247,9 @@ class WeightReceiver(SyncEnd):
             i, work, buf = pending.popleft()
             progress["bucket"] = i
             self._wait(work)
+            apply(i, buf)
+
+        def apply(i: int, buf: torch.Tensor) -> None:
             spec = self.manifest.buckets[i]
             if plans[i].kind is Kind.SPARSE:
                 idx = apply_sparse(targets[i], buf, plans[i].nnz)
@@ -247,8 +270,15 @@ class WeightReceiver(SyncEnd):
             else:
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
             progress["bucket"] = i
+            ref = refs[i] if refs is not None else None
+            if ref is not None:
+                self.group.store.set(self.group.key("at", self._seq, self.group.rank), str(i))
             if self.on_bucket is not None:
                 self.on_bucket(i)
+            if ref is not None:
+                self._from_segment(targets, i, _checked_ref(ref, nbytes), plan.kind, buf)
+                apply(i, buf)
+                continue
             work = self._bcast(buf) if self.shard is None else self.group.pg.recv([buf], 0, i)
             pending.append((i, work, buf))
             if len(pending) >= INFLIGHT:
@@ -257,5 +287,32 @@ class WeightReceiver(SyncEnd):
             finish()
         return touched
 
+    def _from_segment(
+        self, targets: list[torch.Tensor], i: int, ref: list, kind: Kind, buf: torch.Tensor
+    ) -> None:
+        """Bucket ``i`` from shared memory: a dense one becomes the sender's segment itself,
+        mapped copy-on-write; a sparse payload is read into ``buf``."""
+        if kind is Kind.DENSE:
+            assert self.manifest is not None
+            targets[i] = map_segment(*ref, private=True).view(self.manifest.buckets[i].dtype)
+        else:
+            buf.copy_(map_segment(*ref))
+
+    def _claim(self, seq: int) -> None:
+        """Claim sync ``seq`` as read (same-host road), unless the sender gave up first."""
+        g = self.group
+        if g.store.compare_set(g.key("read", seq, g.rank), "", "read").decode() == ABANDONED:
+            raise RuntimeError("the sender gave up on this sync before this receiver read it")
+
     def _drop(self) -> None:
         self.version, self._buckets = NO_VERSION, None
+
+
+def _checked_ref(ref: object, nbytes: int) -> list:
+    """A header's ``[segment, offset, bytes]`` for a payload the manifest says is ``nbytes``
+    (the segment itself is checked when mapped)."""
+    if not (isinstance(ref, list) and len(ref) == 3) or ref[2] != nbytes:
+        raise TransferError(f"header's segment reference {str(ref)[:120]} is not {nbytes} B")
+    if ref[1] % 8:  # bucket dtypes are at most 8 bytes wide
+        raise TransferError(f"header's segment reference {str(ref)[:120]} is misaligned")
+    return ref

@@ -5,6 +5,10 @@ the receivers :class:`~asyncrl.transport.receiver.WeightReceiver` (vLLM workers)
     store (TransferGroup.key):  arrive/<seq>/<rank> = "<held version>|<its layout's fingerprint>"
                                 done/<seq>/<rank>    the rank finished sync <seq>
                                 fail/<seq>/<rank>    why it failed (repr of the error)
+                                read/<seq>/<rank>    same-host road: "read" (the receiver holds every
+                                                     segment's bytes) or ABANDONED (the sender gave
+                                                     up first), set once, atomically (compare_set)
+                                at/<seq>/<rank>      same-host road: the bucket the receiver is at
     header:     bcast [MAGIC, nbytes] (int64), then nbytes of JSON: v, base, mode, fp,
                 manifest (once per bucket layout), plan [[kind, nnz], ...], abort
     payloads:   one bcast per non-skipped bucket, in bucket order: a dense bucket's
@@ -27,6 +31,7 @@ from asyncrl.transport.group import Heartbeat, TransferError, TransferGroup, dia
 # Two payloads in flight: the wire stays busy while the next one is encoded,
 # and memory stays at two buckets rather than the whole sync.
 INFLIGHT = 2
+ABANDONED = "abandoned"  # read/<seq>/<rank> when the sender gave up before the claim
 MAGIC = 0x4152_4C57  # "ARLW": catches a receiver reading a bucket as a header
 
 
