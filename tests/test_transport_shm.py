@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,14 +214,26 @@ def test_a_receiver_killed_mid_sync_is_named_and_leaks_no_segment():
     assert _ours() == set()
 
 
-def test_a_bad_segment_reference_is_refused_before_reading(tmp_path):
-    arena = ShmArena(directory=str(tmp_path))
+@pytest.fixture
+def shm_dir():
+    """A directory on /dev/shm's tmpfs (a disk's tmp_path may hold less than the arena's
+    reserve free), removed after the test."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="asyncrl-test-", dir=SHM_DIR)
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_bad_segment_reference_is_refused_before_reading(shm_dir):
+    arena = ShmArena(directory=str(shm_dir))
     flat = arena.alloc(100, torch.uint8)
     flat.copy_(torch.arange(100, dtype=torch.uint8))
     (name,) = arena.names()
-    assert (os.stat(tmp_path / name).st_mode & 0o777) == 0o600
-    assert map_segment(name, 10, 5, str(tmp_path)).tolist() == [10, 11, 12, 13, 14]
-    mine = map_segment(name, 0, 100, str(tmp_path), private=True)  # copy-on-write
+    assert (os.stat(shm_dir / name).st_mode & 0o777) == 0o600
+    assert map_segment(name, 10, 5, str(shm_dir)).tolist() == [10, 11, 12, 13, 14]
+    mine = map_segment(name, 0, 100, str(shm_dir), private=True)  # copy-on-write
     mine[0] = 255
     assert flat[0].item() == 0 and mine[0].item() == 255
     bad = [
@@ -232,13 +245,13 @@ def test_a_bad_segment_reference_is_refused_before_reading(tmp_path):
     ]
     for args, line in bad:
         with pytest.raises(SegmentError, match=line):
-            map_segment(*args, directory=str(tmp_path))
-    os.chmod(tmp_path / name, 0o644)
+            map_segment(*args, directory=str(shm_dir))
+    os.chmod(shm_dir / name, 0o644)
     with pytest.raises(SegmentError, match="not 600"):
-        map_segment(name, 0, 1, str(tmp_path))
+        map_segment(name, 0, 1, str(shm_dir))
     del flat
     arena.release()
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(shm_dir) == []
 
 
 def test_broker_shm_is_checked_before_ray():
@@ -292,3 +305,16 @@ def test_a_hostile_header_fails_the_sync_on_both_ends_with_one_line():
     assert isinstance(err, TransferError) and "outside its" in str(err), err
     assert sent.value.peer_ranks == (1,) and "outside its" in str(sent.value), sent.value
     assert _ours() == set()
+
+
+def test_a_reserve_larger_than_the_free_space_keeps_buckets_in_ordinary_memory(shm_dir):
+    free = os.statvfs(shm_dir).f_bavail * os.statvfs(shm_dir).f_frsize
+    arena = ShmArena(directory=str(shm_dir), reserve_bytes=free + 1)
+    flat = arena.alloc(100, torch.uint8)  # no segment: the wire carries it
+    assert arena.names() == [] and arena.segment_of(flat) is None
+    assert "keeps" in arena.room(1) and "do not fit" in arena.room(1)
+    roomy = ShmArena(directory=str(shm_dir), reserve_bytes=0)
+    kept = roomy.alloc(100, torch.uint8)
+    assert len(roomy.names()) == 1 and roomy.segment_of(kept) is not None
+    del kept
+    roomy.release()

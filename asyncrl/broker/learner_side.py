@@ -42,6 +42,20 @@ def default_host() -> str:
     return "127.0.0.1" if ip.startswith("127.") else ip
 
 
+def object_store_bytes() -> int:
+    """This node's Ray object store capacity, 0 outside Ray: the weight segments in
+    /dev/shm leave it free (the store's pages there are taken only as it fills)."""
+    import ray
+
+    if not ray.is_initialized():
+        return 0
+    node = ray.get_runtime_context().get_node_id()
+    for n in ray.nodes():
+        if n.get("NodeID") == node and n.get("Alive"):
+            return int(n.get("Resources", {}).get("object_store_memory", 0))
+    return 0
+
+
 class SenderSide:
     """Rank 0's endpoint for one broker (``broker``: its Ray handle, told where a new
     group listens). Every call is bounded by the endpoint's timeouts."""
@@ -67,6 +81,7 @@ class SenderSide:
             max_versions=s.max_versions,
             model_config=model_config,
             shm=s.shm,
+            shm_reserve_bytes=object_store_bytes() if s.shm != "off" else 0,
         )
         return cls(broker_id, broker, endpoint, host)
 

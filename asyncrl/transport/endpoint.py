@@ -64,7 +64,7 @@ class SenderEndpoint:
 
     ``shm="auto"`` (``broker.shm``; the transport's own users opt in): shadows are packed
     into shared-memory segments (:class:`~asyncrl.transport.shm.ShmArena`, at most
-    ``shm_limit_bytes`` when set), and a sync whose receivers are all on this host reads
+    ``shm_limit_bytes`` when set, leaving ``shm_reserve_bytes`` of /dev/shm free), and a sync whose receivers are all on this host reads
     them from there (asyncrl/transport/shm.py); ``"off"``: the group's wire only.
     Shared memory needs gloo and CPU shadows; otherwise one log line says why not.
     """
@@ -81,6 +81,7 @@ class SenderEndpoint:
         model_config: dict[str, Any] | None = None,
         shm: str = "off",
         shm_limit_bytes: int | None = None,
+        shm_reserve_bytes: int = 0,
     ):
         self.host = host
         self.model_config = model_config  # the HF config: what a resharding plan needs
@@ -96,9 +97,9 @@ class SenderEndpoint:
         self._shards: dict[tuple[int, int], tuple[PackedModel, list[PackedModel]]] = {}
         self._lock = threading.Lock()
         self.lock_timeout_s = self.join_timeout_s + 2 * self.timeout_s
-        self.shm = self._arena(shm, shm_limit_bytes)
+        self.shm = self._arena(shm, shm_limit_bytes, shm_reserve_bytes)
 
-    def _arena(self, mode: str, limit_bytes: int | None) -> ShmArena | None:
+    def _arena(self, mode: str, limit_bytes: int | None, reserve_bytes: int) -> ShmArena | None:
         if mode not in SHM_MODES:
             raise ValueError(f"shm must be one of {SHM_MODES}, got {mode!r}")
         if mode == "off":
@@ -109,7 +110,7 @@ class SenderEndpoint:
                 "buckets over gloo only", self.backend, self.shadow_device,
             )  # fmt: skip
             return None
-        return ShmArena(limit_bytes)
+        return ShmArena(limit_bytes, reserve_bytes=reserve_bytes)
 
     def _alloc(self) -> Callable[[int, torch.dtype], torch.Tensor] | None:
         return self.shm.alloc if self.shm is not None else None

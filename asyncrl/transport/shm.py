@@ -106,11 +106,16 @@ class ShmArena:
     bucket tensor) and one per staged payload (unlinked by the sync that staged it).
 
     ``limit_bytes`` caps what the arena holds at once (None: only /dev/shm's free space,
-    less :data:`SHM_RESERVE_FRACTION`). A bucket that does not fit is packed into
-    ordinary memory and goes over the wire; the first such refusal is logged once."""
+    less the larger of :data:`SHM_RESERVE_FRACTION` of it and ``reserve_bytes``: e.g.
+    Ray's object store, whose pages in /dev/shm are taken only as it fills). A bucket
+    that does not fit is packed into ordinary memory and goes over the wire; the first
+    such refusal is logged once."""
 
-    def __init__(self, limit_bytes: int | None = None, directory: str = SHM_DIR):
+    def __init__(
+        self, limit_bytes: int | None = None, directory: str = SHM_DIR, reserve_bytes: int = 0
+    ):
         self.limit_bytes = limit_bytes
+        self.reserve_bytes = reserve_bytes
         self.directory = directory
         self._live: dict[str, int] = {}  # name -> bytes
         self._by_ptr: dict[int, tuple[str, int]] = {}  # data_ptr -> (name, bytes)
@@ -137,10 +142,12 @@ class ShmArena:
         except OSError as e:
             return f"{self.directory} unreadable ({e})"
         free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
-        if free - nbytes < SHM_RESERVE_FRACTION * total:
+        keep = max(SHM_RESERVE_FRACTION * total, self.reserve_bytes)
+        if free - nbytes < keep:
             return (
-                f"{self.directory} has {free} B free of {total} B and keeps "
-                f"{SHM_RESERVE_FRACTION:.0%} for others; {nbytes} B more do not fit"
+                f"{self.directory} has {free} B free of {total} B and keeps {keep:.0f} B for "
+                f"others (Ray's object store, {SHM_RESERVE_FRACTION:.0%} at least); {nbytes} B "
+                f"more do not fit"
             )
         return None
 
