@@ -9,10 +9,13 @@ seeds.
                versions (the evaluation of the last version starts as it is published)
                ─▶ Evaluator.finish(): the last version scored on the same sets
 
-A set's score is greedy pass@1 (and pass@k of ``eval.k`` samples). ``spread_before``
+A set's figure is greedy pass@1 (and pass@k of ``eval.k`` samples), and the task's own
+mean score of the greedy answers (``score_*``: partial credit counts, as reasoning-gym's
+scorers give it to a right number inside a sentence). ``spread_before``
 is the largest minus the smallest of the sets' pass@1 before training: how much the
 "before" figure moves with which held-out problems are drawn. ``gain`` is the sets'
-mean pass@1 after minus before; ``learned`` says whether the gain exceeds that spread.
+mean pass@1 after minus before; ``learned`` says whether the gain exceeds that spread
+(``score_spread_before``, ``score_gain``, ``score_learned``: the same for the score).
 The training reward of the first and last tenth of the steps and the run's accounting
 (produced = trained + dropped + in flight) come with it. The last stdout line is one
 JSON object: ``by_task`` (one entry per task), ``model``, ``steps`` and the host.
@@ -97,15 +100,36 @@ def run_task(name: str, overrides: list[str], args: Any) -> dict[str, Any]:
     try:
         evaluator = eval_run.evaluator(parts.learner)
         evaluator.step(0)  # version 0: the model as loaded, before any step
-        evaluator.finish()
+        first = evaluator.finish()
         t_train = time.time()
         run_loop(cfg, parts, rec, hooks=LoopHooks(evaluator=evaluator))
         train_s = time.time() - t_train
-        evaluator.finish()  # the last version's evaluation
+        last = evaluator.finish()  # the last version's evaluation
     finally:
         q, _ = stop_all(parts)
         eval_run.stop()
-    return summarise(name, evaluator.history, rec.steps, q, train_s, time.time() - t0)
+    row = summarise(name, evaluator.history, rec.steps, q, train_s, time.time() - t0)
+    return {**row, **scores(first, last)}
+
+
+def scores(first: dict[str, float], last: dict[str, float]) -> dict[str, Any]:
+    """The task's own mean score of the greedy answers per set, before and after
+    (``eval/<set>/reward_mean``: partial credit counts, where pass@1 needs a full one)."""
+
+    def per_set(m: dict[str, float]) -> list[float]:
+        keys = sorted(k for k in m if k.startswith("eval/") and k.endswith("/reward_mean"))
+        return [m[k] for k in keys]
+
+    before, after = per_set(first), per_set(last)
+    spread = max(before) - min(before) if before else float("nan")
+    gain = statistics.fmean(after) - statistics.fmean(before) if before and after else float("nan")
+    return {
+        "score_before": before,
+        "score_after": after,
+        "score_spread_before": spread,
+        "score_gain": gain,
+        "score_learned": bool(gain > spread),
+    }
 
 
 def summarise(
@@ -201,11 +225,15 @@ def main() -> None:
     print_table(
         f"{args.model}: held-out pass@1 before and after {args.steps} steps "
         f"(sets of {args.eval_prompts} prompts, seeds {list(EVAL_SEEDS)})",
-        ["task", "before (per set)", "after (per set)", "spread before", "gain", "learned",
-         "reward first -> last", "train s", "accounted"],
+        ["task", "pass@1 before (per set)", "after", "spread before", "gain", "learned",
+         "score before", "after", "spread", "gain", "learned", "reward first -> last",
+         "train s", "accounted"],
         [[r["task"], " ".join(f"{x:.3f}" for x in r["pass1_before"]),
           " ".join(f"{x:.3f}" for x in r["pass1_after"]), r["spread_before"], r["gain"],
-          r["learned"], f"{r['reward_first']:.3f} -> {r['reward_last']:.3f}",
+          r["learned"], " ".join(f"{x:.3f}" for x in r["score_before"]),
+          " ".join(f"{x:.3f}" for x in r["score_after"]), r["score_spread_before"],
+          r["score_gain"], r["score_learned"],
+          f"{r['reward_first']:.3f} -> {r['reward_last']:.3f}",
           r["train_seconds"], r["accounted"]] for r in rows],
     )  # fmt: skip
     emit_json({"by_task": {r["task"]: r for r in rows}, "model": args.model,

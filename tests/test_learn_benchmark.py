@@ -38,3 +38,14 @@ def test_every_task_composes_with_three_held_out_sets():
         assert sorted(cfg.eval.sets) == ["s1", "s2", "s3"]
         assert [cfg.eval.sets[s].seed for s in sorted(cfg.eval.sets)] == [1, 2, 3]
         assert cfg.eval.every == 30 and cfg.eval.num_prompts == 64
+
+
+def test_the_tasks_own_score_before_and_after_per_set():
+    from benchmarks.learn import scores
+
+    first = {"eval/s1/reward_mean": 0.02, "eval/s2/reward_mean": 0.04, "eval/s1/pass@1": 0.0}
+    last = {"eval/s1/reward_mean": 0.20, "eval/s2/reward_mean": 0.10, "eval/seconds": 3.0}
+    r = scores(first, last)
+    assert r["score_before"] == [0.02, 0.04] and r["score_after"] == [0.20, 0.10]
+    assert math.isclose(r["score_spread_before"], 0.02)
+    assert math.isclose(r["score_gain"], 0.12) and r["score_learned"] is True  # 0.15 - 0.03
