@@ -20,13 +20,13 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: see the note in benchmarks/common.py
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import platform  # noqa: E402
 import time  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
     Recorder,
     compose,
     emit_json,
+    host,
     parser,
     print_table,
     run_fingerprint,
@@ -102,18 +102,6 @@ def arguments():
             p.error(f"--bounds: {b!r} is neither an integer >= 0 nor auto")
     compose(*args.overrides, f"replay.max_staleness={args.bounds[0]}")  # a bad override: now
     return args
-
-
-def host() -> str:
-    """The CPU's model name and core count (what the figures were measured on)."""
-    import os
-
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        name = next(x.split(":", 1)[1].strip() for x in lines if x.startswith("model name"))
-    except (OSError, StopIteration):
-        name = platform.processor() or platform.machine()
-    return f"{name}, {os.cpu_count()} cores"
 
 
 def main() -> None:

@@ -171,6 +171,18 @@ def start_ray(num_cpus: int | None = None, env: dict[str, str] | None = None) ->
     )
 
 
+def host() -> str:
+    """The CPU's model name and core count (what a benchmark's figures were measured on)."""
+    import platform
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next(x.split(":", 1)[1].strip() for x in lines if x.startswith("model name"))
+    except (OSError, StopIteration):
+        name = platform.processor() or platform.machine()
+    return f"{name}, {os.cpu_count()} cores"
+
+
 def compose(*overrides: str):
     """The training config (``conf/config.yaml``) with Hydra overrides, as the CLI
     would build it."""

@@ -32,7 +32,6 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: see the note in benchmarks/common.py
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
@@ -41,6 +40,7 @@ from benchmarks.common import (  # noqa: E402
     Recorder,
     compose,
     emit_json,
+    host,
     parser,
     print_table,
     run_fingerprint,
@@ -193,18 +193,6 @@ def arguments():
         compose(f"model={args.model}", *TASKS[t], *args.overrides,
                 *eval_overrides(args.steps, args.eval_prompts, args.eval_k))  # fmt: skip
     return args
-
-
-def host() -> str:
-    name = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{name}, {os.cpu_count()} cores"
 
 
 def main() -> None:
