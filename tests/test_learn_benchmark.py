@@ -49,3 +49,15 @@ def test_the_tasks_own_score_before_and_after_per_set():
     assert r["score_before"] == [0.02, 0.04] and r["score_after"] == [0.20, 0.10]
     assert math.isclose(r["score_spread_before"], 0.02)
     assert math.isclose(r["score_gain"], 0.12) and r["score_learned"] is True  # 0.15 - 0.03
+
+
+def test_the_commonest_answer_is_the_floor_of_a_yes_no_task():
+    from asyncrl.tasks.base import Prompt
+    from benchmarks.learn import majority
+
+    yes, no = Prompt("q", "Yes", {}), Prompt("q", "No", {})
+    sets = {"s1": (None, [yes, yes, yes, no]), "s2": (None, [yes, no, no, no, no])}
+    r = majority(sets, mean_after=0.70)
+    assert r["majority"] == [0.75, 0.8]
+    assert r["above_majority"] is False  # 0.70 < (0.75 + 0.8) / 2
+    assert majority(sets, mean_after=0.80)["above_majority"] is True
