@@ -174,19 +174,12 @@ def rank_targets(
     for name, shape in shapes.items():
         module, _, leaf = name.rpartition(".")
         prefix, _, proj = module.rpartition(".")
-        if proj == "experts" and leaf in EXPERTS and h.family == MOE_FAMILY:
-            out.append(expert_target(name, shape, tp, rank, f"{module}.{EXPERTS[leaf]}"))
-            continue
-        if ".experts." in f".{name}" or "shared_expert" in name:
-            raise UnsupportedLayout(
-                f"expert tensor {name}: only a {MOE_FAMILY} model's fused "
-                f"{'/'.join(EXPERTS)} are resharded"
-            )
-        if proj in FUSED:
+        expert = expert_target(h, name, shape, tp, rank)
+        if expert is not None:
+            out.append(expert)
+        elif proj in FUSED:
             engine, slot = FUSED[proj]
-            if proj == "q_proj":
-                start, length = split(shape[0], tp, rank, f"{name} rows")
-            elif proj in ("k_proj", "v_proj"):
+            if proj in ("k_proj", "v_proj"):
                 start, length = kv_rows(h, tp, rank)
             else:
                 start, length = split(shape[0], tp, rank, f"{name} rows")
@@ -206,12 +199,7 @@ def rank_targets(
             start = min(rank * per, shape[0])
             rows = min(per, shape[0] - start)
             out.append(Target(name, (per, *shape[1:]), (Piece(name, 0, start, rows),), rows))
-        elif (
-            proj in ROW_PARALLEL
-            or proj.endswith("norm")
-            or name.endswith("norm.weight")
-            or (proj == "gate" and h.family == MOE_FAMILY)  # the router: replicated
-        ):
+        elif proj in ROW_PARALLEL or replicated(h, name, proj):
             piece = Piece(name, 0, 0, shape[0])
             out.append(Target(name, tuple(shape), (piece,), shape[0]))
         else:
@@ -231,10 +219,26 @@ def rank_targets(
     return tuple(done)
 
 
-def expert_target(name: str, shape: tuple[int, ...], tp: int, rank: int, engine: str) -> Target:
+def replicated(h: Heads, name: str, proj: str) -> bool:
+    """Whole on every rank: the norms (Qwen3's per-head q/k norms too), a MoE router."""
+    router = proj == "gate" and h.family == MOE_FAMILY
+    return proj.endswith("norm") or name.endswith("norm.weight") or router
+
+
+def expert_target(h: Heads, name: str, shape: tuple[int, ...], tp: int, rank: int) -> Target | None:
     """Engine rank ``rank``'s part of one MoE layer's fused experts: rows of each of
     gate and up (``gate_up_proj`` ``[E, 2I, H]``), or columns of ``down_proj``
-    ``[E, H, I]``, each ``I / tp`` of the width."""
+    ``[E, H, I]``, each ``I / tp`` of the width. None for a tensor outside the experts;
+    UnsupportedLayout for expert tensors the plan cannot place."""
+    module, _, leaf = name.rpartition(".")
+    if not (module.endswith(".experts") and leaf in EXPERTS and h.family == MOE_FAMILY):
+        if ".experts." in f".{name}" or "shared_expert" in name:
+            raise UnsupportedLayout(
+                f"expert tensor {name}: only a {MOE_FAMILY} model's fused "
+                f"{'/'.join(EXPERTS)} are resharded"
+            )
+        return None
+    engine = f"{module}.{EXPERTS[leaf]}"
     if len(shape) != 3:
         raise UnsupportedLayout(f"expert tensor {name} {shape}: expected [experts, ., .]")
     if name.endswith("gate_up_proj"):
