@@ -153,7 +153,8 @@ def _check_splits(
 def _check_reshard(model_path: str, learner: LearnerSettings, actor: ActorSettings,
                    broker: BrokerSettings) -> None:  # fmt: skip
     """``broker.reshard`` with a tensor-parallel engine on the process-group broker: the
-    resharding plan knows the model's layout, and the learner sends whole weights."""
+    resharding plan knows the model's layout, the engine cuts experts by width (no
+    expert parallelism), and the learner sends whole weights."""
     tp = actor.engine.tensor_parallel_size
     if not broker.reshard or tp == 1 or broker.kind != BrokerKind.GLOO:
         return
@@ -162,6 +163,12 @@ def _check_reshard(model_path: str, learner: LearnerSettings, actor: ActorSettin
         raise ConfigError(
             f"broker.reshard=true with actor.engine.tensor_parallel_size={tp}: learner.lora "
             f"sends adapters, which the engine merges into whole weights; {fix}"
+        )
+    if actor.engine.extra.get("enable_expert_parallel"):
+        raise ConfigError(
+            f"broker.reshard=true with actor.engine.tensor_parallel_size={tp} and actor."
+            "engine.extra.enable_expert_parallel=true: the engine splits whole experts over its "
+            f"ranks, the plan cuts each expert's width; {fix}"
         )
     why = check_family(json.loads((Path(model_path) / "config.json").read_text()))
     if why is not None:

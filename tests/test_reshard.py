@@ -113,10 +113,13 @@ def vllm_shard(config: dict, hf: dict[str, torch.Tensor]) -> dict[str, torch.Ten
             for sid in "qkv":
                 p.weight_loader(p, hf[f"{a}{sid}_proj.{leaf}"], sid)
             out[f"{a}qkv_proj.{leaf}"] = p.data
-        for sid, proj in enumerate(("gate", "up")):
+        dense = f"{m}gate_proj.weight" in hf  # a MoE layer has experts instead
+        for sid, proj in enumerate(("gate", "up") if dense else ()):
             gate_up.weight.weight_loader(gate_up.weight, hf[f"{m}{proj}_proj.weight"], sid)
-        out[f"{m}gate_up_proj.weight"] = gate_up.weight.data
+            out[f"{m}gate_up_proj.weight"] = gate_up.weight.data
         for layer, name in ((o, f"{a}o_proj.weight"), (down, f"{m}down_proj.weight")):
+            if name not in hf:
+                continue
             layer.weight.weight_loader(layer.weight, hf[name])
             out[name] = layer.weight.data
         embed.weight.weight_loader(embed.weight, hf["model.embed_tokens.weight"])
@@ -168,6 +171,117 @@ def test_what_the_plan_refuses():
     with pytest.raises(UnsupportedLayout, match="does not split"):
         plan_for(LLAMA, [("model.layers.0.mlp.gate_proj.weight", (10, 4)),
                          ("model.layers.0.mlp.up_proj.weight", (10, 4))], 3)  # fmt: skip
+
+
+# ----------------------------------------------------------------- a Qwen3-MoE engine
+MOE = {  # tiny_moe's layout (head_dim 32, 8 experts of width 64), an untied head
+    "model_type": "qwen3_moe", "hidden_size": 128, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 64,
+    "moe_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2,
+    "vocab_size": 150, "num_hidden_layers": 2, "tie_word_embeddings": False,
+}  # fmt: skip
+W13, W2 = "mlp.experts.routed_experts.w13_weight", "mlp.experts.routed_experts.w2_weight"
+
+
+def moe_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A Qwen3-MoE learner's tensors as transformers names and shapes them (HF's fused
+    experts: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]), random."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**config))
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def vllm_experts(hf: dict[str, torch.Tensor], layer: int, tp: int, rank: int):
+    """What vLLM's fused-MoE loader keeps of layer ``layer``'s experts on rank ``rank``:
+    its own slicing (``RoutedExperts._load_model_weight_or_group_weight_scale`` and the
+    ``_load_w13``/``_load_w2`` it calls) on a stand-in for the layer, fed as its
+    ``load_weights`` feeds a fused checkpoint tensor (gate/up chunked in two along dim 1,
+    then one expert at a time)."""
+    from types import MethodType, SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    gate_up = hf[f"model.layers.{layer}.mlp.experts.gate_up_proj"]
+    down = hf[f"model.layers.{layer}.mlp.experts.down_proj"]
+    e, h, per = gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2 // tp
+    parallel = SimpleNamespace(tp_size=tp)
+    layer_ = SimpleNamespace(moe_config=SimpleNamespace(
+        tp_shard_with_padding=False, is_act_and_mul=True, moe_parallel_config=parallel))  # fmt: skip
+    for f in ("_load_model_weight_or_group_weight_scale", "_load_w13", "_load_w2"):
+        setattr(layer_, f, MethodType(getattr(RoutedExperts, f), layer_))
+    for f in ("_get_hidden_dim", "_narrow_expert_data_for_padding"):
+        setattr(layer_, f, getattr(RoutedExperts, f))
+    w13, w2 = torch.zeros(e, 2 * per, h), torch.zeros(e, h, per)
+    load = layer_._load_model_weight_or_group_weight_scale
+    for chunk, shard_id in enumerate(("w1", "w3")):
+        for x, w in enumerate(gate_up.chunk(2, dim=1)[chunk].unbind()):
+            load(shard_dim=0, expert_data=w13[x], shard_id=shard_id, loaded_weight=w, tp_rank=rank)
+    for x, w in enumerate(down.unbind()):
+        load(shard_dim=1, expert_data=w2[x], shard_id="w2", loaded_weight=w, tp_rank=rank)
+    return w13, w2
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_qwen3_moe_plan_slices_as_vllms_own_loaders_and_gathers_back_whole(monkeypatch, tp):
+    """Every rank's shard: attention and embedding as vLLM's parallel layers keep them,
+    experts as its fused-MoE loader keeps them, router and norms (Qwen3's q/k norms
+    too) whole; the ranks' expert shards put back together are the learner's tensors."""
+    pytest.importorskip("vllm")
+    hf = moe_tensors(MOE)
+    stream = [(n, tuple(t.shape)) for n, t in hf.items()]
+    plan = plan_for(MOE, stream, tp)
+    assert plan.family == "qwen3_moe" and plan_for(MOE, stream, tp) is plan
+    shards = []
+    for rank in range(tp):
+        vllm_rank(monkeypatch, tp, rank)
+        want = vllm_shard(MOE, hf)
+        mine = dict(plan.shard(rank, hf))
+        for i in range(MOE["num_hidden_layers"]):
+            want[f"model.layers.{i}.{W13}"], want[f"model.layers.{i}.{W2}"] = vllm_experts(
+                hf, i, tp, rank
+            )
+        targets = {t.name: t for t in plan.ranks[rank]}
+        for name, kept in want.items():
+            t = targets[name]
+            assert t.shape == tuple(kept.shape), (rank, name)
+            assert torch.equal(mine[name][: t.rows], kept[: t.rows]), (rank, name)
+        whole = [n for n in mine if "norm" in n or n.endswith("mlp.gate.weight")]
+        assert len(whole) == 2 * 5 + 1  # per layer: 2 layer norms, q/k norms, router
+        assert all(torch.equal(mine[n], hf[n]) for n in whole)
+        shards.append(mine)
+    for i in range(MOE["num_hidden_layers"]):
+        w13 = [s[f"model.layers.{i}.{W13}"] for s in shards]
+        gate = torch.cat([w.chunk(2, dim=1)[0] for w in w13], dim=1)
+        up = torch.cat([w.chunk(2, dim=1)[1] for w in w13], dim=1)
+        gathered = torch.cat([gate, up], dim=1)
+        assert torch.equal(gathered, hf[f"model.layers.{i}.mlp.experts.gate_up_proj"])
+        w2 = torch.cat([s[f"model.layers.{i}.{W2}"] for s in shards], dim=2)
+        assert torch.equal(w2, hf[f"model.layers.{i}.mlp.experts.down_proj"])
+
+
+def test_each_engine_rank_of_a_moe_model_gets_about_half_the_bytes():
+    hf = moe_tensors(MOE)
+    plan = plan_for(MOE, [(n, tuple(t.shape)) for n, t in hf.items()], 2)
+    itemsize = {t.name: 4 for r in plan.ranks for t in r}
+    model = sum(t.numel() * 4 for t in hf.values())
+    experts = sum(t.numel() * 4 for n, t in hf.items() if ".experts." in n)
+    per_rank = [plan.nbytes(r, itemsize) for r in range(2)]
+    assert per_rank[0] == per_rank[1] and 0.45 * model < per_rank[0] < 0.6 * model
+    assert sum(t.numel * 4 for t in plan.ranks[0] if "experts" in t.name) == experts // 2
+    assert per_rank[0] == sum(x.numel() * 4 for x in dict(plan.shard(0, hf)).values())
+
+
+def test_what_the_moe_plan_refuses():
+    per_expert = [("model.layers.0.mlp.experts.0.gate_proj.weight", (64, 128))]
+    with pytest.raises(UnsupportedLayout, match="expert tensor .*experts.0.gate_proj.*fused"):
+        plan_for(MOE, per_expert, 2)
+    with pytest.raises(UnsupportedLayout, match="expert tensor .*shared_expert"):
+        plan_for(MOE, [("model.layers.0.mlp.shared_expert.up_proj.weight", (64, 128))], 2)
+    with pytest.raises(UnsupportedLayout, match="expert width of 64 does not split 3 ways"):
+        plan_for(MOE, [("model.layers.0.mlp.experts.down_proj", (8, 128, 64))], 3)
+    assert check_family(MOE) is None and "qwen3_moe" in check_family({"model_type": "qwen2_moe"})
 
 
 # ----------------------------------------------------------------- the transport
@@ -246,7 +360,8 @@ def test_each_worker_receives_only_its_shard_in_every_mode():
 # ----------------------------------------------------------------- refusals before Ray
 def test_resharding_what_the_plan_cannot_serve_is_refused_before_ray(tmp_path, capsys, monkeypatch):
     """``broker.reshard`` (on by default) with a TP engine: a model family the plan does
-    not know, or LoRA adapters, stop the run with one line naming the way out."""
+    not know, LoRA adapters, or an engine that splits whole experts over its ranks
+    (vLLM's expert parallelism), stop the run with one line naming the way out."""
     import shutil
 
     from helpers import refused_before_ray
@@ -268,3 +383,11 @@ def test_resharding_what_the_plan_cannot_serve_is_refused_before_ray(tmp_path, c
     assert line.endswith("set broker.reshard=false (every worker then gets the full tensors)")
     line = refused_before_ray(cfg(tp2, "learner.lora.rank=4"), tmp_path, capsys, monkeypatch)
     assert f"broker.reshard=true with {tp2}: learner.lora sends adapters" in line, line
+    ep = "+actor.engine.extra.enable_expert_parallel=true"
+    line = refused_before_ray(cfg(tp2, ep), tmp_path, capsys, monkeypatch)
+    assert line == (
+        f"asyncrl: config error: broker.reshard=true with {tp2} and actor.engine.extra."
+        "enable_expert_parallel=true: the engine splits whole experts over its ranks, the "
+        "plan cuts each expert's width; set broker.reshard=false (every worker then gets "
+        "the full tensors)"
+    ), line

@@ -137,3 +137,27 @@ def test_the_reload_warnings_stay_dropped_after_vllm_sets_up_its_logging_again()
     finally:
         log.removeHandler(catch)
     assert seen == ["a real failure"]
+
+
+def test_a_shard_is_copied_in_place_padded_as_a_vocabulary_or_refused_naming_both_shapes():
+    """A resharded sync's tensors go straight into the worker's parameters: same shape
+    in place; fewer rows of the same width are a vocabulary shard (then zero padding);
+    any other shape is one ValueError naming the tensor and both shapes."""
+    import pytest
+
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(8, 4, bias=False)
+    model.embed = torch.nn.Embedding(8, 4)
+    ext = AsyncRLWorkerExtension()
+    ext.model_runner = FakeRunner(torch.float32)
+    ext.model_runner.get_model = lambda: model
+    w, rows = torch.randn(4, 8), torch.randn(6, 4)
+    ext._asyncrl_load_shard([("proj.weight", w), ("embed.weight", rows)])
+    assert torch.equal(model.proj.weight, w)
+    assert torch.equal(model.embed.weight[:6], rows) and not model.embed.weight[6:].any()
+    with pytest.raises(ValueError) as e:
+        ext._asyncrl_load_shard([("proj.weight", torch.randn(4, 16))])
+    assert str(e.value) == (
+        "resharded tensor proj.weight: shard shape (4, 16) does not fit the engine "
+        "parameter's (4, 8)"
+    )

@@ -134,7 +134,8 @@ class AsyncRLWorkerExtension:
         """Copy this worker's own shard (engine parameter names and shapes, from a
         resharded sync: asyncrl/transport/reshard.py) straight into its parameters: no
         full tensor, no slicing by vLLM's loaders. A vocabulary shard's padding rows are
-        zeroed as vLLM's loader does. A layer whose weight vLLM-CPU packed for its GEMM
+        zeroed as vLLM's loader does; any other shape mismatch (a parameter vLLM padded
+        or split otherwise than the plan) raises ValueError naming both shapes. A layer whose weight vLLM-CPU packed for its GEMM
         after loading (the plain weight dropped) gets the shard as its weight again and
         is packed anew (its ``process_weights_after_loading``), as the reload does."""
         model = self.model_runner.get_model()
@@ -148,9 +149,15 @@ class AsyncRLWorkerExtension:
                 setattr(module, leaf, torch.nn.Parameter(t.clone(), requires_grad=False))
             elif param.shape == t.shape:
                 param.data.copy_(t)
-            else:  # a vocabulary shard: the real rows, then zero padding
+            elif param.shape[1:] == t.shape[1:] and param.shape[0] >= t.shape[0]:
+                # a vocabulary shard: the real rows, then zero padding
                 param.data[: t.shape[0]].copy_(t)
                 param.data[t.shape[0] :].zero_()
+            else:
+                raise ValueError(
+                    f"resharded tensor {name}: shard shape {tuple(t.shape)} does not fit the "
+                    f"engine parameter's {tuple(param.shape)}"
+                )
             touched[module_name] = module
         for module in touched.values():
             method = getattr(module, "quant_method", None)

@@ -7,6 +7,10 @@ rank needs, and where in its own (possibly fused) parameter it goes.
     o_proj, down_proj      [H, cols] ── cols of r ─▶ o_proj / down_proj (row parallel)
     embed_tokens, lm_head  [V, H]    ── rows of r ─▶ the same name (padded vocabulary)
     norms, row-parallel biases       ── whole     ─▶ the same name (replicated)
+    experts.gate_up_proj [E, 2I, H]  ── gate rows of r, up rows of r (dim 1)
+                                                 ─▶ experts.routed_experts.w13_weight
+    experts.down_proj    [E, H, I]   ── cols of r ─▶ experts.routed_experts.w2_weight
+    mlp.gate (the router) [E, H]     ── whole     ─▶ the same name (replicated)
 
 Stated from vLLM's own sharding (pinned vLLM, vllm/model_executor/layers/linear.py and
 vocab_parallel_embedding.py): ``QKVParallelLinear`` splits query heads evenly and
@@ -18,11 +22,21 @@ over ``tp // kv_heads`` ranks (rank ``r`` holds head ``r // replicas``);
 gives rank ``r`` rows ``[r * per, (r + 1) * per)`` of it (rows past the real vocabulary
 are zero). A tied LM head is not in the stream: vLLM ties it to the embedding.
 
-Supported families: the dense decoders we ship (``qwen2``: tiny; ``llama``: smollm2).
-Anything else (a mixture-of-experts model's expert tensors, a vision tower) raises
-:class:`UnsupportedLayout` naming the first tensor it cannot place; the driver refuses
-such runs before Ray (``broker.reshard``). Pure index arithmetic: no torch import, and
-:func:`plan_for` caches one plan per (model layout, stream, engine TP size).
+Experts (vllm/model_executor/layers/fused_moe/routed_experts.py, ``RoutedExperts``
+under the layer's ``MoERunner``, without ``enable_expert_parallel``): every rank holds
+every expert, each cut along its width ``I`` as a fused MLP is. The learner streams
+HF's fused ``[E, 2I, H]`` gate/up (gate rows first); vLLM's loader chunks it in two
+along dim 1 and keeps rows ``[r * I/tp, (r + 1) * I/tp)`` of each half, stacked gate
+then up in ``w13_weight`` ``[E, 2I/tp, H]``: two pieces of one tensor, concatenated
+along dim 1 (:attr:`Target.cat`). ``down_proj`` keeps columns of ``I``. The router
+and Qwen3's per-head ``q_norm``/``k_norm`` are replicated.
+
+Supported families: the dense decoders we ship (``qwen2``: tiny; ``llama``: smollm2)
+and ``qwen3_moe`` (tiny_moe). Anything else (another MoE family, per-expert tensor
+names, shared experts, a vision tower) raises :class:`UnsupportedLayout` naming the
+first tensor it cannot place; the driver refuses such runs before Ray
+(``broker.reshard``). Pure index arithmetic: no torch import, and :func:`plan_for`
+caches one plan per (model layout, stream, engine TP size).
 """
 
 from __future__ import annotations
@@ -35,7 +49,8 @@ from dataclasses import dataclass
 from typing import Any
 
 VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: the vocabulary is padded to this
-FAMILIES = ("qwen2", "llama")  # model_type values whose layout the plan knows
+MOE_FAMILY = "qwen3_moe"  # the one mixture-of-experts layout the plan knows
+FAMILIES = ("qwen2", "llama", MOE_FAMILY)  # model_type values whose layout the plan knows
 FUSED = {  # learner projection -> (engine parameter, its place among the fused parts)
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
@@ -45,6 +60,8 @@ FUSED = {  # learner projection -> (engine parameter, its place among the fused 
 }
 ROW_PARALLEL = ("o_proj", "down_proj")  # input dimension split, bias whole
 VOCAB = ("embed_tokens", "lm_head")
+# a MoE layer's HF fused expert tensor -> its parameter under vLLM's MoERunner
+EXPERTS = {"gate_up_proj": "routed_experts.w13_weight", "down_proj": "routed_experts.w2_weight"}
 
 
 class UnsupportedLayout(ValueError):
@@ -63,14 +80,15 @@ class Piece:
 
 @dataclass(frozen=True)
 class Target:
-    """One engine parameter of one TP rank: its ``pieces`` concatenated along dim 0
-    (fused parameters; a single piece otherwise) give ``shape``. ``rows``: the leading
-    rows that carry weights (a vocabulary shard's tail is padding, left zero)."""
+    """One engine parameter of one TP rank: its ``pieces`` concatenated along dim
+    ``cat`` (fused parameters; a single piece otherwise) give ``shape``. ``rows``: the
+    leading rows that carry weights (a vocabulary shard's tail is padding, left zero)."""
 
     name: str
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
     rows: int
+    cat: int = 0  # 1: a MoE layer's w13, gate and up stacked per expert (dim 0: experts)
 
     @property
     def numel(self) -> int:
@@ -100,7 +118,7 @@ class ReshardPlan:
             else:
                 import torch
 
-                yield t.name, torch.cat(parts, dim=0)
+                yield t.name, torch.cat(parts, dim=t.cat)
 
 
 @dataclass(frozen=True)
@@ -156,13 +174,12 @@ def rank_targets(
     for name, shape in shapes.items():
         module, _, leaf = name.rpartition(".")
         prefix, _, proj = module.rpartition(".")
-        if ".experts." in f".{name}" or "shared_expert" in name:
-            raise UnsupportedLayout(f"expert tensor {name}: experts are not resharded")
-        if proj in FUSED:
+        expert = expert_target(h, name, shape, tp, rank)
+        if expert is not None:
+            out.append(expert)
+        elif proj in FUSED:
             engine, slot = FUSED[proj]
-            if proj == "q_proj":
-                start, length = split(shape[0], tp, rank, f"{name} rows")
-            elif proj in ("k_proj", "v_proj"):
+            if proj in ("k_proj", "v_proj"):
                 start, length = kv_rows(h, tp, rank)
             else:
                 start, length = split(shape[0], tp, rank, f"{name} rows")
@@ -182,7 +199,7 @@ def rank_targets(
             start = min(rank * per, shape[0])
             rows = min(per, shape[0] - start)
             out.append(Target(name, (per, *shape[1:]), (Piece(name, 0, start, rows),), rows))
-        elif proj in ROW_PARALLEL or proj.endswith("norm") or name.endswith("norm.weight"):
+        elif proj in ROW_PARALLEL or replicated(h, name, proj):
             piece = Piece(name, 0, 0, shape[0])
             out.append(Target(name, tuple(shape), (piece,), shape[0]))
         else:
@@ -200,6 +217,37 @@ def rank_targets(
         else:
             done.append(t)
     return tuple(done)
+
+
+def replicated(h: Heads, name: str, proj: str) -> bool:
+    """Whole on every rank: the norms (Qwen3's per-head q/k norms too), a MoE router."""
+    router = proj == "gate" and h.family == MOE_FAMILY
+    return proj.endswith("norm") or name.endswith("norm.weight") or router
+
+
+def expert_target(h: Heads, name: str, shape: tuple[int, ...], tp: int, rank: int) -> Target | None:
+    """Engine rank ``rank``'s part of one MoE layer's fused experts: rows of each of
+    gate and up (``gate_up_proj`` ``[E, 2I, H]``), or columns of ``down_proj``
+    ``[E, H, I]``, each ``I / tp`` of the width. None for a tensor outside the experts;
+    UnsupportedLayout for expert tensors the plan cannot place."""
+    module, _, leaf = name.rpartition(".")
+    if not (module.endswith(".experts") and leaf in EXPERTS and h.family == MOE_FAMILY):
+        if ".experts." in f".{name}" or "shared_expert" in name:
+            raise UnsupportedLayout(
+                f"expert tensor {name}: only a {MOE_FAMILY} model's fused "
+                f"{'/'.join(EXPERTS)} are resharded"
+            )
+        return None
+    engine = f"{module}.{EXPERTS[leaf]}"
+    if len(shape) != 3:
+        raise UnsupportedLayout(f"expert tensor {name} {shape}: expected [experts, ., .]")
+    if name.endswith("gate_up_proj"):
+        width = shape[1] // 2
+        start, per = split(width, tp, rank, f"{name} expert width")
+        pieces = (Piece(name, 1, start, per), Piece(name, 1, width + start, per))
+        return Target(engine, (shape[0], 2 * per, shape[2]), pieces, shape[0], cat=1)
+    start, per = split(shape[2], tp, rank, f"{name} expert width")
+    return Target(engine, (shape[0], shape[1], per), (Piece(name, 2, start, per),), shape[0])
 
 
 @functools.lru_cache(maxsize=8)
