@@ -5,10 +5,11 @@ One sync, as both sides see it (rank 0 = :class:`WeightSender`, here; ranks 1..N
 :class:`~asyncrl.transport.group.TransferGroup`; the wire protocol: wire.py)::
 
     sender                                   each receiver
-    pack stream -> shadow[v]                 receive(): post arrive/<seq> = held version|layout
+    pack stream -> shadow[v]                 receive(): post arrive/<seq> = held|layout|host
     wait all arrive/<seq> (store, timeout) <-'
     plan per bucket vs shadow[held]
-    bcast header (len, json) --------------> learn version, mode, plan (+ manifest once)
+    set header/<seq> (one store value) ----> get header/<seq>: version, mode, plan,
+                                               manifest (once per layout)
     for each non-skipped bucket i:           for each non-skipped bucket i:
       encode i+1 while i is in flight          post recv i+1 while applying i
       bcast payload i ---------------------->  dense: straight into held copy
@@ -53,7 +54,14 @@ from asyncrl.transport.delta import (
 from asyncrl.transport.group import Heartbeat, TransferError, TransferGroup, silent_ranks
 from asyncrl.transport.shm import ShmArena, host_identity
 from asyncrl.transport.spec import HEADER_BUCKET, NO_VERSION
-from asyncrl.transport.wire import ABANDONED, INFLIGHT, SyncEnd, bucket_counts
+from asyncrl.transport.wire import (
+    ABANDONED,
+    INFLIGHT,
+    SYNC_KEYS,
+    SyncEnd,
+    bucket_counts,
+    header_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -159,13 +167,16 @@ class WeightSender(SyncEnd):
         t1 = time.perf_counter()
         self._seq += 1
         seq = self._seq
-        with Heartbeat(self.group) as self._hb:
-            held = self._arrivals(seq, version, arrive_timeout_s or self.group.timeout_s)
-            t2 = time.perf_counter()
-            base_version, used, plans, header_bytes, road = self._sync(
-                seq, version, packed, held, receiver_version, mode
-            )
-        t3 = time.perf_counter()
+        try:
+            with Heartbeat(self.group) as self._hb:
+                held = self._arrivals(seq, version, arrive_timeout_s or self.group.timeout_s)
+                t2 = time.perf_counter()
+                base_version, used, plans, header_bytes, road = self._sync(
+                    seq, version, packed, held, receiver_version, mode
+                )
+            t3 = time.perf_counter()
+        finally:
+            self._forget(seq - 1)
         sent = header_bytes + sum(p.nbytes for p in plans)
         return SendStats(
             version=version,
@@ -224,8 +235,8 @@ class WeightSender(SyncEnd):
                 version, base_version, used, packed.manifest, plans, abort, refs
             )
             try:
-                header_bytes = self._header(header)[1]
-            except Exception as e:  # noqa: BLE001 - any collective failure is reported the same way
+                header_bytes = self.post_header(seq, header)
+            except Exception as e:  # noqa: BLE001 - a store failure is reported like any other
                 raise self._failure(seq, version, HEADER_BUCKET, e) from e
             if abort is not None:  # receivers saw the reason too; the group stays usable
                 raise TransferError(abort[0], abort[1], HEADER_BUCKET, version)
@@ -381,19 +392,22 @@ class WeightSender(SyncEnd):
         self._seq += 1
         seq = self._seq
         t1 = time.perf_counter()
-        with Heartbeat(self.group) as self._hb:
-            held = self._arrivals(seq, version, arrive_timeout_s or self.group.timeout_s)
-            t2 = time.perf_counter()
-            abort = self._version_mismatch(held, receiver_version)
-            used, plans = self._plan_shards(packs, bases, dsts, mode)
-            try:
-                header_bytes, refs = self._shards_sync(
-                    seq, version, receiver_version, used, packs, bases, plans, dsts, abort
-                )
-            finally:
-                self._unstage()
-            self.group.store.set(self.group.key("done", seq, 0), "1")
-        t3 = time.perf_counter()
+        try:
+            with Heartbeat(self.group) as self._hb:
+                held = self._arrivals(seq, version, arrive_timeout_s or self.group.timeout_s)
+                t2 = time.perf_counter()
+                abort = self._version_mismatch(held, receiver_version)
+                used, plans = self._plan_shards(packs, bases, dsts, mode)
+                try:
+                    header_bytes, refs = self._shards_sync(
+                        seq, version, receiver_version, used, packs, bases, plans, dsts, abort
+                    )
+                finally:
+                    self._unstage()
+                self.group.store.set(self.group.key("done", seq, 0), "1")
+            t3 = time.perf_counter()
+        finally:
+            self._forget(seq - 1)
         per_shard = [sum(b.nbytes for b in pl) for pl in plans]
         sent = header_bytes + sum(b * len(d) for b, d in zip(per_shard, dsts, strict=True))
         return SendStats(
@@ -425,7 +439,7 @@ class WeightSender(SyncEnd):
             refs = [self._shm_refs(p, b, pl) for p, b, pl in zip(packs, bases, plans, strict=True)]
         header = self._shard_header(version, base, used, packs, plans, abort, refs)
         try:
-            header_bytes = self._header(header)[1]
+            header_bytes = self.post_header(seq, header)
         except Exception as e:  # noqa: BLE001 - reported the same way as any collective
             raise self._failure(seq, version, HEADER_BUCKET, e) from e
         if abort is not None:
@@ -545,15 +559,26 @@ class WeightSender(SyncEnd):
             ) from e
         if self._hb is not None:
             self._hb.enter("work")
-        arrived = {r: g.store.get(k).decode().split("|") for r, k in keys.items()}
+        values = g.store.multi_get(list(keys.values())) if keys else []  # one round trip
+        arrived = dict(zip(keys, (v.decode().split("|") for v in values), strict=True))
         held = {r: int(a[0]) for r, a in arrived.items()}
         # the bucket layout each holds: a delta applies only onto the same layout
         self.held_layouts = {r: a[1] if len(a) > 1 else "" for r, a in arrived.items()}
         self.held_hosts = {r: a[2] if len(a) > 2 else "" for r, a in arrived.items()}
-        for r in range(g.world_size):  # everyone is past seq-1 now: its keys can go
-            for kind in ("arrive", "done", "fail", "read", "at"):
-                g.store.delete_key(g.key(kind, seq - 1, r))
         return held
+
+    def _forget(self, seq: int) -> None:
+        """Delete sync ``seq``'s store keys (every rank entered a later sync, so none reads
+        them again). Runs after the next sync's payloads, off the receivers' path; best
+        effort: a store that fails here fails the next sync, which reports it."""
+        g = self.group
+        try:
+            g.store.delete_key(header_key(g, seq))
+            for r in range(g.world_size):
+                for kind in SYNC_KEYS:
+                    g.store.delete_key(g.key(kind, seq, r))
+        except Exception:  # noqa: BLE001 - see docstring
+            pass
 
     @staticmethod
     def _version_mismatch(

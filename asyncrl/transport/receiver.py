@@ -143,7 +143,7 @@ class WeightReceiver(SyncEnd):
             held = self.version if self.hold_copy else NO_VERSION
             layout = self.manifest.fingerprint if self.manifest is not None else ""
             g.store.set(g.key("arrive", seq, g.rank), f"{held}|{layout}|{host_identity()}")
-            header = self._header(None)[0]
+            header = self.read_header(seq)
         except Exception as e:  # noqa: BLE001 - store or collective: reported the same way
             raise self._failure(seq, None, HEADER_BUCKET, e) from e
         if header["abort"] is not None:
