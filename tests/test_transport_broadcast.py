@@ -19,7 +19,7 @@ import torch
 
 from asyncrl.transport.broadcast import WeightSender
 from asyncrl.transport.buckets import pack
-from asyncrl.transport.group import TransferError, free_port, make_group
+from asyncrl.transport.group import HEARTBEAT_S, Heartbeat, TransferError, free_port, make_group
 from asyncrl.transport.receiver import WeightReceiver
 from asyncrl.transport.spec import HEADER_BUCKET, NO_VERSION
 from asyncrl.transport.wire import HEADER_MAGIC, decode_header, encode_header, header_key
@@ -463,3 +463,25 @@ def test_nccl_sparse_sync_is_bit_exact():
     for (version, tensors, _), snap in zip(got, snaps, strict=True):
         for name, ref in snap.items():
             assert _bits_equal(tensors[name], ref.cpu()), (version, name)
+
+
+def test_a_heartbeat_is_joined_by_the_next_one_not_on_the_sync_path():
+    """Leaving a Heartbeat only tells its thread to stop (a thread in the middle of a
+    store write does not hold the sync up); the group's next Heartbeat joins it before
+    it uses the side store, and so does the group's close."""
+    group = make_group(HOST, free_port(HOST), 0, 1, 5.0, backend="gloo", join_timeout_s=JOIN_S)
+    release = threading.Event()
+    hb = Heartbeat(group)
+    real = hb._write
+
+    def write() -> None:  # the beat on entry writes; the thread's first beat blocks
+        real() if hb._beats == 0 else release.wait()
+
+    hb._write = write
+    with hb:
+        time.sleep(2 * HEARTBEAT_S)  # the thread now sits in a "write"
+    assert hb._thread.is_alive()  # left without waiting for it
+    threading.Timer(HEARTBEAT_S, release.set).start()
+    with Heartbeat(group):
+        assert not hb._thread.is_alive()  # joined before the next one beat
+    group.close()
