@@ -318,3 +318,53 @@ def test_a_reserve_larger_than_the_free_space_keeps_buckets_in_ordinary_memory(s
     assert len(roomy.names()) == 1 and roomy.segment_of(kept) is not None
     del kept
     roomy.release()
+
+
+class _Watching(WeightReceiver):
+    """Records, at its claim, whether the held bucket it replaced is still mapped."""
+
+    def __init__(self, group, seen: list):
+        super().__init__(group)
+        self.seen, self.old = seen, None
+
+    def _claim(self, seq: int) -> None:
+        self.seen.append(("at claim", self.old is not None and self.old() is not None))
+        super()._claim(seq)
+
+
+def _receive_twice(port: int, seen: list) -> None:
+    import weakref
+
+    group = make_group(HOST, port, 1, 2, 10.0, backend="gloo", join_timeout_s=JOIN_S)
+    rx = _Watching(group, seen)
+    try:
+        for _ in range(2):
+            rx.receive()
+            held = rx.held().buckets[0]
+            seen.append(("after", rx.old is not None and rx.old() is not None))
+            rx.old = weakref.ref(held)
+            del held
+    finally:
+        group.close()
+
+
+def test_the_receiver_unmaps_a_replaced_bucket_right_after_its_claim():
+    """A dense bucket on the same-host road replaces the held one with the segment's
+    mapping; the bucket it replaced stays mapped until the receiver claimed the sync (so
+    freeing its pages is not on the sender's wait) and is gone when receive returns."""
+    port, seen = free_port(HOST), []
+    thread = threading.Thread(target=_receive_twice, args=(port, seen), daemon=True)
+    thread.start()
+    arena = ShmArena()
+    try:
+        group = make_group(HOST, port, 0, 2, 10.0, backend="gloo", join_timeout_s=JOIN_S)
+        sender = WeightSender(group, bucket_mb=64.0, shm=arena)
+        model = make_model(2_000_000)
+        assert sender.send(0, zip(map(str, range(len(model))), model), mode="full").road == "shm"
+        assert sender.send(0, None, receiver_version=0, mode="full").road == "shm"
+        thread.join(timeout=30)
+        group.close()
+    finally:
+        arena.release()
+    assert seen == [("at claim", False), ("after", False), ("at claim", True), ("after", False)]
+    assert _ours() == set()
