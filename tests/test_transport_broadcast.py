@@ -19,9 +19,10 @@ import torch
 
 from asyncrl.transport.broadcast import WeightSender
 from asyncrl.transport.buckets import pack
-from asyncrl.transport.group import TransferError, free_port, make_group
+from asyncrl.transport.group import HEARTBEAT_S, Heartbeat, TransferError, free_port, make_group
 from asyncrl.transport.receiver import WeightReceiver
 from asyncrl.transport.spec import HEADER_BUCKET, NO_VERSION
+from asyncrl.transport.wire import HEADER_MAGIC, decode_header, encode_header, header_key
 
 HOST = "127.0.0.1"
 BUCKET_MB = 16 / 1024  # 16 KiB buckets: a small model still spans many buckets
@@ -361,6 +362,71 @@ def test_changed_only_lists_just_the_touched_tensors():
         assert _bits_equal(t, model[name])
 
 
+class _CountingStore:
+    """A store that records the keys it is asked to set."""
+
+    def __init__(self, store, sets: list) -> None:
+        self._store, self._sets = store, sets
+
+    def set(self, key: str, value) -> None:
+        self._sets.append(key)
+        self._store.set(key, value)
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+
+def test_the_header_is_one_store_message_and_no_collective():
+    """Per sync, the header is the one store value ``header/<seq>`` (the sender sets it,
+    each receiver gets it); the only collectives are the payloads'; a sync's keys go
+    once the next sync is done."""
+    world, timeout_s = 2, 10.0
+    port = free_port(HOST)
+    model = {f"w{i}": torch.randn(100).bfloat16() for i in range(6)}  # one bucket
+    got: list = []
+
+    def receive_twice() -> None:
+        receiver = WeightReceiver(
+            make_group(HOST, port, 1, world, timeout_s, backend="gloo", join_timeout_s=JOIN_S)
+        )
+        for _ in range(2):
+            got.append(receiver.receive()[0])
+
+    thread = threading.Thread(target=receive_twice, daemon=True)
+    thread.start()
+    group = make_group(HOST, port, 0, world, timeout_s, backend="gloo", join_timeout_s=JOIN_S)
+    sender = WeightSender(group)
+    bcasts, sets = [], []
+    real_bcast = sender._bcast
+    sender._bcast = lambda buf: bcasts.append(buf.numel()) or real_bcast(buf)
+    group.store = _CountingStore(group.store, sets)
+    first = sender.send(0, model.items(), mode="full")
+    assert bcasts == [first.bytes_full]  # the one bucket; no header collective
+    assert sets.count(header_key(group, 1)) == 1
+    assert decode_header(group.store.get(header_key(group, 1)))["v"] == 0
+    assert first.header_bytes == len(group.store.get(header_key(group, 1)))
+    sender.send(1, model.items(), receiver_version=0, mode="full")
+    thread.join(timeout=10)
+    assert got == [0, 1] and sets.count(header_key(group, 2)) == 1
+    assert not group.has(header_key(group, 1)) and not group.has(group.key("arrive", 1, 1))
+    group.close()
+
+
+def test_a_value_that_is_not_a_header_is_refused_in_one_line():
+    good = {"v": 1, "base": 0, "mode": "full", "fp": "x", "manifest": None, "plan": [],
+            "abort": None}  # fmt: skip
+    assert decode_header(encode_header(good)) == good
+    for data, line in [
+        (b"\x00" * 16, "not a sync header"),
+        (HEADER_MAGIC + b"{", "not JSON"),
+        (HEADER_MAGIC + b"[1]", "is a list, not an object"),
+        (HEADER_MAGIC + b'{"v": 1}', "lacks"),
+    ]:
+        with pytest.raises(ValueError, match=line) as e:
+            decode_header(data)
+        assert "\n" not in str(e.value)
+
+
 def _nccl_receiver(port: int, out) -> None:
     torch.cuda.set_device(1)
     receiver = WeightReceiver(
@@ -397,3 +463,25 @@ def test_nccl_sparse_sync_is_bit_exact():
     for (version, tensors, _), snap in zip(got, snaps, strict=True):
         for name, ref in snap.items():
             assert _bits_equal(tensors[name], ref.cpu()), (version, name)
+
+
+def test_a_heartbeat_is_joined_by_the_next_one_not_on_the_sync_path():
+    """Leaving a Heartbeat only tells its thread to stop (a thread in the middle of a
+    store write does not hold the sync up); the group's next Heartbeat joins it before
+    it uses the side store, and so does the group's close."""
+    group = make_group(HOST, free_port(HOST), 0, 1, 5.0, backend="gloo", join_timeout_s=JOIN_S)
+    release = threading.Event()
+    hb = Heartbeat(group)
+    real = hb._write
+
+    def write() -> None:  # the beat on entry writes; the thread's first beat blocks
+        real() if hb._beats == 0 else release.wait()
+
+    hb._write = write
+    with hb:
+        time.sleep(2 * HEARTBEAT_S)  # the thread now sits in a "write"
+    assert hb._thread.is_alive()  # left without waiting for it
+    threading.Timer(HEARTBEAT_S, release.set).start()
+    with Heartbeat(group):
+        assert not hb._thread.is_alive()  # joined before the next one beat
+    group.close()

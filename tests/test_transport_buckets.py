@@ -84,6 +84,15 @@ def test_manifest_is_deterministic_and_serialises():
     assert c.fingerprint != a.fingerprint
 
 
+def test_manifest_fingerprint_is_computed_once(monkeypatch):
+    m = pack(_mixed_model(), bucket_mb=KB).manifest
+    calls = []
+    real = Manifest.to_bytes
+    monkeypatch.setattr(Manifest, "to_bytes", lambda self: calls.append(1) or real(self))
+    first = m.fingerprint
+    assert m.fingerprint == first and m.fingerprint == first and len(calls) == 1
+
+
 def test_generator_input_is_not_held_whole():
     """Tensors of a closed bucket are released while the generator is still running."""
     refs: list[weakref.ref] = []

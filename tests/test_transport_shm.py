@@ -25,6 +25,7 @@ from asyncrl.transport.endpoint import ReceiverEndpoint, SenderEndpoint, digests
 from asyncrl.transport.group import TransferError, free_port, make_group
 from asyncrl.transport.receiver import WeightReceiver
 from asyncrl.transport.shm import PREFIX, SHM_DIR, SegmentError, ShmArena, map_segment
+from asyncrl.transport.shm_send import ShmRoad
 from asyncrl.transport.spec import NO_VERSION, JoinSpec
 from benchmarks.weight_sync import adamw_step, lora_adapters, make_model, qwen2
 
@@ -162,7 +163,7 @@ def test_a_receiver_on_another_host_sends_over_the_wire_with_one_log_line(caplog
     ep = _endpoint("auto")
     model = make_model(2_000_000)
     try:
-        with caplog.at_level(logging.INFO, logger="asyncrl.transport.broadcast"):
+        with caplog.at_level(logging.INFO, logger="asyncrl.transport.shm_send"):
             for v in range(3):
                 ep.snapshot(v, zip(map(str, range(len(model))), model), retain=[v - 1])
                 want = digests(ep.shadows.get(v).named_tensors())
@@ -265,12 +266,12 @@ def test_broker_shm_is_checked_before_ray():
         BrokerSettings.defaults(shm="tmpfs")
 
 
-class _HostileSender(WeightSender):
+class _HostileRoad(ShmRoad):
     """Names a range past the end of each bucket's segment in its header."""
 
-    def _shm_refs(self, packed, base, plans):
-        refs = super()._shm_refs(packed, base, plans)
-        return [[r[0], r[2], r[2]] if r is not None else None for r in refs or []]
+    def refs(self, packed, plans, encode):
+        refs = super().refs(packed, plans, encode)
+        return [[r[0], r[2], r[2]] if r is not None else None for r in refs]
 
 
 def _receive_into(port: int, out: list) -> None:
@@ -293,7 +294,8 @@ def test_a_hostile_header_fails_the_sync_on_both_ends_with_one_line():
     arena = ShmArena()
     try:
         group = make_group(HOST, port, 0, 2, 5.0, backend="gloo", join_timeout_s=JOIN_S)
-        sender = _HostileSender(group, bucket_mb=1.0, shm=arena)
+        sender = WeightSender(group, bucket_mb=1.0, shm=arena)
+        sender.road = _HostileRoad(group, arena)
         model = make_model(2_000_000)
         with pytest.raises(TransferError) as sent:
             sender.send(0, zip(map(str, range(len(model))), model), mode="full")
@@ -318,3 +320,53 @@ def test_a_reserve_larger_than_the_free_space_keeps_buckets_in_ordinary_memory(s
     assert len(roomy.names()) == 1 and roomy.segment_of(kept) is not None
     del kept
     roomy.release()
+
+
+class _Watching(WeightReceiver):
+    """Records, at its claim, whether the held bucket it replaced is still mapped."""
+
+    def __init__(self, group, seen: list):
+        super().__init__(group)
+        self.seen, self.old = seen, None
+
+    def _claim(self, seq: int) -> None:
+        self.seen.append(("at claim", self.old is not None and self.old() is not None))
+        super()._claim(seq)
+
+
+def _receive_twice(port: int, seen: list) -> None:
+    import weakref
+
+    group = make_group(HOST, port, 1, 2, 10.0, backend="gloo", join_timeout_s=JOIN_S)
+    rx = _Watching(group, seen)
+    try:
+        for _ in range(2):
+            rx.receive()
+            held = rx.held().buckets[0]
+            seen.append(("after", rx.old is not None and rx.old() is not None))
+            rx.old = weakref.ref(held)
+            del held
+    finally:
+        group.close()
+
+
+def test_the_receiver_unmaps_a_replaced_bucket_right_after_its_claim():
+    """A dense bucket on the same-host road replaces the held one with the segment's
+    mapping; the bucket it replaced stays mapped until the receiver claimed the sync (so
+    freeing its pages is not on the sender's wait) and is gone when receive returns."""
+    port, seen = free_port(HOST), []
+    thread = threading.Thread(target=_receive_twice, args=(port, seen), daemon=True)
+    thread.start()
+    arena = ShmArena()
+    try:
+        group = make_group(HOST, port, 0, 2, 10.0, backend="gloo", join_timeout_s=JOIN_S)
+        sender = WeightSender(group, bucket_mb=64.0, shm=arena)
+        model = make_model(2_000_000)
+        assert sender.send(0, zip(map(str, range(len(model))), model), mode="full").road == "shm"
+        assert sender.send(0, None, receiver_version=0, mode="full").road == "shm"
+        thread.join(timeout=30)
+        group.close()
+    finally:
+        arena.release()
+    assert seen == [("at claim", False), ("after", False), ("at claim", True), ("after", False)]
+    assert _ours() == set()

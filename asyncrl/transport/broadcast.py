@@ -5,10 +5,11 @@ One sync, as both sides see it (rank 0 = :class:`WeightSender`, here; ranks 1..N
 :class:`~asyncrl.transport.group.TransferGroup`; the wire protocol: wire.py)::
 
     sender                                   each receiver
-    pack stream -> shadow[v]                 receive(): post arrive/<seq> = held version|layout
+    pack stream -> shadow[v]                 receive(): post arrive/<seq> = held|layout|host
     wait all arrive/<seq> (store, timeout) <-'
     plan per bucket vs shadow[held]
-    bcast header (len, json) --------------> learn version, mode, plan (+ manifest once)
+    set header/<seq> (one store value) ----> get header/<seq>: version, mode, plan,
+                                               manifest (once per layout)
     for each non-skipped bucket i:           for each non-skipped bucket i:
       encode i+1 while i is in flight          post recv i+1 while applying i
       bcast payload i ---------------------->  dense: straight into held copy
@@ -19,8 +20,9 @@ When every receiver posted this host's identity with its arrival and the sender 
 :class:`~asyncrl.transport.shm.ShmArena` (gloo groups only), the payloads take the
 same-host road instead (asyncrl/transport/shm.py): the header names, per bucket, the
 shared-memory segment holding its payload, no payload crosses the wire, and the sender
-waits for every receiver's ``done`` before it returns (and unlinks this sync's staged
-segments). Buckets without a segment still go over the wire, in order.
+waits for every receiver's claim (``read/<seq>``) before it returns (and unlinks this
+sync's staged segments): :class:`~asyncrl.transport.shm_send.ShmRoad`. Buckets without a
+segment still go over the wire, in order.
 
 Receivers of one group must hold the same version for a sync: the broker
 groups receivers by version (one group per sync set) and :meth:`WeightSender.send`
@@ -32,7 +34,7 @@ still usable) when they disagree. A failed collective or a deadline raises
 from __future__ import annotations
 
 import datetime
-import logging
+import functools
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -50,16 +52,17 @@ from asyncrl.transport.delta import (
     encode_sparse,
     plan_bucket,
 )
-from asyncrl.transport.group import Heartbeat, TransferError, TransferGroup, silent_ranks
-from asyncrl.transport.shm import ShmArena, host_identity
+from asyncrl.transport.group import Heartbeat, TransferError, TransferGroup
+from asyncrl.transport.shm import ShmArena
+from asyncrl.transport.shm_send import ShmRefs, ShmRoad, any_shm
 from asyncrl.transport.spec import HEADER_BUCKET, NO_VERSION
-from asyncrl.transport.wire import ABANDONED, INFLIGHT, SyncEnd, bucket_counts
-
-log = logging.getLogger(__name__)
-
-# A bucket's place on the same-host road: [segment name, byte offset, bytes], or None
-# where the bucket goes over the wire (or is skipped).
-ShmRefs = list[list | None]
+from asyncrl.transport.wire import (
+    INFLIGHT,
+    SYNC_KEYS,
+    SyncEnd,
+    bucket_counts,
+    header_key,
+)
 
 
 @dataclass
@@ -127,10 +130,7 @@ class WeightSender(SyncEnd):
         self._peer_manifest: str | None = None  # fingerprint the receivers already have
         self.held_layouts: dict[int, str] = {}  # rank -> fingerprint of its held copy
         self.held_hosts: dict[int, str] = {}  # rank -> the host identity it posted
-        self.shm = shm
-        self._road_said: str | None = None  # the last road decision logged
-        # this sync's own segments (sparse payloads), held so they live until unstaged
-        self._staged: list[tuple[str, torch.Tensor]] = []
+        self.road = ShmRoad(group, shm)  # the same-host road (asyncrl/transport/shm_send.py)
 
     @torch.no_grad()
     def send(
@@ -159,13 +159,16 @@ class WeightSender(SyncEnd):
         t1 = time.perf_counter()
         self._seq += 1
         seq = self._seq
-        with Heartbeat(self.group) as self._hb:
-            held = self._arrivals(seq, version, arrive_timeout_s or self.group.timeout_s)
-            t2 = time.perf_counter()
-            base_version, used, plans, header_bytes, road = self._sync(
-                seq, version, packed, held, receiver_version, mode
-            )
-        t3 = time.perf_counter()
+        try:
+            with Heartbeat(self.group) as self._hb:
+                held = self._arrivals(seq, version, arrive_timeout_s or self.group.timeout_s)
+                t2 = time.perf_counter()
+                base_version, used, plans, header_bytes, road = self._sync(
+                    seq, version, packed, held, receiver_version, mode
+                )
+            t3 = time.perf_counter()
+        finally:
+            self._forget(seq - 1)
         sent = header_bytes + sum(p.nbytes for p in plans)
         return SendStats(
             version=version,
@@ -190,7 +193,7 @@ class WeightSender(SyncEnd):
         """``version`` packed into buckets: from the stream (stored as its shadow),
         or the shadow stored before."""
         if named_tensors is not None:
-            alloc = self.shm.alloc if self.shm is not None else None
+            alloc = self.road.arena.alloc if self.road.arena is not None else None
             return self.shadows.put(
                 version, pack(named_tensors, self.bucket_mb, self.shadow_device, alloc=alloc)
             )
@@ -219,13 +222,15 @@ class WeightSender(SyncEnd):
         used, plans = self._plan(packed, base_version, mode) if abort is None else (Mode.FULL, [])
         base = self.shadows.get(base_version)
         try:
-            refs = self._shm_refs(packed, base, plans) if abort is None else None
+            refs = None
+            if abort is None and self.road.usable(self.held_hosts):
+                refs = self.road.refs(packed, plans, functools.partial(self._encode, packed, base))
             header = self._make_header(
                 version, base_version, used, packed.manifest, plans, abort, refs
             )
             try:
-                header_bytes = self._header(header)[1]
-            except Exception as e:  # noqa: BLE001 - any collective failure is reported the same way
+                header_bytes = self.post_header(seq, header)
+            except Exception as e:  # noqa: BLE001 - a store failure is reported like any other
                 raise self._failure(seq, version, HEADER_BUCKET, e) from e
             if abort is not None:  # receivers saw the reason too; the group stays usable
                 raise TransferError(abort[0], abort[1], HEADER_BUCKET, version)
@@ -233,123 +238,14 @@ class WeightSender(SyncEnd):
             progress = {"bucket": HEADER_BUCKET}
             try:
                 self._payloads(packed, base, plans, progress, refs)
-                if _any(refs):
-                    self._await_acks(seq, progress)
+                if any_shm(refs):
+                    self.road.await_reads(seq, progress, self._hb)
             except Exception as e:  # noqa: BLE001
                 raise self._failure(seq, version, progress["bucket"], e) from e
         finally:
-            self._unstage()
+            self.road.unstage()
         g.store.set(g.key("done", seq, 0), "1")
-        return base_version, used, plans, header_bytes, "shm" if _any(refs) else "wire"
-
-    # ---- the same-host road (asyncrl/transport/shm.py) --------------------------------
-    def _shm_road(self) -> bool:
-        """Whether this sync may use shared memory; a change of answer is logged once."""
-        if self.shm is None:
-            return False
-        me = host_identity()
-        away = sorted(r for r, h in self.held_hosts.items() if not me or h != me)
-        if self.group.backend != "gloo":
-            why: str | None = (
-                f"the group runs {self.group.backend}, shared memory is for CPU buckets"
-            )
-        elif away:
-            why = f"receiver rank(s) {away} are not provably on this host (host identity differs)"
-        else:
-            why = None
-        said = why or "shared memory"
-        if said != self._road_said:
-            self._road_said = said
-            if why is None:
-                log.info(
-                    "weight sync (port %d): shared memory, receivers on this host", self.group.port
-                )
-            else:
-                log.warning("weight sync (port %d): over %s, not shared memory: %s",
-                            self.group.port, self.group.backend, why)  # fmt: skip
-        return why is None
-
-    def _shm_refs(
-        self, packed: PackedModel, base: PackedModel | None, plans: list[BucketPlan]
-    ) -> ShmRefs | None:
-        """Per bucket, where a receiver reads its payload: the shadow's own segment (dense),
-        or a segment staged for this sync (sparse); None for skipped buckets and buckets
-        without a segment (they go over the wire). None overall: the wire for all."""
-        if not self._shm_road():
-            return None
-        assert self.shm is not None
-        refs: ShmRefs = []
-        for i, plan in enumerate(plans):
-            ref = None
-            if plan.kind is Kind.DENSE and plan.nbytes > 0:
-                seg = self.shm.segment_of(packed.buckets[i])
-                ref = [seg[0], 0, seg[1]] if seg is not None else None
-            elif plan.kind is Kind.SPARSE and plan.nbytes > 0:
-                staged = self.shm.stage(self._encode(packed, base, i, plan))
-                if staged is not None:
-                    self._staged.append(staged)
-                    ref = [staged[0], 0, plan.nbytes]
-            refs.append(ref)
-        return refs
-
-    def _unstage(self) -> None:
-        if self.shm is not None:
-            for name, _ in self._staged:
-                self.shm.drop(name)
-        self._staged = []
-
-    def _await_acks(self, seq: int, progress: dict[str, int]) -> None:
-        """Wait until every receiver claimed sync ``seq`` as read (``read/<seq>/<rank>``,
-        posted once it holds every segment's bytes); raises when one reports a failure,
-        goes silent or the group's timeout passes. Giving up abandons the receivers that
-        have not claimed it (the same key, atomically), so a late one fails instead of
-        finishing a sync the sender reported failed; ``progress`` then names the bucket
-        the first of them was at (``at/<seq>/<rank>``)."""
-        g = self.group
-        pending = {r: g.key("read", seq, r) for r in range(1, g.world_size)}
-        deadline = time.monotonic() + g.timeout_s
-        if self._hb is not None:
-            self._hb.enter("wait")
-        try:
-            while pending:
-                try:
-                    g.store.wait(list(pending.values()), datetime.timedelta(seconds=_ACK_POLL_S))
-                    return
-                except Exception:  # noqa: BLE001 - the store's timeout; a broken store fails below
-                    pass
-                pending = {r: k for r, k in pending.items() if not g.has(k)}
-                failed = [r for r in pending if g.has(g.key("fail", seq, r))]
-                silent = silent_ranks(g, seq, pending) if not failed else []
-                if failed:
-                    why = g.store.get(g.key("fail", seq, failed[0])).decode()
-                    problem = f"receiver(s) {failed} failed reading shared memory: {why}"
-                elif silent:
-                    problem = f"receiver(s) {silent} went silent reading shared memory"
-                elif time.monotonic() > deadline:
-                    problem = (
-                        f"receiver(s) {sorted(pending)} did not finish within {g.timeout_s:.1f}s"
-                    )
-                else:
-                    continue
-                late = self._abandon(pending)
-                if not late:  # every one claimed it in the meantime
-                    return
-                at = [g.store.get(g.key("at", seq, r)) for r in late if g.has(g.key("at", seq, r))]
-                progress["bucket"] = min((int(b) for b in at), default=HEADER_BUCKET)
-                raise RuntimeError(problem)
-        finally:
-            if self._hb is not None:
-                self._hb.enter("work")
-
-    def _abandon(self, pending: dict[int, str]) -> list[int]:
-        """Mark every still-pending receiver's claim ``abandoned`` unless it claimed the
-        sync first; returns the abandoned ranks."""
-        g = self.group
-        out = []
-        for r, key in pending.items():
-            if g.store.compare_set(key, "", ABANDONED).decode() == ABANDONED:
-                out.append(r)
-        return sorted(out)
+        return base_version, used, plans, header_bytes, "shm" if any_shm(refs) else "wire"
 
     def _plan(
         self, packed: PackedModel, base_version: int, mode: Mode
@@ -381,19 +277,22 @@ class WeightSender(SyncEnd):
         self._seq += 1
         seq = self._seq
         t1 = time.perf_counter()
-        with Heartbeat(self.group) as self._hb:
-            held = self._arrivals(seq, version, arrive_timeout_s or self.group.timeout_s)
-            t2 = time.perf_counter()
-            abort = self._version_mismatch(held, receiver_version)
-            used, plans = self._plan_shards(packs, bases, dsts, mode)
-            try:
-                header_bytes, refs = self._shards_sync(
-                    seq, version, receiver_version, used, packs, bases, plans, dsts, abort
-                )
-            finally:
-                self._unstage()
-            self.group.store.set(self.group.key("done", seq, 0), "1")
-        t3 = time.perf_counter()
+        try:
+            with Heartbeat(self.group) as self._hb:
+                held = self._arrivals(seq, version, arrive_timeout_s or self.group.timeout_s)
+                t2 = time.perf_counter()
+                abort = self._version_mismatch(held, receiver_version)
+                used, plans = self._plan_shards(packs, bases, dsts, mode)
+                try:
+                    header_bytes, refs = self._shards_sync(
+                        seq, version, receiver_version, used, packs, bases, plans, dsts, abort
+                    )
+                finally:
+                    self.road.unstage()
+                self.group.store.set(self.group.key("done", seq, 0), "1")
+            t3 = time.perf_counter()
+        finally:
+            self._forget(seq - 1)
         per_shard = [sum(b.nbytes for b in pl) for pl in plans]
         sent = header_bytes + sum(b * len(d) for b, d in zip(per_shard, dsts, strict=True))
         return SendStats(
@@ -410,7 +309,7 @@ class WeightSender(SyncEnd):
             seconds=t3 - t2,
             gbps=sent / max(t3 - t2, 1e-9) / 1e9,
             bytes_per_rank=header_bytes + max(per_shard, default=0),
-            road="shm" if any(_any(r) for r in refs or ()) else "wire",
+            road="shm" if any(any_shm(r) for r in refs or ()) else "wire",
         )
 
     def _shards_sync(
@@ -421,11 +320,14 @@ class WeightSender(SyncEnd):
         """The header, then each shard's payloads (wire or shared memory); returns (header
         bytes, the shards' shared-memory references or None)."""
         refs = None
-        if abort is None and self._shm_road():
-            refs = [self._shm_refs(p, b, pl) for p, b, pl in zip(packs, bases, plans, strict=True)]
+        if abort is None and self.road.usable(self.held_hosts):
+            refs = [
+                self.road.refs(p, pl, functools.partial(self._encode, p, b))
+                for p, b, pl in zip(packs, bases, plans, strict=True)
+            ]
         header = self._shard_header(version, base, used, packs, plans, abort, refs)
         try:
-            header_bytes = self._header(header)[1]
+            header_bytes = self.post_header(seq, header)
         except Exception as e:  # noqa: BLE001 - reported the same way as any collective
             raise self._failure(seq, version, HEADER_BUCKET, e) from e
         if abort is not None:
@@ -436,8 +338,8 @@ class WeightSender(SyncEnd):
             for s in range(len(packs)):
                 shard_refs = refs[s] if refs is not None else None
                 self._sends(packs[s], bases[s], plans[s], dsts[s], progress, shard_refs)
-            if any(_any(r) for r in refs or ()):
-                self._await_acks(seq, progress)
+            if any(any_shm(r) for r in refs or ()):
+                self.road.await_reads(seq, progress, self._hb)
         except Exception as e:  # noqa: BLE001
             raise self._failure(seq, version, progress["bucket"], e) from e
         return header_bytes, refs
@@ -545,15 +447,26 @@ class WeightSender(SyncEnd):
             ) from e
         if self._hb is not None:
             self._hb.enter("work")
-        arrived = {r: g.store.get(k).decode().split("|") for r, k in keys.items()}
+        values = g.store.multi_get(list(keys.values())) if keys else []  # one round trip
+        arrived = dict(zip(keys, (v.decode().split("|") for v in values), strict=True))
         held = {r: int(a[0]) for r, a in arrived.items()}
         # the bucket layout each holds: a delta applies only onto the same layout
         self.held_layouts = {r: a[1] if len(a) > 1 else "" for r, a in arrived.items()}
         self.held_hosts = {r: a[2] if len(a) > 2 else "" for r, a in arrived.items()}
-        for r in range(g.world_size):  # everyone is past seq-1 now: its keys can go
-            for kind in ("arrive", "done", "fail", "read", "at"):
-                g.store.delete_key(g.key(kind, seq - 1, r))
         return held
+
+    def _forget(self, seq: int) -> None:
+        """Delete sync ``seq``'s store keys (every rank entered a later sync, so none reads
+        them again). Runs after the next sync's payloads, off the receivers' path; best
+        effort: a store that fails here fails the next sync, which reports it."""
+        g = self.group
+        try:
+            g.store.delete_key(header_key(g, seq))
+            for r in range(g.world_size):
+                for kind in SYNC_KEYS:
+                    g.store.delete_key(g.key(kind, seq, r))
+        except Exception:  # noqa: BLE001 - see docstring
+            pass
 
     @staticmethod
     def _version_mismatch(
@@ -619,16 +532,6 @@ class WeightSender(SyncEnd):
         i, work, _ = pending.popleft()  # the payload rides along so it outlives its collective
         progress["bucket"] = i
         self._wait(work)
-
-
-# How often the sender looks at the receivers' acknowledgements and heartbeats while they
-# read shared memory (the store's wait wakes at once when every ``done`` is there).
-_ACK_POLL_S = 0.5
-
-
-def _any(refs: ShmRefs | None) -> bool:
-    """Whether any bucket of a sync is read from shared memory."""
-    return refs is not None and any(r is not None for r in refs)
 
 
 def _or_none(version: int | None) -> int:

@@ -17,6 +17,7 @@ overlap. :func:`unpack` returns views, never copies.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -93,9 +94,10 @@ class Manifest:
             )
         return cls(tuple(buckets))
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """Short digest of the layout; equal fingerprints mean interchangeable buckets."""
+        """Short digest of the layout; equal fingerprints mean interchangeable buckets.
+        Computed once per manifest (a manifest is immutable) and kept."""
         return hashlib.sha256(self.to_bytes()).hexdigest()[:16]
 
 

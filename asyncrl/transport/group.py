@@ -85,6 +85,15 @@ class TransferGroup:
     backend: str  # "gloo" or "nccl"
     port: int = 0  # the store's port on the sender's host
     _side_store: dist.Store | None = None
+    _stopped_beat: threading.Thread | None = None  # the last Heartbeat's thread, not joined
+
+    def settle_heartbeat(self) -> None:
+        """Join the last sync's heartbeat thread (told to stop; it ends after at most one
+        store write), so that only one thread uses :meth:`side_store` at a time. Bounded: a
+        thread stuck on a dead store is a daemon and must not hold us up."""
+        thread, self._stopped_beat = self._stopped_beat, None
+        if thread is not None and thread.is_alive():
+            thread.join(timeout=10 * HEARTBEAT_S)
 
     def side_store(self) -> dist.Store:
         """A second connection to the store, for the heartbeat thread (made once)."""
@@ -101,6 +110,7 @@ class TransferGroup:
 
     def close(self) -> None:
         """Best effort: tear the backend down (unblocks nothing that already timed out)."""
+        self.settle_heartbeat()
         try:
             self.pg.shutdown()
         except Exception:  # noqa: BLE001 - already broken groups may refuse to shut down
@@ -277,10 +287,13 @@ class Heartbeat:
     never queues behind the caller) → repeat until ``__exit__`` sets the event.
     The caller marks its phase with :meth:`enter` (``wait`` inside a collective,
     ``work`` otherwise). A store error ends the thread quietly: the main
-    thread's collectives will report the real failure.
+    thread's collectives will report the real failure. ``__exit__`` only tells the
+    thread to stop; the join waits for the next Heartbeat of the group (or its
+    ``close``: :meth:`TransferGroup.settle_heartbeat`), off the sync's path.
     """
 
     def __init__(self, group: TransferGroup):
+        self._group = group
         self._store = group.side_store()
         self._key = group.key("hb", rank=group.rank)
         self._stop = threading.Event()
@@ -306,6 +319,7 @@ class Heartbeat:
             return
 
     def __enter__(self) -> Heartbeat:
+        self._group.settle_heartbeat()  # the side store is ours alone from here
         try:
             self._write()  # beat once now: a peer that checks early sees us alive
         except Exception:  # noqa: BLE001 - see class docstring
@@ -315,7 +329,5 @@ class Heartbeat:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        if not self._thread.is_alive():
-            return
-        # Bounded: a thread stuck on a dead store is a daemon and must not hold us up.
-        self._thread.join(timeout=10 * HEARTBEAT_S)
+        if self._thread.is_alive():
+            self._group._stopped_beat = self._thread

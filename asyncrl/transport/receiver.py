@@ -77,6 +77,9 @@ class WeightReceiver(SyncEnd):
         self._buckets: list[torch.Tensor] | None = None
         self.last_stats: ReceiveStats | None = None
         self.shard: int | None = None  # resharded syncs: this rank's engine TP shard
+        # held buckets a sync replaced with a segment's mapping: unmapped once the sync is
+        # claimed (same-host road), so freeing their pages is not on the sender's wait
+        self._replaced: list[torch.Tensor] = []
 
     def held(self) -> HeldCopy:
         return HeldCopy(self.version, self.manifest, self._buckets)
@@ -143,7 +146,7 @@ class WeightReceiver(SyncEnd):
             held = self.version if self.hold_copy else NO_VERSION
             layout = self.manifest.fingerprint if self.manifest is not None else ""
             g.store.set(g.key("arrive", seq, g.rank), f"{held}|{layout}|{host_identity()}")
-            header = self._header(None)[0]
+            header = self.read_header(seq)
         except Exception as e:  # noqa: BLE001 - store or collective: reported the same way
             raise self._failure(seq, None, HEADER_BUCKET, e) from e
         if header["abort"] is not None:
@@ -197,6 +200,8 @@ class WeightReceiver(SyncEnd):
         except Exception as e:  # noqa: BLE001
             self._drop()
             raise self._failure(seq, int(header["v"]), progress["bucket"], e) from e
+        finally:
+            self._replaced.clear()  # unmapped (or freed) now, after the claim
         return targets, plans, touched
 
     def _targets(self, header: dict) -> list[torch.Tensor]:
@@ -265,10 +270,6 @@ class WeightReceiver(SyncEnd):
             nbytes = payload_nbytes(self.manifest, i, plan)
             if plan.kind is Kind.SKIP or nbytes == 0:
                 continue
-            if plan.kind is Kind.DENSE:
-                buf = targets[i].view(torch.uint8)
-            else:
-                buf = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
             progress["bucket"] = i
             ref = refs[i] if refs is not None else None
             if ref is not None:
@@ -276,9 +277,12 @@ class WeightReceiver(SyncEnd):
             if self.on_bucket is not None:
                 self.on_bucket(i)
             if ref is not None:
-                self._from_segment(targets, i, _checked_ref(ref, nbytes), plan.kind, buf)
-                apply(i, buf)
-                continue
+                apply(i, self._from_segment(targets, i, _checked_ref(ref, nbytes), plan.kind))
+                continue  # a sparse payload's mapping goes here, once applied
+            if plan.kind is Kind.DENSE:
+                buf = targets[i].view(torch.uint8)
+            else:
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
             work = self._bcast(buf) if self.shard is None else self.group.pg.recv([buf], 0, i)
             pending.append((i, work, buf))
             if len(pending) >= INFLIGHT:
@@ -288,15 +292,18 @@ class WeightReceiver(SyncEnd):
         return touched
 
     def _from_segment(
-        self, targets: list[torch.Tensor], i: int, ref: list, kind: Kind, buf: torch.Tensor
-    ) -> None:
-        """Bucket ``i`` from shared memory: a dense one becomes the sender's segment itself,
-        mapped copy-on-write; a sparse payload is read into ``buf``."""
+        self, targets: list[torch.Tensor], i: int, ref: list, kind: Kind
+    ) -> torch.Tensor:
+        """Bucket ``i``'s payload from shared memory: a dense one becomes the held bucket
+        itself (the sender's segment mapped copy-on-write; the bucket it replaces is kept
+        until the claim); a sparse one is its staged segment mapped read-only, applied
+        straight from the mapping (no copy)."""
         if kind is Kind.DENSE:
             assert self.manifest is not None
+            self._replaced.append(targets[i])
             targets[i] = map_segment(*ref, private=True).view(self.manifest.buckets[i].dtype)
-        else:
-            buf.copy_(map_segment(*ref))
+            return targets[i].view(torch.uint8)
+        return map_segment(*ref)
 
     def _claim(self, seq: int) -> None:
         """Claim sync ``seq`` as read (same-host road), unless the sender gave up first."""

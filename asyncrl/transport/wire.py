@@ -2,15 +2,18 @@
 The sender is :class:`~asyncrl.transport.broadcast.WeightSender` (learner rank 0),
 the receivers :class:`~asyncrl.transport.receiver.WeightReceiver` (vLLM workers).
 
-    store (TransferGroup.key):  arrive/<seq>/<rank> = "<held version>|<its layout's fingerprint>"
+    store (TransferGroup.key):  arrive/<seq>/<rank> = "<held version>|<its layout's fingerprint>|<host>"
+                                header/<seq>         the sync's header, one message (below)
                                 done/<seq>/<rank>    the rank finished sync <seq>
                                 fail/<seq>/<rank>    why it failed (repr of the error)
                                 read/<seq>/<rank>    same-host road: "read" (the receiver holds every
                                                      segment's bytes) or ABANDONED (the sender gave
                                                      up first), set once, atomically (compare_set)
                                 at/<seq>/<rank>      same-host road: the bucket the receiver is at
-    header:     bcast [MAGIC, nbytes] (int64), then nbytes of JSON: v, base, mode, fp,
-                manifest (once per bucket layout), plan [[kind, nnz], ...], abort
+    header:     one store value, ``header/<seq>`` = HEADER_MAGIC + JSON: v, base, mode, fp,
+                manifest (once per bucket layout), plan [[kind, nnz], ...], abort, shm
+                (same-host road: per bucket [segment, offset, nbytes] or null); the sender
+                sets it once, each receiver's ``get`` waits for it: one round trip per end
     payloads:   one bcast per non-skipped bucket, in bucket order: a dense bucket's
                 bytes, or a sparse one's encoding (delta.py encode_sparse)
 """
@@ -27,12 +30,44 @@ import torch.distributed as dist
 from asyncrl.transport.buckets import Manifest
 from asyncrl.transport.delta import BucketPlan, Kind, sparse_nbytes
 from asyncrl.transport.group import Heartbeat, TransferError, TransferGroup, diagnose, wait_work
+from asyncrl.transport.spec import HEADER_BUCKET
 
 # Two payloads in flight: the wire stays busy while the next one is encoded,
 # and memory stays at two buckets rather than the whole sync.
 INFLIGHT = 2
 ABANDONED = "abandoned"  # read/<seq>/<rank> when the sender gave up before the claim
-MAGIC = 0x4152_4C57  # "ARLW": catches a receiver reading a bucket as a header
+HEADER_MAGIC = b"ARLW1"  # leads every header: catches a value that is not one
+# The keys the sender deletes once every rank is past their sync (the store keeps no more
+# than two syncs' worth).
+SYNC_KEYS = ("arrive", "done", "fail", "read", "at")
+
+
+def header_key(group: TransferGroup, seq: int) -> str:
+    """The store key of sync ``seq``'s header."""
+    return group.key("header", seq)
+
+
+def encode_header(header: dict) -> bytes:
+    return HEADER_MAGIC + json.dumps(header, separators=(",", ":")).encode()
+
+
+def decode_header(data: bytes) -> dict:
+    """A header as the sender encoded it; raises ValueError in one line naming what is
+    wrong (not a header, not JSON, not an object, a field missing)."""
+    if not data.startswith(HEADER_MAGIC):
+        raise ValueError(f"not a sync header (starts {bytes(data[:8])!r}): ranks are out of step")
+    try:
+        header = json.loads(data[len(HEADER_MAGIC) :].decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"sync header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"sync header is a {type(header).__name__}, not an object")
+    missing = [
+        k for k in ("v", "base", "mode", "fp", "manifest", "plan", "abort") if k not in header
+    ]
+    if missing:
+        raise ValueError(f"sync header lacks {missing}")
+    return header
 
 
 def bcast_opts(timeout_s: float) -> dist.BroadcastOptions:
@@ -64,24 +99,27 @@ class SyncEnd:
             if hb is not None:
                 hb.enter("work")
 
-    def _header(self, header: dict | None) -> tuple[dict, int]:
-        """Broadcast ``[magic, nbytes]`` then ``nbytes`` of JSON; returns the header
-        (on every rank) and its size on the wire."""
-        g = self.group
-        data = json.dumps(header, separators=(",", ":")).encode() if header is not None else b""
-        meta = torch.tensor([MAGIC, len(data)], dtype=torch.int64, device=g.device)
-        self._wait(self._bcast(meta))
-        magic, nbytes = meta.tolist()
-        if magic != MAGIC:
-            raise RuntimeError(f"header magic {magic:#x} != {MAGIC:#x}: ranks are out of step")
-        if header is not None:
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(g.device)
-        else:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=g.device)
-        self._wait(self._bcast(buf))
-        if header is None:
-            header = json.loads(bytes(buf.cpu().numpy()).decode())
-        return header, meta.numel() * meta.element_size() + nbytes
+    def post_header(self, seq: int, header: dict) -> int:
+        """The sender's half: sync ``seq``'s header as one store message; returns its size."""
+        data = encode_header(header)
+        self.group.store.set(header_key(self.group, seq), data)
+        return len(data)
+
+    def read_header(self, seq: int) -> dict:
+        """A receiver's half: wait for sync ``seq``'s header (the store's timeout, which
+        is the group's) and decode it."""
+        hb = self._hb
+        if hb is not None:
+            hb.enter("wait")
+        try:
+            data = self.group.store.get(header_key(self.group, seq))
+        finally:
+            if hb is not None:
+                hb.enter("work")
+        try:
+            return decode_header(data)
+        except ValueError as e:
+            raise TransferError(str(e), [0], HEADER_BUCKET) from None
 
     def _failure(
         self, seq: int, version: int | None, bucket: int, exc: BaseException
