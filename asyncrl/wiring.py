@@ -21,6 +21,7 @@ from asyncrl.broker.settings import BrokerKind, BrokerSettings
 from asyncrl.config import ConfigError, Settings, build, setting, settings_from
 from asyncrl.engine.settings import TRANSFER_BACKEND
 from asyncrl.engine.split import check_model as check_engine_split
+from asyncrl.engine.vllm_engine import on_cpu
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.eval.launch import EvalPlan, prepare_eval
 from asyncrl.eval.settings import EvalSettings
@@ -170,7 +171,8 @@ def _check_reshard(model_path: str, learner: LearnerSettings, actor: ActorSettin
             "engine.extra.enable_expert_parallel=true: the engine splits whole experts over its "
             f"ranks, the plan cuts each expert's width; {fix}"
         )
-    why = check_family(json.loads((Path(model_path) / "config.json").read_text()))
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    why = check_family(config, tp, cpu=on_cpu())
     if why is not None:
         raise ConfigError(
             f"broker.reshard=true with actor.engine.tensor_parallel_size={tp}: {why}; {fix}"

