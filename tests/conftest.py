@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from helpers import (
+    MOE_WARM_START_STEPS,
     SHORT_RUN_AUTO_BOUND,
     SHORT_RUN_EVAL,
     SHORT_RUN_STEPS,
+    composed,
     engine_actor,
     run_cli,
     write_user_loss,
@@ -41,7 +43,7 @@ def uses_vllm_actor(item) -> bool:
 
 # Session fixtures worth building once per worker: the test files that name one run on
 # the same pytest-xdist worker, so the fixture is built once there.
-SHARED_FIXTURES = ("vllm_actor", "short_cli_run")
+SHARED_FIXTURES = ("vllm_actor", "short_cli_run", "moe_model")
 TESTS = Path(__file__).parent
 
 
@@ -127,6 +129,18 @@ def tiny_model(task) -> Path:
     from asyncrl.models.tiny import default_spec, ensure_tiny_model
 
     return ensure_tiny_model(task, default_spec())
+
+
+@pytest.fixture(scope="session")
+def moe_model(tmp_path_factory, task) -> Path:
+    """``model=tiny_moe`` with a short warm start (``MOE_WARM_START_STEPS``), built once
+    per worker in a fresh cache."""
+    from asyncrl.models.resolve import resolve_model
+
+    cache = tmp_path_factory.mktemp("moe_cache")
+    cfg = composed("model=tiny_moe", f"model.tiny.warm_start_steps={MOE_WARM_START_STEPS}",
+                   f"model.cache_dir={cache}")  # fmt: skip
+    return resolve_model(cfg, task)
 
 
 @pytest.fixture(scope="session")

@@ -21,25 +21,20 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
-from helpers import composed, engine_actor, fp32_learner, perturbed_state, replayed
+from helpers import (
+    MOE_WARM_START_STEPS,
+    composed,
+    engine_actor,
+    fp32_learner,
+    perturbed_state,
+    replayed,
+)
 from omegaconf import OmegaConf
 
 from asyncrl.tasks.base import Prompt
 from asyncrl.trajectory import from_bytes, to_bytes
 
 FP32_LOGP_TOL = 2e-4  # fp32 on both sides, as tests/test_actor_vllm.py
-WARM_START_STEPS = 20  # the preset's 250 take minutes on 2 cores; 20 make a model to compare
-
-
-@pytest.fixture(scope="module")
-def moe_model(tmp_path_factory, task):
-    """The preset's model with a short warm start, in a fresh cache (built once here)."""
-    from asyncrl.models.resolve import resolve_model
-
-    cache = tmp_path_factory.mktemp("moe_cache")
-    cfg = composed("model=tiny_moe", f"model.tiny.warm_start_steps={WARM_START_STEPS}",
-                   f"model.cache_dir={cache}")  # fmt: skip
-    return resolve_model(cfg, task)
 
 
 def test_the_preset_builds_a_qwen3_moe_model(moe_model):
@@ -54,7 +49,9 @@ def test_the_preset_builds_a_qwen3_moe_model(moe_model):
     assert hf.moe_intermediate_size == cfg.intermediate_size and hf.head_dim >= 32
     assert hf.decoder_sparse_step == 1 and not hf.mlp_only_layers  # every layer is MoE
     meta = json.loads((Path(moe_model) / "asyncrl_build.json").read_text())
-    spec = TinyModelSpec(**{**OmegaConf.to_container(cfg), "warm_start_steps": WARM_START_STEPS})
+    spec = TinyModelSpec(
+        **{**OmegaConf.to_container(cfg), "warm_start_steps": MOE_WARM_START_STEPS}
+    )
     assert meta["spec"] == dataclasses.asdict(spec)
     assert meta["warm_start_loss_last"] < meta["warm_start_loss_first"]
 

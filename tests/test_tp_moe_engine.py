@@ -22,13 +22,12 @@ import helpers
 import numpy as np
 import pytest
 import weight_sync_controls
-from helpers import collect_at, composed, sync_world
+from helpers import collect_at, sync_world
 from weight_sync_controls import set_reshard
 
 TP = 2
 FP32_LOGP_TOL = 2e-4  # fp32 on both sides; the row-parallel sums add in another order
 SHARD_EXTENSION = "tests.shard_probe.ShardProbeExtension"  # imports vLLM: only workers do
-WARM_START_STEPS = 20  # as tests/test_tiny_moe.py: the preset's 250 take minutes here
 
 
 def perturb_layer0(rank, seed: int, scale: float) -> None:
@@ -41,17 +40,6 @@ def perturb_layer0(rank, seed: int, scale: float) -> None:
         for name, p in rank.learner.model.named_parameters():
             if "layers.0." in name and ("self_attn" in name or "mlp" in name):
                 p.add_(scale * torch.randn(p.shape, generator=g))
-
-
-@pytest.fixture(scope="module")
-def moe_model(tmp_path_factory, task):
-    """The preset's model with a short warm start, in a fresh cache (built once here)."""
-    from asyncrl.models.resolve import resolve_model
-
-    cache = tmp_path_factory.mktemp("moe_cache")
-    cfg = composed("model=tiny_moe", f"model.tiny.warm_start_steps={WARM_START_STEPS}",
-                   f"model.cache_dir={cache}")  # fmt: skip
-    return resolve_model(cfg, task)
 
 
 @pytest.fixture(scope="module")
