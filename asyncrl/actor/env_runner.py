@@ -103,6 +103,8 @@ class _Episode:
     # with images: the sequence so far as a request holds it (one placeholder token per
     # image, asyncrl/actor/image_tokens.py); None: the trajectory's ids themselves
     compact: list[int] | None = None
+    # each turn's StepResult.frame (None where its step gave none)
+    frames: list[Image | None] = field(default_factory=list)
 
     def add(
         self, ids: np.ndarray, lps: np.ndarray, vers: np.ndarray, trained: bool,
@@ -218,6 +220,7 @@ class MultiTurnEpisodes:
             ep.reward += float(step.reward)
             ep.tool_calls += int(step.tool_calls)
             ep.breakdown = {k: float(v) for k, v in step.info.items()}
+            ep.frames.append(Image.of(step.frame) if step.frame else None)
             if step.done:
                 ep.finish = "done"
                 return
@@ -312,6 +315,7 @@ class MultiTurnEpisodes:
             t_end=time.time(),
             routed_experts=ep.routes,
             images=ep.images,
+            frames=ep.frames if any(ep.frames) else [],
             episode={
                 "turns": float(ep.turns),
                 "tool_calls": float(ep.tool_calls),
