@@ -454,3 +454,26 @@ def _episode_report(trajs, solution: list[str], tok, out) -> None:
     for action, frame in zip(solution, rows[-1]["frames"]):
         assert html.escape(action) in page
         assert base64.b64encode((out / "trajectories" / frame).read_bytes()).decode() in page
+
+
+def test_the_saved_tiny_tokenizer_keeps_whitespace_as_vllm_loads_it(tmp_path):
+    """transformers loads a saved Qwen2 model's tokenizer as Qwen2Tokenizer (so does
+    vLLM): its ids of a browser prompt, spaces and newlines included, are the built
+    tokenizer's (what the warm start trained on), and it decodes them back exactly."""
+    import string
+
+    from transformers import AutoTokenizer, Qwen2Config
+
+    from asyncrl.envs.browser.env import BrowserTask
+    from asyncrl.models.tiny import build_tokenizer
+
+    built = build_tokenizer(string.printable)
+    built.save_pretrained(tmp_path)
+    Qwen2Config(vocab_size=len(built)).save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    p = BrowserTask().sample(random.Random(1))
+    text = p.text + p.answer + " \t\n\n  "
+    ids = built(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text)  # one token per character
+    assert loaded(text, add_special_tokens=False)["input_ids"] == ids
+    assert loaded.decode(ids) == text == built.decode(ids)

@@ -256,7 +256,7 @@ def episode_steps(
         f"</p><pre>{html.escape(r['prompt'])}</pre>"
     )
     return (
-        f"<h2>One episode, step by step</h2>{head}"
+        f'<h2 id="episode">One episode, step by step</h2>{head}'
         f"<table><tr><th>turn</th><th>action</th><th>the page after it</th></tr>"
         f"{''.join(cells)}</table>"
     )
