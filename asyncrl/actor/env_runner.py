@@ -192,6 +192,10 @@ class MultiTurnEpisodes:
             ep.finish, ep.error, ep.reward = "env_error", f"{type(e).__name__}: {e}", 0.0
         finally:
             await close_env(env)
+        if not ep.prompt_ids and not ep.images:  # ended before its first request (a
+            # timeout waiting for the env): the prompt's ids, so the learner has a prompt
+            text = prompt.text + ep.opening
+            ep.prompt_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         return self._trajectory(ep, prompt, gid, i, t_start), ep
 
     async def _turns(self, env: Any, prompt: Prompt, ep: _Episode, rid: str) -> None:
