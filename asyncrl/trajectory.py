@@ -31,6 +31,11 @@ loss mask). The samples of one group share the same :class:`Image` objects for t
 prompt (never copied per sample or per step); :func:`to_bytes` writes each distinct image once (a table
 keyed by :attr:`Image.key`) and every trajectory only its keys. A text-only batch
 writes no table: its bytes are what they are without images.
+
+Frames (``frames``): an env's picture after each turn (``StepResult.frame``, a
+browser page's screenshot), None where a step gave none; the log and the report show
+them beside the turns, the model and the learner never read them. They travel in the
+same table as ``images``.
 """
 
 from __future__ import annotations
@@ -89,6 +94,8 @@ class Trajectory:
     # shared by the group's samples)
     images: list[Image] = field(default_factory=list)
     routed_experts: np.ndarray | None = None  # uint8 [n, layers, top_k], n <= num_tokens
+    # the env's picture after each turn (None: that step gave none); empty: no step did
+    frames: list[Image | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name, dtype in _ARRAY_FIELDS.items():
@@ -144,7 +151,7 @@ def _unpack(obj):
 
 
 _SCALAR_FIELDS = [
-    f.name for f in fields(Trajectory) if f.name not in _ARRAY_FIELDS and f.name != "images"
+    f.name for f in fields(Trajectory) if f.name not in {*_ARRAY_FIELDS, "images", "frames"}
 ]
 
 
@@ -179,9 +186,11 @@ def to_bytes(trajs: list[Trajectory]) -> bytes:
         arrays[name] = [[len(x) for x in xs], flat.tobytes()]
     cols = {name: [getattr(t, name) for t in trajs] for name in _SCALAR_FIELDS}
     out = {"n": len(trajs), "cols": cols, "arrays": arrays}
-    if any(t.images for t in trajs):  # each distinct image once, every trajectory its keys
-        out["images"] = {im.key: im.png for t in trajs for im in t.images}
+    if any(t.images or t.frames for t in trajs):  # each distinct image once, then keys
+        shown = [im for t in trajs for im in [*t.images, *t.frames] if im is not None]
+        out["images"] = {im.key: im.png for im in shown}
         out["image_keys"] = [[im.key for im in t.images] for t in trajs]
+        out["frame_keys"] = [[im and im.key for im in t.frames] for t in trajs]
     return msgpack.packb(out, default=_pack, use_bin_type=True)  # routed_experts: arrays
 
 
@@ -207,6 +216,8 @@ def from_bytes(data: bytes) -> list[Trajectory]:
         table = {key: Image(key, png) for key, png in obj["images"].items()}
         for t, keys in zip(trajs, obj["image_keys"], strict=True):
             t.images = [table[key] for key in keys]
+        for t, keys in zip(trajs, obj.get("frame_keys", [[]] * n), strict=True):
+            t.frames = [key and table[key] for key in keys]
     return trajs
 
 

@@ -8,6 +8,7 @@ installs both); they skip without them.
 from __future__ import annotations
 
 import asyncio
+import html
 import os
 import random
 import signal
@@ -227,14 +228,18 @@ async def test_malformed_action_gets_an_error_and_the_episode_goes_on(pool):
 
     env = BrowserEnv(**SETTINGS, screenshots=True)
     await env.reset(p, BrowserTask())
+    frames = []
     for bad in ("clik(1)", "click(99)", 'press("F13")'):
         step = await env.step(bad, [])
         assert not step.done and step.observation.startswith("\nerror: "), bad
+        frames.append(step.frame)
     step = await env.step(p.meta["site"]["solution"][0], [])
     assert step.done and step.reward == 1.0
     assert step.info["action_errors"] == 3.0
     # a PNG after each action the browser ran: click(99) and the solution's click
     assert len(env.screenshots) == 2 and all(b.startswith(b"\x89PNG") for b in env.screenshots)
+    # and each step returns its own as StepResult.frame (none where nothing ran)
+    assert frames == [None, env.screenshots[0], None] and step.frame == env.screenshots[1]
 
 
 @pytest.mark.slow
@@ -375,10 +380,11 @@ def test_no_chromium_outlives_its_holder(sig):
 
 @pytest.mark.slow
 @needs_browser
-def test_runner_episodes_and_a_browser_killed_mid_run(pool):
+def test_runner_episodes_and_a_browser_killed_mid_run(pool, tmp_path):
     """Through the actor's multi-turn runner (a scripted engine, no vLLM): the scripted
-    policy's episodes score 1 with the trees masked out of the loss; a browser killed
-    mid-group scores that group's episodes env_error, and the next group scores 1."""
+    policy's episodes score 1 with the trees masked out of the loss, and carry the page
+    after each turn to the log and the report; a browser killed mid-group scores that
+    group's episodes env_error, and the next group scores 1."""
     import string
 
     from test_envs import ScriptedEngine
@@ -401,7 +407,8 @@ def test_runner_episodes_and_a_browser_killed_mid_run(pool):
                 os.killpg(pid, signal.SIGKILL)
         return solution[turn]
 
-    env = EnvSettings.defaults(target="asyncrl.envs.browser.BrowserEnv", kwargs=dict(SETTINGS),
+    env = EnvSettings.defaults(target="asyncrl.envs.browser.BrowserEnv",
+                               kwargs=dict(SETTINGS, screenshots=True),
                                max_turns=6, timeout_s=120)  # fmt: skip
     settings = ActorSettings.defaults(
         sampling={"n": 2, "max_tokens": 32}, engine={"max_model_len": 1024}
@@ -414,6 +421,9 @@ def test_runner_episodes_and_a_browser_killed_mid_run(pool):
         assert t.reward_breakdown[f"task/{prompt.meta['task']}"] == 1.0
         trained = tok.decode(t.response_ids[t.loss_mask].tolist(), skip_special_tokens=True)
         assert trained == "".join(solution)  # the actions only: trees are not trained
+        # the page after each turn, for the log and the report (never the model's input)
+        assert len(t.frames) == len(solution) and all(f.png[:4] == b"\x89PNG" for f in t.frames)
+    _episode_report(group.trajectories, solution, tok, tmp_path)
     kill.append(True)
     group = asyncio.run(run.run_group(prompt))
     assert [t.finish_reason for t in group.trajectories] == ["env_error"] * 2
@@ -421,3 +431,49 @@ def test_runner_episodes_and_a_browser_killed_mid_run(pool):
     kill.clear()
     group = asyncio.run(run.run_group(prompt))
     assert [t.reward for t in group.trajectories] == [1.0, 1.0]
+
+
+def _episode_report(trajs, solution: list[str], tok, out) -> None:
+    """The trajectories through the log (each frame once, by key, named per turn) into
+    the report: one episode's actions, each beside the page after it."""
+    import base64
+
+    from asyncrl.tools.report import write_report
+    from asyncrl.trajectory import from_bytes, to_bytes
+    from asyncrl.utils.runlog import LogSettings, TrajectoryLog, read_trajectories
+
+    back = from_bytes(to_bytes(trajs))  # as the group travels through the object store
+    assert [f.key for f in back[0].frames] == [f.key for f in trajs[0].frames]
+    log = TrajectoryLog(LogSettings.defaults().spec(out))
+    log.write(1, back, 1)
+    log.close()
+    rows = read_trajectories(out).to_pylist()
+    assert rows[0]["frames"] == [f"images/{f.key}.png" for f in trajs[0].frames]
+    page = write_report(out, rows, out / "report.html", lambda i: tok.decode([i])).read_text()
+    assert "One episode, step by step" in page
+    for action, frame in zip(solution, rows[-1]["frames"]):
+        assert html.escape(action) in page
+        assert base64.b64encode((out / "trajectories" / frame).read_bytes()).decode() in page
+
+
+def test_the_saved_tiny_tokenizer_keeps_whitespace_as_vllm_loads_it(tmp_path):
+    """transformers loads a saved Qwen2 model's tokenizer as Qwen2Tokenizer (so does
+    vLLM): its ids of a browser prompt, spaces and newlines included, are the built
+    tokenizer's (what the warm start trained on), and it decodes them back exactly."""
+    import string
+
+    from transformers import AutoTokenizer, Qwen2Config
+
+    from asyncrl.envs.browser.env import BrowserTask
+    from asyncrl.models.tiny import build_tokenizer
+
+    built = build_tokenizer(string.printable)
+    built.save_pretrained(tmp_path)
+    Qwen2Config(vocab_size=len(built)).save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    p = BrowserTask().sample(random.Random(1))
+    text = p.text + p.answer + " \t\n\n  "
+    ids = built(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text)  # one token per character
+    assert loaded(text, add_special_tokens=False)["input_ids"] == ids
+    assert loaded.decode(ids) == text == built.decode(ids)

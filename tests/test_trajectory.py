@@ -100,3 +100,20 @@ def test_images_travel_once_per_group_by_key_and_text_bytes_are_unchanged():
     rec = make(9)
     rec.prompt_ids, rec.images = np.zeros((2, 2), np.int32), [small]  # record by record
     assert from_bytes(to_bytes([rec]))[0].images == [small]
+
+
+def test_frames_travel_in_the_image_table_with_their_turns_none_kept():
+    """Trajectory.frames (an env's picture after each turn): one table entry per
+    distinct picture, each trajectory its keys in turn order, None where a turn had none."""
+    from asyncrl.trajectory import Image
+
+    a, b = Image.of(b"\x89PNG a"), Image.of(b"\x89PNG b")
+    shown = [make(0), make(1)]
+    shown[0].frames, shown[1].frames = [a, None, b], [a]
+    back = from_bytes(to_bytes(shown))
+    assert back[0].frames == [a, None, b] and back[1].frames == [a] and back[0].images == []
+    assert back[0].frames[0] is back[1].frames[0]  # one object per key
+    assert from_bytes(to_bytes([make(2)]))[0].frames == []
+    rec = make(3)
+    rec.prompt_ids, rec.frames = np.zeros((2, 2), np.int32), [None, b]  # record by record
+    assert from_bytes(to_bytes([rec]))[0].frames == [None, b]

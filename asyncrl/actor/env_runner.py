@@ -103,6 +103,8 @@ class _Episode:
     # with images: the sequence so far as a request holds it (one placeholder token per
     # image, asyncrl/actor/image_tokens.py); None: the trajectory's ids themselves
     compact: list[int] | None = None
+    # each turn's StepResult.frame (None where its step gave none)
+    frames: list[Image | None] = field(default_factory=list)
 
     def add(
         self, ids: np.ndarray, lps: np.ndarray, vers: np.ndarray, trained: bool,
@@ -190,6 +192,10 @@ class MultiTurnEpisodes:
             ep.finish, ep.error, ep.reward = "env_error", f"{type(e).__name__}: {e}", 0.0
         finally:
             await close_env(env)
+        if not ep.prompt_ids and not ep.images:  # ended before its first request (a
+            # timeout waiting for the env): the prompt's ids, so the learner has a prompt
+            text = prompt.text + ep.opening
+            ep.prompt_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         return self._trajectory(ep, prompt, gid, i, t_start), ep
 
     async def _turns(self, env: Any, prompt: Prompt, ep: _Episode, rid: str) -> None:
@@ -218,6 +224,7 @@ class MultiTurnEpisodes:
             ep.reward += float(step.reward)
             ep.tool_calls += int(step.tool_calls)
             ep.breakdown = {k: float(v) for k, v in step.info.items()}
+            ep.frames.append(Image.of(step.frame) if step.frame else None)
             if step.done:
                 ep.finish = "done"
                 return
@@ -312,6 +319,7 @@ class MultiTurnEpisodes:
             t_end=time.time(),
             routed_experts=ep.routes,
             images=ep.images,
+            frames=ep.frames if any(ep.frames) else [],
             episode={
                 "turns": float(ep.turns),
                 "tool_calls": float(ep.tool_calls),

@@ -43,6 +43,9 @@ class StepResult:
     reward: float = 0.0  # this step's reward (summed over the episode)
     done: bool = False  # the episode ends after this step
     tool_calls: int = 0  # tool calls this step served (the tool_calls metric)
+    # PNG of the environment after this step (a browser page's screenshot), for the
+    # trajectory log and the report only: the model never reads it (Trajectory.frames)
+    frame: bytes | None = None
     info: dict[str, float] = field(default_factory=dict)  # the last step's: reward/<key>
 
 

@@ -111,14 +111,37 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("ASYNCRL_CACHE", Path.home() / ".cache" / "asyncrl"))
 
 
+def byte_level(ch: str) -> str:
+    """``ch`` as a byte-level tokenizer names it (GPT-2's map: " " is "Ġ", "\\n" is "Ċ";
+    a printable character other than the space is itself)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    b = ch.encode()
+    if len(b) != 1:
+        return ch  # beyond one byte: as it is (the byte-level step splits it apart)
+    if b[0] in printable:
+        return ch
+    return chr(256 + sorted(set(range(256)) - set(printable)).index(b[0]))
+
+
 def build_tokenizer(alphabet: str):
+    """One token per character of ``alphabet`` (ids in the characters' sorted order,
+    after PAD, BOS, EOS). Whitespace is named byte-level ("Ġ" for a space), with a
+    byte-level step after the split: transformers loads a saved Qwen2 model's tokenizer
+    as ``Qwen2Tokenizer``, whose own byte-level pre-tokenizer would drop a whitespace
+    token named as itself, so the tokenizer vLLM and the runner load is this one."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate([PAD, BOS, EOS, *sorted(set(alphabet))])}
+    names = [byte_level(c) for c in sorted(set(alphabet))]
+    vocab = {t: i for i, t in enumerate([PAD, BOS, EOS, *names])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=PAD
     )

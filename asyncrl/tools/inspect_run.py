@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.html:
         from asyncrl.tools.report import write_report
 
-        write_report(a.run_dir, rows, a.html)
+        framed = any(r.get("frames") for r in rows)  # the turns' actions, decoded
+        write_report(a.run_dir, rows, a.html, tokenizer_decode(a.run_dir) if framed else None)
         print(f"\nreport: {a.html}")
     return 0
 

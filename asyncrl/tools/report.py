@@ -2,7 +2,9 @@
 base64) a person would rather look at than read: the reward curve, the staleness
 histogram, IS statistics, the step time split between generation wait / training /
 weight sync, the broker's timings, and the alerts and summary; for a run whose prompts
-show images, the last logged ones beside their responses.
+show images, the last logged ones beside their responses; for a run whose env kept a
+picture after each turn (``Trajectory.frames``: env=browser's screenshots), one episode
+step by step, each turn's action beside the picture after it.
 
 The series come from the run's TensorBoard events (every step) and its trajectory log;
 a series the run did not log is left out of its plot, never invented.
@@ -14,6 +16,7 @@ import base64
 import html
 import io
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -205,7 +208,67 @@ def image_rows(run_dir: Path, rows: list[dict[str, Any]]) -> str:
     return f"<h2>Images and responses</h2><table>{''.join(cells)}</table>"
 
 
-def write_report(run_dir: Path, rows: list[dict[str, Any]], out: Path) -> Path:
+def turn_texts(r: dict[str, Any], decode: Callable[[int], str] | None) -> list[str]:
+    """The policy's turns of a logged episode: each run of trained response tokens,
+    decoded (``decode``: token id -> text), or "N tokens" without a tokenizer."""
+    turns: list[list[int]] = []
+    prev = False
+    for tid, m in zip(r["response_ids"], r["loss_mask"]):
+        if m and not prev:
+            turns.append([])
+        if m:
+            turns[-1].append(tid)
+        prev = m
+    if decode is None:
+        return [f"{len(t)} tokens" for t in turns]
+    return ["".join(decode(i) for i in t) for t in turns]
+
+
+def episode_steps(
+    run_dir: Path, rows: list[dict[str, Any]], decode: Callable[[int], str] | None = None
+) -> str:
+    """One logged episode with frames (the last that scored above 0, else the last),
+    step by step: each turn's action beside the picture after it; "" when none has
+    frames."""
+    with_frames = [r for r in rows if any(r.get("frames") or [])]
+    if not with_frames:
+        return ""
+    r = ([x for x in with_frames if x["reward"] > 0] or with_frames)[-1]
+    turns = turn_texts(r, decode)
+    cells = []
+    for i, name in enumerate(r["frames"]):
+        action = turns[i] if i < len(turns) else ""
+        f = run_dir / LOG_DIR / name
+        pic = (
+            f'<img alt="{html.escape(name)}" width="360" style="border:1px solid #999" '
+            f'src="data:image/png;base64,{base64.b64encode(f.read_bytes()).decode()}">'
+            if name and f.is_file()
+            else "(no picture: the step did not act)"
+        )
+        cells.append(
+            f"<tr><td>{i + 1}</td><td><code>{html.escape(action)}</code></td><td>{pic}</td></tr>"
+        )
+    task = json.loads(r.get("reward_breakdown") or "{}")
+    kind = next((k.removeprefix("task/") for k in task if k.startswith("task/")), "")
+    head = (
+        f"<p>trajectory {html.escape(r['traj_id'])}{f', task {html.escape(kind)}' if kind else ''}"
+        f", step {r['step']}, reward {r['reward']:.3f}, finish {html.escape(r['finish_reason'])}"
+        f"</p><pre>{html.escape(r['prompt'])}</pre>"
+    )
+    return (
+        f'<h2 id="episode">One episode, step by step</h2>{head}'
+        f"<table><tr><th>turn</th><th>action</th><th>the page after it</th></tr>"
+        f"{''.join(cells)}</table>"
+    )
+
+
+def write_report(
+    run_dir: Path,
+    rows: list[dict[str, Any]],
+    out: Path,
+    decode: Callable[[int], str] | None = None,
+) -> Path:
+    """The page at ``out``; ``decode`` (token id -> text) shows an episode's actions."""
     summary = {}
     if (run_dir / "summary.json").is_file():
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -227,7 +290,7 @@ def write_report(run_dir: Path, rows: list[dict[str, Any]], out: Path) -> Path:
         f'<img alt="{html.escape(t)}" src="data:image/png;base64,{b}"></figure>'
         for t, b in figs.items()
     )
-    shown = image_rows(run_dir, rows)
+    shown = image_rows(run_dir, rows) + episode_steps(run_dir, rows, decode)
     page = f"""<!doctype html><html><head><meta charset="utf-8">
 <title>asyncrl run {html.escape(run_dir.name)}</title>
 <style>body{{font-family:sans-serif;margin:1.5em;max-width:1100px}}

@@ -12,7 +12,9 @@ sends it to the driver's run directory through the file sink (asyncrl/storage).
 Images a trajectory's prompt shows (``Trajectory.images``) are written once each, as
 ``trajectories/images/<key>.png`` (the key is a hash of the PNG bytes: a group's
 samples, and any prompt showing the same image, share one file); the ``images``
-column names them, relative to the log folder (empty for a text prompt).
+column names them, relative to the log folder (empty for a text prompt). An env's
+picture after each turn (``Trajectory.frames``, a browser page's screenshot) is written
+the same way; the ``frames`` column names them in turn order ("" for a turn without one).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ _SCHEMA = pa.schema(
         ("t_start", pa.float64()),
         ("t_end", pa.float64()),
         ("images", pa.list_(pa.string())),  # images/<key>.png beside the parts, prompt order
+        ("frames", pa.list_(pa.string())),  # images/<key>.png after each turn ("": none)
         # a MoE engine's routed experts (Trajectory.routed_experts): the uint8 array's
         # bytes and its shape [positions, moe layers, top_k]; null where none were recorded
         ("routed_experts", pa.binary()),
@@ -184,6 +187,7 @@ class TrajectoryLog:
                 "t_start": t.t_start,
                 "t_end": t.t_end,
                 "images": [self._image(im) for im in t.images] if t.images else [],
+                "frames": [self._image(im) if im else "" for im in t.frames],
                 "routed_experts": None if rec is None else rec.tobytes(),
                 "routed_experts_shape": None if rec is None else list(rec.shape),
             }

@@ -87,7 +87,8 @@ class BrowserTask:
 class BrowserEnv:
     """One episode in a fresh browser context of this process's pool (pool.py) for these
     settings. ``screenshots``: keep a PNG of the page after each action in
-    :attr:`screenshots` (and write it under ``screenshot_dir`` when set)."""
+    :attr:`screenshots` (and write it under ``screenshot_dir`` when set), and return it
+    as the step's ``StepResult.frame`` (the trajectory log and the report show it)."""
 
     def __init__(
         self,
@@ -143,11 +144,12 @@ class BrowserEnv:
         if final is not None:
             reward = grade(self.session.site, final)
             await self.pool.close_session(self.session)
-            return StepResult(reward=reward, done=True, info=self._info(reward))
+            return StepResult(reward=reward, done=True, info=self._info(reward), frame=png)
         if error:
             self.errors += 1
-            return StepResult(observation=f"\nerror: {error}\n", info=self._info(0.0))
-        return StepResult(observation=f"\n{render(recs)}\n", info=self._info(0.0))
+            text = f"\nerror: {error}\n"
+            return StepResult(observation=text, info=self._info(0.0), frame=png)
+        return StepResult(observation=f"\n{render(recs)}\n", info=self._info(0.0), frame=png)
 
     def _info(self, success: float) -> dict[str, float]:
         """The reward breakdown: ``task/<kind>`` is the success again under the task's
