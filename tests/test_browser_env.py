@@ -477,3 +477,31 @@ def test_the_saved_tiny_tokenizer_keeps_whitespace_as_vllm_loads_it(tmp_path):
     assert len(ids) == len(text)  # one token per character
     assert loaded(text, add_special_tokens=False)["input_ids"] == ids
     assert loaded.decode(ids) == text == built.decode(ids)
+
+
+def test_a_cached_tokenizer_naming_whitespace_as_itself_is_resaved(tmp_path):
+    """A tiny model cached before whitespace was named byte-level: its tokenizer files
+    are re-saved with the same ids, so transformers' loader keeps every space."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+
+    from asyncrl.envs.browser.env import BrowserTask
+    from asyncrl.models.tiny import BOS, EOS, PAD, resave_whitespace_tokenizer
+
+    task = BrowserTask()
+    chars = sorted(set(task.alphabet))
+    old = Tokenizer(models.WordLevel({t: i for i, t in enumerate([PAD, BOS, EOS, *chars])}, PAD))
+    old.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    old.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=old, pad_token=PAD, bos_token=BOS, eos_token=EOS,
+                            unk_token=PAD).save_pretrained(tmp_path)  # fmt: skip
+    Qwen2Config(vocab_size=len(chars) + 3).save_pretrained(tmp_path)
+    text = 'type(1, "ivy")\n[2] textbox'
+    assert " " not in AutoTokenizer.from_pretrained(tmp_path).decode(
+        AutoTokenizer.from_pretrained(tmp_path)(text, add_special_tokens=False)["input_ids"]
+    )  # the old files lose the spaces
+    assert resave_whitespace_tokenizer(tmp_path, task) is True
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    ids = loaded(text, add_special_tokens=False)["input_ids"]
+    assert ids == [3 + chars.index(c) for c in text] and loaded.decode(ids) == text
+    assert resave_whitespace_tokenizer(tmp_path, task) is False  # current: left as it is

@@ -18,6 +18,7 @@ import argparse
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.tasks.base import Task
+
+log = logging.getLogger(__name__)
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SCHEDULES = ("constant", "cosine")
@@ -385,6 +388,25 @@ def cache_key(task: Task, spec: TinyModelSpec) -> str:
     return hashlib.sha256(json.dumps([d, _task_key(task)]).encode()).hexdigest()[:12]
 
 
+def resave_whitespace_tokenizer(model_dir: Path, task: Task) -> bool:
+    """A cached model whose saved tokenizer names whitespace as itself (built before
+    ``build_tokenizer`` named it byte-level) gets this build's tokenizer files: the ids
+    are the same, so its weights stand. True when it re-saved them."""
+    path = model_dir / "tokenizer.json"
+    try:
+        vocab = json.loads(path.read_text())["model"]["vocab"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if not any(t.isspace() for t in vocab):
+        return False
+    tokenizer = build_tokenizer(task.alphabet)
+    if len(tokenizer) != len(vocab):
+        return False  # another alphabet: not this task's model, left as it is
+    tokenizer.save_pretrained(model_dir)
+    log.info("%s: tokenizer re-saved with whitespace named byte-level (ids unchanged)", model_dir)
+    return True
+
+
 def ensure_tiny_model(task: Task, spec: TinyModelSpec, cache_dir: Path | None = None) -> Path:
     """Path to the cached tiny model for (task, spec). The default (spec, task) is copied
     from the package (its weights' sha256 checked, every call: a copy built on this
@@ -400,6 +422,8 @@ def ensure_tiny_model(task: Task, spec: TinyModelSpec, cache_dir: Path | None = 
         return shipped.is_current(out) if is_shipped else (out / "config.json").exists()
 
     if ready():
+        if not is_shipped:
+            resave_whitespace_tokenizer(out, task)
         return out
     cache_dir.mkdir(parents=True, exist_ok=True)
     lock_path = cache_dir / f".tiny-{key}.lock"
