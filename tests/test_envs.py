@@ -141,6 +141,16 @@ class Raising:
         raise KeyError("boom")
 
 
+class RaisingAtReset(Raising):
+    async def reset(self, sample, task):
+        raise ConnectionError("no server")
+
+
+class SlowReset(Raising):
+    async def reset(self, sample, task):
+        await asyncio.sleep(10)
+
+
 class Slow(Raising):
     async def step(self, text, ids):
         await asyncio.sleep(10)
@@ -167,6 +177,21 @@ def test_every_truncation_says_why(target, limits, finish, reward):
     assert t.finish_reason == finish and t.reward == reward
     assert bool(t.error) == (finish == "env_error")
     assert len(t.response_ids) <= env.max_tokens if env.max_tokens else True
+
+
+@pytest.mark.parametrize(
+    "target,finish",
+    [(f"{__name__}.RaisingAtReset", "env_error"), (f"{__name__}.SlowReset", "timeout")],
+)
+def test_an_episode_ended_before_its_first_request_keeps_its_prompt(target, finish):
+    """An env that fails or hangs in reset: the episode ends with no turn, and its
+    trajectory still holds the prompt's ids (the learner needs a prompt), no response."""
+    engine = ScriptedEngine(lambda ids: "12")
+    env = EnvSettings.defaults(target=target, max_turns=2, timeout_s=0.05)
+    t = asyncio.run(runner(engine, env, n=1).run_group(Prompt("1*2=", "2"))).trajectories[0]
+    assert t.finish_reason == finish and t.reward == 0.0 and engine.requests == []
+    assert t.prompt_ids.tolist() == TOK.encode("1*2=", add_special_tokens=False)
+    assert len(t.response_ids) == 0
 
 
 def test_calculator_refuses_bad_calls_and_too_many():
