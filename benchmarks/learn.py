@@ -75,6 +75,9 @@ TASKS: dict[str, list[str]] = {
 EVAL_SEEDS = (1, 2, 3)  # one held-out set per seed (eval.sets.<name>.seed)
 HELDOUT_FRAC = 0.3  # enough held-out problems that three sets of --eval-prompts differ
 LAST_SHARE = 0.1  # the training reward's first and last tenth of the steps
+# how long the before and after evaluations are waited for: on a loaded 2-core host
+# three sets of 64 greedy prompts and pass@k took over the default 300 s
+EVAL_TIMEOUT_S = 1800
 
 
 def eval_overrides(steps: int, prompts: int, k: int) -> list[str]:
@@ -84,6 +87,7 @@ def eval_overrides(steps: int, prompts: int, k: int) -> list[str]:
         f"eval.num_prompts={prompts}",
         f"eval.k={k}",
         f"eval.heldout_frac={HELDOUT_FRAC}",
+        f"eval.timeout_s={EVAL_TIMEOUT_S}",
         "~eval.sets",
         f"+eval.sets={{{sets}}}",
     ]

@@ -4,7 +4,7 @@
 import math
 
 from benchmarks.common import compose
-from benchmarks.learn import TASKS, eval_overrides, summarise
+from benchmarks.learn import EVAL_TIMEOUT_S, TASKS, eval_overrides, summarise
 
 
 def test_gain_against_the_spread_of_the_sets_before_training():
@@ -38,6 +38,7 @@ def test_every_task_composes_with_three_held_out_sets():
         assert sorted(cfg.eval.sets) == ["s1", "s2", "s3"]
         assert [cfg.eval.sets[s].seed for s in sorted(cfg.eval.sets)] == [1, 2, 3]
         assert cfg.eval.every == 30 and cfg.eval.num_prompts == 64
+        assert cfg.eval.timeout_s == EVAL_TIMEOUT_S
 
 
 def test_the_tasks_own_score_before_and_after_per_set():
