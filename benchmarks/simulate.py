@@ -152,7 +152,8 @@ class AsyncSetup:
     bound: int | str = 2  # replay.max_staleness (an int or "auto")
     # throttle | drop (replay.policy); or "quota", verl fully-async's rule (its
     # FullyAsyncRollouter: at every weight update the starts allowed until the next are
-    # capacity_groups less the groups then generating or queued; nothing else frees room)
+    # capacity_groups less the groups then generating or queued; nothing else frees room;
+    # capacity_groups below batch_groups x publish_every holds the learner short for ever)
     policy: str = "throttle"
     capacity_groups: int = 0  # 0: (bound + 2) x batch_groups (replay.capacity_groups)
     max_inflight_groups: int = 256  # per engine (actor.max_inflight_groups)
