@@ -229,7 +229,7 @@ def test_a_tensor_parallel_engine_pays_two_all_reduces_a_layer_per_step():
 
 
 def test_verl_costs_make_the_sync_generation_last_the_stated_seconds():
-    from benchmarks.simulate import DRAWS, H20, QWEN_7B, VERL, verl_case
+    from benchmarks.simulate import VERL, verl_case
 
     r = verl_case(VERL, updates=3)
     # the bisection matches the stated gen on its own draws; the reported sync side draws
@@ -238,4 +238,3 @@ def test_verl_costs_make_the_sync_generation_last_the_stated_seconds():
     assert r["sync"]["generate_seconds"] == pytest.approx(VERL.sync_gen_s, rel=0.25)
     assert r["sync"]["train_seconds"] == pytest.approx(VERL.sync_update_s + VERL.sync_logprob_s,
                                                        rel=0.02)  # fmt: skip
-    assert DRAWS >= 1 and H20.tflops > 0 and QWEN_7B.tp == 1
