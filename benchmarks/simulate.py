@@ -150,7 +150,11 @@ class AsyncSetup:
     sync_bytes: float  # payload per update
     sync_gbps: float  # GB/s of the transfer
     bound: int | str = 2  # replay.max_staleness (an int or "auto")
-    policy: str = "throttle"  # throttle | drop (replay.policy)
+    # throttle | drop (replay.policy); or "quota", verl fully-async's rule (its
+    # FullyAsyncRollouter: at every weight update the starts allowed until the next are
+    # capacity_groups less the groups then generating or queued; nothing else frees room;
+    # capacity_groups below batch_groups x publish_every holds the learner short for ever)
+    policy: str = "throttle"
     capacity_groups: int = 0  # 0: (bound + 2) x batch_groups (replay.capacity_groups)
     max_inflight_groups: int = 256  # per engine (actor.max_inflight_groups)
     update_mode: str = "keep"  # abort | wait | keep (actor.update_mode)
@@ -161,6 +165,7 @@ class AsyncSetup:
     startup_s: float = 0.0  # process start to the first trained step
     shutdown_s: float = 0.0  # the last step to the process's exit
     step_overhead_s: float = 0.0  # per step past the publish: the driver's stats and metrics
+    publish_every: int = 1  # learner steps per weight update (verl's trigger_parameter_sync_step)
     # A host whose parts share its cores (cpu_cores 0: every part on its own device, as on
     # a GPU cluster; else the cores the run gets, other users' jobs at a higher priority
     # taken out). A decoding engine keeps ``engine_cpu`` cores' worth of threads runnable,
@@ -243,13 +248,15 @@ class AsyncSim:
         self.version = 0
         self.bound = s.auto_floor if s.bound == AUTO else int(s.bound)
         self.started = self.generating = self.queued = 0
+        self.local_steps = 0  # learner steps; a version every publish_every of them
+        self.quota_used = 0  # policy quota: groups started, or in the system at the update
         self.next_id = itertools.count()
         self.training = self.publishing = False
         self.step_done: list[float] = []
         self.counts = dict(produced=0, trained=0, dropped=0, aborted=0)
         self.staleness: list[int] = []
         self.bounds_trained: list[int] = []
-        self.trained_at: list[int] = []  # the learner's version each staleness was seen at
+        self.trained_at: list[int] = []  # the learner's step each staleness was seen at
         self.tokens_generated = self.tokens_wasted = 0.0
         self.learner = dict(train=0.0, publish=0.0)
         self.speed = 1.0  # every busy part's share of its speed alone (cpu_cores)
@@ -308,16 +315,20 @@ class AsyncSim:
 
     # -- actors: the throttle and the engines
     def capacity(self) -> int:
-        return self.s.capacity_groups or (self.bound + 2) * self.w.batch_groups
+        per_version = self.w.batch_groups * self.s.publish_every
+        return self.s.capacity_groups or (self.bound + 2) * per_version
 
     def may_start(self, e: Engine) -> bool:
         if self.generating + self.queued >= self.capacity():
             return False
         if e.groups >= self.s.max_inflight_groups:
             return False
+        if self.s.policy == "quota":
+            return self.quota_used < self.capacity()
         if self.s.policy == "throttle":
             v = min(self.version, e.version)
-            return self.started < (v + self.bound + 1) * self.w.batch_groups
+            per_version = self.w.batch_groups * self.s.publish_every
+            return self.started < (v + self.bound + 1) * per_version
         return True
 
     def try_start(self) -> None:
@@ -327,6 +338,7 @@ class AsyncSim:
                 return
             g = draw_group(self.w, self.started, next(self.next_id) * self.w.group_size, self.rng)
             self.started += 1
+            self.quota_used += 1
             self.generating += 1
             e.groups += 1
             g.engine = e.idx
@@ -404,6 +416,7 @@ class AsyncSim:
 
     # -- weight updates
     def on_publish_done(self) -> None:
+        self.quota_used = self.generating + self.queued
         for e in self.engines:
             e.target = self.version
             if not e.syncing:
@@ -474,7 +487,7 @@ class AsyncSim:
             for m in g.members:
                 self.staleness.append(self.version - m.min_version)
                 self.bounds_trained.append(self.bound)
-                self.trained_at.append(self.version)
+                self.trained_at.append(self.local_steps)
                 tokens += m.tokens
             self.counts["trained"] += len(g.members)
         s = self.s
@@ -490,9 +503,14 @@ class AsyncSim:
             return
         self.learner["train"] += self.now - self.train_began
         self.training, self.publishing = False, True
-        self.version += 1
         self.step_done.append(self.now)
         s = self.s
+        self.local_steps += 1
+        if self.local_steps % s.publish_every:  # a local update: no new weights yet
+            self.learner["publish"] += s.step_overhead_s
+            self.push(self.now + s.step_overhead_s, "learner_free")
+            return
+        self.version += 1
         if s.bound == AUTO and self.version % s.auto_widen_after == 0:
             self.bound = min(self.bound + 1, s.auto_ceiling)  # healthy steps: widen
         self.learner["publish"] += s.publish_s + s.step_overhead_s
@@ -653,6 +671,7 @@ DECODE_MFU = 0.5  # fraction of peak FLOPs the per-sequence part of a decode ste
 TRAIN_MFU = 0.35  # of the learner's forward + backward (6 x params FLOPs a token)
 TRAIN_FLOPS_PER_PARAM = 8  # 6 (forward + backward) + 2 (the current log-probs' forward)
 LAUNCH_S = 0.002  # per decode step: scheduler and kernel launches
+TP_ALLREDUCE_S = 30e-6  # per all-reduce of a tensor-parallel decode step (two a layer)
 MAX_NUM_SEQS = 256  # vLLM's default cap on sequences in one engine
 KV_FRACTION = 0.9  # of an engine's memory, weights taken out, for the KV cache
 SYNC_FIXED_S = 1.0  # an engine's pause per update besides the payload (pause, reload, resume)
@@ -664,7 +683,7 @@ RELOAD_FIXED_S = 5.0  # the colocated loop's switch between training and generat
 def engine_costs(m: Model, g: Gpu, mean_context: float) -> tuple[int, float, float]:
     """(cap, step0, step1) of one engine of ``m.tp`` GPUs at a mean context length."""
     bw = m.tp * g.hbm_tbs * 1e12 * BW_EFF
-    step0 = 2 * m.params / bw + LAUNCH_S
+    step0 = 2 * m.params / bw + LAUNCH_S + (2 * m.layers * TP_ALLREDUCE_S if m.tp > 1 else 0.0)
     step1 = (
         2 * m.params / (m.tp * g.tflops * 1e12 * DECODE_MFU)
         + m.kv_bytes_per_token * mean_context / bw
@@ -701,78 +720,221 @@ def gpu_setups(
     return a, s
 
 
-# ---- the published case: verl fully-async, Qwen2.5-Math-7B on 128 H20 -----------------------
-# verl docs/advance/fully_async.md ("Asynchronous Training on 7B Model", 128 cards): DAPO,
-# rollout.n 16, train batch 512 prompts, max_response_length 28K; colocate sync on 128 GPUs
-# 356.30 s a step (gen 177.85, old_log_prob 53.92, update_actor 113.81); fully_async_policy on
-# 64:64, staleness_threshold 0.5, partial_rollout True, update_actor 113.16 s; 400 steps in
-# 1d 16h 48m vs 17h 22m: 2.35x (2.67x at 100 steps).
-VERL = dict(
-    gpus=128, gen_gpus=64, prompts=512, n=16, max_response=28 * 1024, prompt_tokens=256,
-    sync_step_s=356.30, sync_gen_s=177.85, sync_logprob_s=53.92, sync_update_s=113.81,
-    async_update_s=113.16, staleness_threshold=0.5, speedup=2.35,
-)  # fmt: skip
+# ---- the published cases: verl fully-async, Qwen2.5-Math-7B on 32-128 H20 ------------------
+# verl docs/advance/fully_async.md (github.com/volcengine/verl, "Asynchronous Training on 7B
+# Model", its 32/64/128-card table and the "128-card Stale Ablation" table): H20, DAPO,
+# rollout.n 16, ppo_mini_batch_size 32, colocate sync train_batch_size 512; fully_async_policy
+# require_batches 4, trigger_parameter_sync_step 4 (a weight update every 4 x 4 x 32 = 512
+# prompts), staleness_threshold 0.5, partial_rollout True; max_response_length 28K. Its scripts
+# (verl/experimental/fully_async_policy/shell/dapo_7b_math_fsdp2_{16_16,32_32,64_64}.sh): gen_tp
+# 4 (an engine is 4 GPUs), max_prompt_length 2K; the 16_16 and 32_32 scripts set
+# staleness_threshold 0.1, the doc 0.5 (the doc's is used). verl's FullyAsyncRollouter: at most
+# 16 samples (prompts, n answers each) in flight per server, and the "quota" policy above with
+# (1 + staleness_threshold) x 512 prompts; verl's rollout.yaml: max_num_seqs 256.
+@dataclass(frozen=True)
+class VerlRun:
+    """One row pair of verl's tables: the colocate sync run and a fully_async_policy run."""
+
+    name: str
+    gpus: int
+    gen_gpus: int
+    sync_step_s: float  # the colocate sync row: step, gen, old_log_prob, update_actor
+    sync_gen_s: float
+    sync_logprob_s: float
+    sync_update_s: float
+    async_step_s: float  # the fully_async_policy row: step, update_actor
+    async_update_s: float
+    staleness_threshold: float
+    partial_rollout: bool
+    sync_total_h: float  # "total time 400 step", both rows
+    async_total_h: float
+
+    @property
+    def speedup(self) -> float:
+        return self.sync_total_h / self.async_total_h
+
+
+VERL_COMMON = dict(prompts=512, n=16, mini=32, require_batches=4, trigger=4,
+                   max_response=28 * 1024, gen_tp=4, server_samples=16)  # fmt: skip
+VERL_PROMPT_TOKENS = 256  # assumed: DAPO-Math-17k's prompts in the chat template (max 2K)
+_SYNC128 = dict(gpus=128, gen_gpus=64, sync_step_s=356.30, sync_gen_s=177.85,
+                sync_logprob_s=53.92, sync_update_s=113.81, sync_total_h=40 + 48 / 60)  # fmt: skip
+VERL_RUNS = [
+    VerlRun("128 cards 64:64, staleness 0.5", **_SYNC128, async_step_s=150.63,
+            async_update_s=113.16, staleness_threshold=0.5, partial_rollout=True,
+            async_total_h=17 + 22 / 60),
+    VerlRun("64 cards 32:32, staleness 0.5", 64, 32, 365.28, 150.72, 70.26, 133.41, 189.26,
+            156.98, 0.5, True, 41 + 32 / 60, 21 + 40 / 60),
+    VerlRun("32 cards 16:16, staleness 0.5", 32, 16, 790.10, 357.41, 107.71, 269.80, 294.77,
+            313.81, 0.5, True, 89 + 5 / 60, 33 + 26 / 60),
+    # the 128-card stale ablation (staleness 0 is the "stream off policy pipeline" row)
+    VerlRun("128 cards 64:64, staleness 0", **_SYNC128, async_step_s=231.34,
+            async_update_s=98.77, staleness_threshold=0.0, partial_rollout=False,
+            async_total_h=25 + 53 / 60),
+    VerlRun("128 cards 64:64, staleness 0.1", **_SYNC128, async_step_s=171.30,
+            async_update_s=109.12, staleness_threshold=0.1, partial_rollout=True,
+            async_total_h=19 + 59 / 60),
+    VerlRun("128 cards 64:64, staleness 0.3", **_SYNC128, async_step_s=146.11,
+            async_update_s=103.22, staleness_threshold=0.3, partial_rollout=True,
+            async_total_h=17 + 20 / 60),
+]  # fmt: skip
+VERL = VERL_RUNS[0]  # the headline case: 2.35x
 
 
 DRAWS = 4  # batches the sync side's tail is averaged over (its longest answer varies)
 
 
-def verl_lengths(v: dict, m: Model, g: Gpu) -> Lognormal:
-    """Response lengths from the sync run's stated phases: the mean from update_actor's
-    seconds (tokens = seconds x GPUs / a token's cost at TRAIN_MFU), the tail from gen's
-    seconds: a lognormal of that mean whose spread makes this model's colocated
-    generation of one batch (every engine decoding its share, the batch waiting for the
-    longest) last the stated gen seconds (bisection on the spread)."""
-    samples = v["prompts"] * v["n"]
+# assumed: the spread of a response's length (log-space sigma), the reasoning job's below
+# (p99 6 x the median)
+VERL_SIGMA = math.log(6.0) / Z99
+
+
+def verl_costs(v: VerlRun, m: Model, g: Gpu, sigma: float = VERL_SIGMA) -> tuple[Lognormal, float]:
+    """Response lengths and the engines' speed from the sync run's stated phases. The mean
+    length from update_actor's seconds (tokens = seconds x GPUs / a token's cost at
+    TRAIN_MFU), lognormal of spread ``sigma``, cut at max_response_length. The engines'
+    slowness (a factor on the datasheet's step costs, ``engine_costs``) that makes this
+    model's colocated generation of one batch (every engine decoding its share, the batch
+    waiting for the longest) last the stated gen seconds (bisection on the factor)."""
+    c = VERL_COMMON
+    samples = c["prompts"] * c["n"]
     token_s = 6 * m.params / (g.tflops * 1e12 * TRAIN_MFU)
-    mean = v["sync_update_s"] * v["gpus"] / token_s / samples - v["prompt_tokens"]
-    cap, step0, step1 = engine_costs(m, g, v["prompt_tokens"] + mean / 2)
-    engines = v["gpus"] // m.tp
+    mean = v.sync_update_s * v.gpus / token_s / samples - VERL_PROMPT_TOKENS
+    cap, step0, step1 = engine_costs(m, g, VERL_PROMPT_TOKENS + mean / 2)
+    engines = v.gpus // m.tp
     zs = np.random.default_rng(0).standard_normal((DRAWS, engines, samples // engines))
+    lengths = np.minimum(mean * np.exp(sigma * zs - sigma**2 / 2), c["max_response"])
+    rows = [[[int(x) for x in r] for r in batch] for batch in lengths]
 
-    def gen_seconds(sigma: float) -> float:
+    def gen_seconds(f: float) -> float:
         """The mean over DRAWS batches of the slowest engine's share."""
-        lengths = np.minimum(mean * np.exp(sigma * zs - sigma**2 / 2), v["max_response"])
-        return float(np.mean([max(makespan([int(x) for x in r], cap, step0, step1, False)
-                                  for r in batch) for batch in lengths]))  # fmt: skip
+        return float(np.mean([max(makespan(r, cap, f * step0, f * step1, False) for r in batch)
+                              for batch in rows]))  # fmt: skip
 
-    lo, hi = 0.0, 3.0
-    for _ in range(20):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if gen_seconds(mid) < v["sync_gen_s"] else (lo, mid)
-    median = mean * math.exp(-(lo**2) / 2)
-    return Lognormal(median, median * math.exp(Z99 * lo), v["max_response"])
+    lo, hi = 0.1, 20.0
+    for _ in range(24):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if gen_seconds(mid) < v.sync_gen_s else (lo, mid)
+    median = mean * math.exp(-(sigma**2) / 2)
+    return Lognormal(median, median * math.exp(Z99 * sigma), c["max_response"]), lo
 
 
-def verl_case(steps: int = 14, seed: int = 0, same_trainer: bool = False, scale: int = 8) -> dict:
-    """The model's prediction of verl's 128-GPU speedup. Each side's trainer costs its
-    stated seconds per step (sync: update_actor + old_log_prob on 128 GPUs; async:
-    update_actor on 64); the engines cost the H20's datasheet at the stated efficiencies;
-    staleness_threshold 0.5 becomes a window of 1.5 batches in flight, no version bound;
-    partial rollout is ``keep``. The asynchronous side runs at 1/``scale`` of the cluster
-    and of the batch (the same seconds per step: every rank's and engine's share is the
-    same). ``same_trainer``: the async trainer at the sync one's per-GPU speed instead."""
-    v, m, g = VERL, QWEN_7B, H20
-    lengths = verl_lengths(v, m, g)
-    w = Workload(v["prompts"], v["n"], v["prompt_tokens"], lengths)
-    a, s = gpu_setups(m, g, w, v["gpus"], v["gen_gpus"])
-    mean_tokens = v["prompt_tokens"] + float(np.mean(lengths.draw(np.random.default_rng(1), 65536)))
-    tokens = v["prompts"] * v["n"] * mean_tokens
-    sync_train = v["sync_update_s"] + v["sync_logprob_s"]
-    async_train = v["async_update_s"]
+def verl_case(v: VerlRun = VERL, updates: int = 12, seed: int = 0, same_trainer: bool = False,
+              engines: int = 2, sigma: float = VERL_SIGMA) -> dict:  # fmt: skip
+    """The model's prediction of one verl speedup. Each side's trainer costs its stated
+    seconds per step (sync: update_actor + old_log_prob on all GPUs; async: update_actor
+    on its share); the engines (gen_tp GPUs each) cost the H20's datasheet at the stated
+    efficiencies. The async side as verl runs it: a learner step per require_batches x
+    ppo_mini_batch_size prompts, a weight update every trigger_parameter_sync_step of
+    them; 16 prompts in flight per engine, each holding its slot until its last answer
+    ends; starts between two updates limited by the quota policy at (1 +
+    staleness_threshold) x 512 prompts, no version bound; partial rollout is ``keep``,
+    its absence ``wait``. The async side runs ``engines`` of the cluster's engines and
+    the same share of the trainers and of the batch (the same seconds per step: every
+    rank's and engine's share is the same), for ``updates`` weight updates, the first
+    third left out. ``same_trainer``: the async trainer at the sync one's per-GPU speed."""
+    c, g = VERL_COMMON, H20
+    m = dataclasses.replace(QWEN_7B, tp=c["gen_tp"])
+    lengths, slow = verl_costs(v, m, g, sigma)
+    w = Workload(c["prompts"], c["n"], VERL_PROMPT_TOKENS, lengths)
+    a, s = gpu_setups(m, g, w, v.gpus, v.gen_gpus)
+    a = dataclasses.replace(a, step0=a.step0 * slow, step1=a.step1 * slow)
+    s = dataclasses.replace(s, step0=s.step0 * slow, step1=s.step1 * slow)
+    draws = lengths.draw(np.random.default_rng(1), 65536)
+    tokens = c["prompts"] * c["n"] * (VERL_PROMPT_TOKENS + float(np.mean(draws)))
+    sync_train = v.sync_update_s + v.sync_logprob_s
+    async_train = v.async_update_s
     if same_trainer:
-        async_train = v["sync_update_s"] * v["gpus"] / (v["gpus"] - v["gen_gpus"])
+        async_train = v.sync_update_s * v.gpus / (v.gpus - v.gen_gpus)
     s = dataclasses.replace(s, train_fixed_s=0.0, train_token_s=sync_train * s.trainers / tokens)
-    small = dataclasses.replace(w, batch_groups=v["prompts"] // scale)
+    scale = a.engines // engines
+    local = c["require_batches"] * c["mini"] // scale  # prompts a learner step
+    small = dataclasses.replace(w, batch_groups=local)
     a = dataclasses.replace(
-        a, engines=a.engines // scale, trainers=a.trainers // scale, update_mode="keep",
-        bound=10**6, capacity_groups=int((1 + v["staleness_threshold"]) * small.batch_groups),
+        a, engines=engines, trainers=a.trainers // scale, policy="quota", bound=10**6,
+        capacity_groups=int((1 + v.staleness_threshold) * c["prompts"] / scale),
+        max_inflight_groups=c["server_samples"], publish_every=c["trigger"],
+        update_mode="keep" if v.partial_rollout else "wait",
         train_fixed_s=0.0, train_token_s=async_train * a.trainers / tokens,
     )  # fmt: skip
-    sim = AsyncSim(small, a, steps, seed).run()
-    af, sf = async_figures(sim, 4), sync_figures(w, s, DRAWS, seed)
-    return {"ratio": sf["seconds_per_step"] / af["seconds_per_step"], "async": af, "sync": sf,
+    sim = AsyncSim(small, a, updates * c["trigger"], seed).run()
+    af, sf = async_figures(sim, updates // 3 * c["trigger"]), sync_figures(w, s, DRAWS, seed)
+    async_step = af["seconds_per_step"] * c["trigger"]
+    return {"name": v.name, "ratio": sf["seconds_per_step"] / async_step,
+            "async_seconds_per_step": async_step, "sync_seconds_per_step": sf["seconds_per_step"],
+            "published": {"speedup": v.speedup, "async_step_s": v.async_step_s,
+                          "sync_step_s": v.sync_step_s, "step_ratio": v.sync_step_s / v.async_step_s},
+            "engine_slowness": slow, "async": af, "sync": sf,
             "lengths": dataclasses.asdict(lengths)}  # fmt: skip
+
+
+# ---- the published case: AReaL v0.3 (boba²), R1-Distill-Qwen-1.5B on 128 H800 -----------
+# AReaL's paper (github.com/inclusionAI/AReaL assets/paper.pdf, arXiv 2505.24298): Table 1,
+# 1.5B on 16 nodes, 250 PPO steps, Sync.AReaL 41.0 h, AReaL 14.8 h (2.77x; blog/AReaL_v0_3.md
+# says 1000 steps, the same hours); 6.1: H800 nodes of 8 GPUs, RoCE 3.2 Tbps a node, three
+# quarters of the devices for inference, eta 8 for math; 4.1: the throttle
+# floor((N_r - 1) / B) <= i + eta (asyncrl's throttle); 3.1: interruptible rollout (``keep``);
+# Table 3: 512 prompts x 16 answers, 4 PPO minibatches, max prompt 1024, max generation
+# 27648. blog/AReaL_v0_3.md Fig. 7 (the 1.5B's effective training throughput, k tokens/s, by
+# eta; its cluster is not stated, assumed this one): eta 0 128.7, 1 269.3, 2 356.6, 4 356.6,
+# 8 371.7, 16 382.4, unbounded 396.8. Not stated, assumed: the response lengths (AReaL v0.1's
+# blog, Fig. 1: the same base model's mean 4,100-7,100 tokens over its 8K-24K run; taken
+# 6,000, spread VERL_SIGMA), the prompt (256 tokens), and the synchronous variant: the
+# colocated loop on all 128 GPUs (its ``sync`` reading), or AReaL itself at eta 0 on the
+# 96:32 split (``eta0``; the paper: "when eta = 0, our system degenerates to synchronous RL").
+H800 = Gpu("H800", 989.0, 3.35, 80.0, 3.2e12 / 8 / 8 / 1e9)  # H100 SXM's compute and HBM
+# config.json: 28 layers, 2 KV heads of 128 (hidden 1536, 12 heads), 1.78B parameters
+R1_QWEN_1_5B = Model("1.5B", 1.78e9, 28, 2, 128, tp=1)
+AREAL = dict(gpus=128, gen_gpus=96, prompts=512, n=16, max_response=27648, eta=8,
+             sync_h=41.0, async_h=14.8, mean_response=6000.0, prompt_tokens=256)  # fmt: skip
+AREAL_FIG7 = {0: 128.7, 1: 269.3, 2: 356.6, 4: 356.6, 8: 371.7, 16: 382.4, AUTO: 396.8}
+UNBOUNDED = 10**6  # a bound never reached (Fig. 7's "infinity")
+
+
+def areal_case(eta: int = AREAL["eta"], steps: int = 36, seed: int = 0, engines: int = 3) -> dict:
+    """The model's prediction of AReaL's 1.5B speedup at ``eta`` (UNBOUNDED: none): costs
+    from the H800 datasheet at the stated efficiencies (no phase times are published to
+    calibrate from), asyncrl's throttle at ``eta``, ``keep``; the async side at ``engines``
+    of the 96 engines and the same share of the trainers and of the batch; ``steps`` learner
+    steps, the first third left out. Against both readings of the synchronous variant."""
+    v, m, g = AREAL, R1_QWEN_1_5B, H800
+    sigma = VERL_SIGMA
+    median = v["mean_response"] * math.exp(-(sigma**2) / 2)
+    lengths = Lognormal(median, median * math.exp(Z99 * sigma), v["max_response"])
+    w = Workload(v["prompts"], v["n"], v["prompt_tokens"], lengths)
+    a, s = gpu_setups(m, g, w, v["gpus"], v["gen_gpus"])
+    scale = a.engines // engines
+    small = dataclasses.replace(w, batch_groups=v["prompts"] // scale)
+
+    def run(bound: int) -> dict:
+        setup = dataclasses.replace(a, engines=engines, trainers=a.trainers // scale, bound=bound,
+                                    update_mode="keep")  # fmt: skip
+        return async_figures(AsyncSim(small, setup, steps, seed).run(), steps // 3)
+
+    af, a0 = run(eta), run(0)
+    sf = sync_figures(w, s, DRAWS, seed)
+    return {"ratio": sf["seconds_per_step"] / af["seconds_per_step"],
+            "ratio_eta0": a0["seconds_per_step"] / af["seconds_per_step"],
+            "async_seconds_per_step": af["seconds_per_step"],
+            "eta0_seconds_per_step": a0["seconds_per_step"],
+            "sync_seconds_per_step": sf["seconds_per_step"],
+            "published": {"speedup": v["sync_h"] / v["async_h"],
+                          "sync_s_per_step_250": v["sync_h"] * 3600 / 250,
+                          "async_s_per_step_250": v["async_h"] * 3600 / 250},
+            "async": af, "eta0": a0, "sync": sf, "lengths": dataclasses.asdict(lengths)}  # fmt: skip
+
+
+def areal_fig7(steps: int = 36, seed: int = 0, engines: int = 3) -> list[dict]:
+    """Fig. 7's throughput at each eta against eta 0, predicted (the same setup)."""
+    base = areal_case(0, steps, seed, engines)["async_seconds_per_step"]
+    out = []
+    for eta, k in AREAL_FIG7.items():
+        r = areal_case(UNBOUNDED if eta == AUTO else eta, steps, seed, engines)
+        out.append({"eta": "unbounded" if eta == AUTO else eta,
+                    "predicted": base / r["async_seconds_per_step"],
+                    "measured": k / AREAL_FIG7[0], "staleness_mean": r["async"]["staleness_mean"],
+                    "async_seconds_per_step": r["async_seconds_per_step"]})  # fmt: skip
+    return out
 
 
 # ---- predictions: a 7B and a 32B model on 8-128 GPUs ------------------------------------------
