@@ -19,7 +19,8 @@ from omegaconf import DictConfig
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.broker.settings import BrokerKind, BrokerSettings
 from asyncrl.config import ConfigError, Settings, build, setting, settings_from
-from asyncrl.engine.settings import TRANSFER_BACKEND
+from asyncrl.engine import sglang_engine
+from asyncrl.engine.settings import TRANSFER_BACKEND, EngineBackend
 from asyncrl.engine.split import check_model as check_engine_split
 from asyncrl.engine.vllm_engine import on_cpu
 from asyncrl.envs.settings import EnvSettings
@@ -142,13 +143,14 @@ def _check_splits(
     model_path: str, learner: LearnerSettings, actor: ActorSettings, broker: BrokerSettings
 ) -> None:
     """The model splits as the learner's and the engines' layouts ask (and the road the
-    weights take into the engines serves that split)."""
+    weights take into the engines serves that split, and the engines' backend)."""
     check_model(model_path, learner.tp, learner.ep)  # learner.tp: a plan, whole heads per rank
     # a MoE model to split (learner.ep), to replay or to record the routes of
     check_experts(model_path, learner.ep, learner.moe.routing_replay, actor.record_experts)
     check_engine_split(model_path, actor.engine.tensor_parallel_size)  # whole heads per worker
     _check_reshard(model_path, learner, actor, broker)
     _engine_api(actor, broker)  # vLLM's update API: whole tensors to every worker
+    check_engine_backend(actor, broker)  # SGLang: what it serves, and whether it imports
 
 
 def _check_reshard(model_path: str, learner: LearnerSettings, actor: ActorSettings,
@@ -198,6 +200,46 @@ def _engine_api(actor: ActorSettings, broker: BrokerSettings) -> None:
         raise ConfigError(
             f"actor.engine.extra.weight_transfer_config={have!r} with broker.engine_api=vllm: "
             f"asyncrl's broker drives {wanted!r}; drop the extra key"
+        )
+
+
+def check_engine_backend(actor: ActorSettings, broker: BrokerSettings) -> None:
+    """``actor.engine.backend=sglang``: what SGLangEngine (asyncrl/engine/sglang_engine.py)
+    cannot serve is refused here, then an SGLang this Python cannot import."""
+    if actor.engine.backend != EngineBackend.SGLANG:
+        return
+    key = "actor.engine.backend=sglang"
+    if broker.kind != BrokerKind.OBJECTSTORE:
+        raise ConfigError(
+            f"{key} with broker={broker.kind.value}: the process-group broker's receivers "
+            "are vLLM workers (asyncrl's worker extension, or vLLM's weight-transfer API); "
+            "SGLang takes weights through its update_weights_from_tensor: set "
+            "broker=objectstore"
+        )
+    if actor.record_experts:
+        raise ConfigError(
+            f"{key} with actor.record_experts=true: the routed experts are recorded by "
+            "asyncrl's vLLM worker extension; set actor.record_experts=false "
+            "(learner.moe.routing_replay=false)"
+        )
+    if actor.engine_cores is not None:
+        raise ConfigError(
+            f"{key} with actor.engine_cores={actor.engine_cores!r}: the placement moves "
+            "vLLM's engine-core threads; set actor.engine_cores=null"
+        )
+    s = actor.sampling
+    if s.top_p < 1 or s.top_k > 0:
+        raise ConfigError(
+            f"{key} with actor.sampling.top_p={s.top_p}, top_k={s.top_k}: SGLang's "
+            "output_token_logprobs are of the temperature-scaled distribution before "
+            "top-p/top-k (its sampler.py), not of the one sampled from; set "
+            "actor.sampling.top_p=1.0 and top_k=0"
+        )
+    if not sglang_engine.importable():
+        raise ConfigError(
+            f"{key}: this Python cannot import sglang (docs/engines.md, SGLang: its PyPI "
+            "kernels need CUDA, its CPU build an AMX Xeon); install it or set "
+            "actor.engine.backend=vllm"
         )
 
 

@@ -1,6 +1,8 @@
 """The engine seam's contract (asyncrl/engine/protocol.py ``Engine``), held by every
-implementation: tests/fake_engine.py's FakeEngine and vLLM (the session's one engine,
-tests/conftest.py ``vllm_actor``, the tiny model)."""
+implementation: tests/fake_engine.py's FakeEngine, vLLM (the session's one engine,
+tests/conftest.py ``vllm_actor``, the tiny model) and SGLangEngine over the fake of
+SGLang's Engine (tests/fake_sglang.py, the tiny model run by transformers: SGLang
+itself cannot run here, docs/engines.md)."""
 
 from __future__ import annotations
 
@@ -19,14 +21,25 @@ PROMPT = "3+4="
 HELD_S = 0.5  # a paused engine must still hold a request this long after it was sent
 
 
-@pytest.fixture(params=["fake", pytest.param("vllm", marks=pytest.mark.slow)])
+@pytest.fixture(params=["fake", "sglang", pytest.param("vllm", marks=pytest.mark.slow)])
 def engine(request, tiny_model):
     if request.param == "fake":
         from transformers import PreTrainedTokenizerFast
 
         tok = PreTrainedTokenizerFast(tokenizer_file=str(tiny_model / "tokenizer.json"))
-        return FakeEngine(tok, seed=0)
-    return request.getfixturevalue("vllm_actor").engine
+        yield FakeEngine(tok, seed=0)
+    elif request.param == "sglang":
+        from fake_sglang import installed
+
+        from asyncrl.engine.backend import make_engine
+        from asyncrl.engine.settings import EngineSettings
+
+        with installed():  # SGLangEngine imports sglang in its calls
+            eng = make_engine(str(tiny_model), EngineSettings.defaults(backend="sglang"), 0)
+            yield eng
+            eng.shutdown()
+    else:
+        yield request.getfixturevalue("vllm_actor").engine
 
 
 def model_state(tiny_model, noise_seed: int | None) -> dict:
@@ -129,7 +142,9 @@ async def test_errored_after_shutdown(engine, request):
     needs the shared engine; conftest.py shuts it down after that test anyway)."""
     from conftest import LAST_VLLM_USER
 
-    if isinstance(engine, FakeEngine):
+    from asyncrl.engine.sglang_engine import SGLangEngine
+
+    if isinstance(engine, FakeEngine | SGLangEngine):
         pass
     elif request.config.stash.get(LAST_VLLM_USER, "") != request.node.nodeid:
         pytest.skip("a later test of this session uses the shared vLLM engine")

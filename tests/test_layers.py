@@ -27,8 +27,8 @@ def test_lint_imports_keeps_every_contract():
 
 
 def test_the_engine_library_contract_names_every_package_but_engine():
-    """``engine-library`` (pyproject.toml) forbids vllm to every package it lists: a new
-    package must be listed too."""
+    """``engine-library`` (pyproject.toml) forbids vllm and sglang to every package it
+    lists: a new package must be listed too."""
     import tomllib
 
     conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
@@ -36,7 +36,7 @@ def test_the_engine_library_contract_names_every_package_but_engine():
     tops = {p.stem for p in (ROOT / "asyncrl").iterdir()
             if not p.name.startswith("_") and (p.suffix == ".py" or (p / "__init__.py").exists())}  # fmt: skip
     assert set(contract["source_modules"]) == {f"asyncrl.{t}" for t in tops - {"engine"}}
-    assert contract["forbidden_modules"] == ["vllm"]
+    assert contract["forbidden_modules"] == ["vllm", "sglang"]
 
 
 def test_only_the_engine_package_imports_vllm():
@@ -49,3 +49,16 @@ def test_only_the_engine_package_imports_vllm():
     hits = [line.split(":", 1)[0] for line in out.stdout.splitlines()]
     assert hits, "the vLLM implementation imports vllm: the grep found nothing at all"
     assert all(h.startswith("asyncrl/engine/") for h in hits), out.stdout
+
+
+def test_only_the_sglang_engine_imports_sglang():
+    r"""``grep -rnE "^\s*(import|from) sglang\b" asyncrl/`` finds only
+    asyncrl/engine/sglang_engine.py (its imports are inside its functions)."""
+    out = subprocess.run(
+        ["grep", "-rnE", r"^\s*(import|from) sglang\b", "asyncrl/"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    lines = out.stdout.splitlines()
+    assert lines, "the SGLang implementation imports sglang: the grep found nothing at all"
+    assert all(line.startswith("asyncrl/engine/sglang_engine.py:") for line in lines), out.stdout
+    assert all(line.split(":", 2)[2].startswith(" ") for line in lines), out.stdout

@@ -42,8 +42,9 @@ from asyncrl.actor.episode import EpisodeAborted, EpisodeRunner
 from asyncrl.actor.handoff import Slots, group_meta
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.broker.messages import CloseGroups, Loaded, ReceiveOrder, Reloaded, WeightState
+from asyncrl.engine.backend import make_engine, warm_engine_start
 from asyncrl.engine.protocol import Engine
-from asyncrl.engine.vllm_engine import CONTROL_TIMEOUT_S, make_engine, warm_engine_start
+from asyncrl.engine.vllm_engine import CONTROL_TIMEOUT_S
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.replay.outbox import Outbox
 from asyncrl.rewards.pool import RewardClient

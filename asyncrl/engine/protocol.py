@@ -11,7 +11,8 @@
     errored, shutdown()
 
 :class:`Engine` is the one Protocol; ``vllm_engine.VLLMEngine`` implements it over vLLM's
-AsyncLLM, tests/fake_engine.py ``FakeEngine`` for unit tests. Pure Python: no engine
+AsyncLLM, ``sglang_engine.SGLangEngine`` over SGLang's offline Engine, tests/fake_engine.py
+``FakeEngine`` for unit tests. Pure Python: no engine
 library is imported here.
 """
 

@@ -4,6 +4,7 @@ import anywhere; conf/actor/default.yaml holds every value."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,13 @@ TRANSFER_BACKEND = "asyncrl"
 
 # vLLM's ``dtype`` names (EngineArgs.dtype)
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
+class EngineBackend(enum.StrEnum):
+    """Which library an engine runs on (asyncrl/engine/backend.py picks the class)."""
+
+    VLLM = "vllm"  # vllm_engine.VLLMEngine: vLLM's AsyncLLM with asyncrl's worker extension
+    SGLANG = "sglang"  # sglang_engine.SGLangEngine: SGLang's offline Engine (docs/engines.md)
 
 
 @dataclass
@@ -35,9 +43,13 @@ class SamplingSettings(Settings):
 
 @dataclass
 class EngineSettings(Settings):
-    """``actor.engine``: the vLLM engine. Names follow vLLM's EngineArgs."""
+    """``actor.engine``: the engine. Names follow vLLM's EngineArgs; with
+    ``backend=sglang`` the keys SGLang has an equivalent for map onto its ServerArgs
+    (``sglang_engine.server_kwargs``) and the vLLM-only ones are unused."""
 
     KEY = "actor.engine"
+
+    backend: EngineBackend = setting()
 
     dtype: str = setting()  # float32 on both sides: actor and learner log-probs agree to ~0
     max_model_len: int = setting(">= 1")

@@ -34,7 +34,7 @@ class EvalActor:
         max_tokens: int,
         seed: int = 0,
     ):
-        from asyncrl.engine.vllm_engine import warm_engine_start
+        from asyncrl.engine.backend import warm_engine_start
 
         warm_engine_start(engine)  # first: the engine core's fork server, forked from here
         self.model_path, self.engine_settings, self.seed = model_path, engine, seed
@@ -47,7 +47,7 @@ class EvalActor:
 
     async def start(self) -> None:
         from asyncrl.actor import weights
-        from asyncrl.engine.vllm_engine import make_engine
+        from asyncrl.engine.backend import make_engine
 
         self.engine = make_engine(self.model_path, self.engine_settings, self.seed)
         self._weights = weights.WeightUpdates("eval", False, self._labelled)

@@ -50,8 +50,8 @@ class JudgeServer:
     """The Ray actor holding the judge's engine (async: calls overlap in it)."""
 
     def __init__(self, model_dir: str, engine: dict[str, Any], seed: int):
+        from asyncrl.engine.backend import warm_engine_start
         from asyncrl.engine.settings import EngineSettings
-        from asyncrl.engine.vllm_engine import warm_engine_start
 
         self.model_dir, self.seed = model_dir, seed
         self.settings = EngineSettings.defaults(**engine)  # actor.engine's values, then these
@@ -64,8 +64,8 @@ class JudgeServer:
     ) -> list[str | Refused]:
         """One answer per prompt, in order: the judge's text, or why the engine refused
         that prompt (each prompt is rendered and generated on its own)."""
+        from asyncrl.engine.backend import make_engine
         from asyncrl.engine.protocol import text_sampling
-        from asyncrl.engine.vllm_engine import make_engine
 
         if self.engine is None:
             self.engine = make_engine(self.model_dir, self.settings, self.seed)
