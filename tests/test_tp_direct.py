@@ -81,9 +81,10 @@ def test_tensors_split_otherwise_are_gathered():
 # ----------------------------------------------------------------- a real TP2 learner
 @pytest.mark.slow
 def test_each_tp_rank_of_a_learner_cuts_its_engine_shard_bit_exact(ray_local, tmp_path):
-    """TP2 learner (world 2): rank r's engine shard, cut from its own TP shards, equals
-    the full-tensor plan's slice of the gathered weights bit for bit; no tensor gathered,
-    and no rank holds more than about half the model."""
+    """TP2 x FSDP2 learner (world 4, gloo): rank r's engine shard (TP rank r % 2), cut
+    from its own TP shards after FSDP's unshard, equals the full-tensor plan's slice of
+    the gathered weights bit for bit; no tensor gathered, and no rank holds more than
+    about half the model."""
     import ray
     from helpers import plain_optim
 
@@ -97,7 +98,7 @@ def test_each_tp_rank_of_a_learner_cuts_its_engine_shard_bit_exact(ray_local, tm
     torch.set_num_threads(1)
     random_qwen2(130, 64, 2, 2, 2, 96, tie=True, out_dir=tmp_path, pad_token_id=0)
     config = json.loads((tmp_path / "config.json").read_text())
-    s = LearnerSettings.defaults(optim=plain_optim(lr=1e-3), num_threads=1, world_size=2, tp=2)
+    s = LearnerSettings.defaults(optim=plain_optim(lr=1e-3), num_threads=1, world_size=4, tp=2)
     group = LearnerGroup(str(tmp_path), ClippedISLoss(), GroupNormalized(), s)
     try:
         full = group.full_state_dict()  # what rank 0 gathers for the full-tensor plan
@@ -106,7 +107,8 @@ def test_each_tp_rank_of_a_learner_cuts_its_engine_shard_bit_exact(ray_local, tm
         group.close()
     plan = plan_for(config, [(n, tuple(t.shape)) for n, t in full.items()], 2)
     model_bytes = sum(t.numel() * t.element_size() for t in full.values())
-    for r, g in enumerate(got):
+    for rank, g in enumerate(got):
+        r = rank % 2  # rank = dp_rank * tp + tp_rank
         assert g["tp_rank"] == r and g["gathered"] == []
         assert g["digests"] == digests(plan.shard(r, full))
         assert g["nbytes"] == sum(t.numel() * t.element_size() for _, t in plan.shard(r, full))
@@ -230,3 +232,45 @@ def test_each_learner_tp_rank_sends_its_own_shard_in_every_mode():
         f"{sparse.bytes_per_learner_rank} / {sparse.bytes_per_rank}; changed: "
         f"{changed.bytes_per_learner_rank} / {changed.bytes_per_rank}"
     )
+
+
+def test_a_silent_learner_rank_fails_the_sync_on_every_rank_without_a_hang():
+    """Learner TP rank 1 never sends: rank 0 names it within the group's timeout (and
+    posts an aborted header); the workers fail at the header (that abort, or their own
+    timeout waiting for it) instead of waiting for payloads."""
+    from asyncrl.transport.endpoint import ReceiverEndpoint, SenderEndpoint
+    from asyncrl.transport.group import TransferError
+    from asyncrl.transport.spec import HEADER_BUCKET, NO_VERSION, JoinSpec
+
+    config = json.loads(TINY.read_text())
+    v0 = hf_tensors(config, layers=1)
+    layout = [(n, tuple(t.shape), learner_split(n)) for n, t in v0.items()]
+    direct = direct_plan(config, layout, TP)
+    world, timeout_s = TP + TP, 3.0
+    txs = [SenderEndpoint(HOST, "gloo", timeout_s, 60.0, bucket_mb=0.05) for _ in range(TP)]
+    port: list[int] = []
+    opened = threading.Thread(target=txs[0].open, args=("g", world, port.append, TP))
+    opened.start()
+    while not port:
+        threading.Event().wait(0.01)
+    threading.Thread(target=txs[1].join_tp, args=("g", HOST, port[0], 1, world, TP)).start()
+    reports: dict[int, object] = {}
+
+    def worker(g: int) -> None:
+        spec = JoinSpec("g", HOST, port[0], g, world, timeout_s, 60.0, "gloo")
+        reports[g] = ReceiverEndpoint().sync(spec, load=list, load_shard=list)
+
+    workers = [threading.Thread(target=worker, args=(g,)) for g in range(TP, world)]
+    for t in workers:
+        t.start()
+    opened.join(60.0)
+    txs[0].snapshot(0, direct.shard(0, held_by(v0, TP, 0)), transient=False)
+    with pytest.raises(TransferError, match=r"learner TP rank\(s\) \[1\]") as e:
+        txs[0].send_own("g", 0, NO_VERSION, "full")
+    for t in workers:
+        t.join(30.0)
+    for tx in txs:
+        tx.close_all()
+    assert tuple(e.value.peer_ranks) == (1,)
+    assert sorted(reports) == [2, 3]  # both answered: each failed at the header, no payload
+    assert all(not r.ok and r.bucket == HEADER_BUCKET for r in reports.values()), reports

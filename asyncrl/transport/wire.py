@@ -14,7 +14,10 @@ the receivers :class:`~asyncrl.transport.receiver.WeightReceiver` (vLLM workers)
     header:     one store value, ``header/<seq>`` = HEADER_MAGIC + JSON: v, base, mode, fp,
                 manifest (once per bucket layout), plan [[kind, nnz], ...], abort, shm
                 (same-host road: per bucket [segment, offset, nbytes] or null); the sender
-                sets it once, each receiver's ``get`` waits for it: one round trip per end
+                sets it once, each receiver's ``get`` waits for it: one round trip per end.
+                Resharded: ``shards`` (engine TP size) and per shard fp, manifest, plan, shm;
+                ``senders`` (tp_send.py: a TP learner's ranks, rank s sending shard s; absent:
+                rank 0 sends all); receiver g takes shard (g - senders) % shards
     payloads:   one bcast per non-skipped bucket, in bucket order: a dense bucket's
                 bytes, or a sparse one's encoding (delta.py encode_sparse)
 """
