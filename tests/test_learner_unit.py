@@ -147,6 +147,7 @@ def test_the_rank_exposes_its_held_parts_methods_as_its_own():
         "snapshot_weights",
         "detach_broker",
         "weight_digests",
+        "shard_digests",
         "weights_ref",
         "stream_weights",
         "full_state_dict",
@@ -171,7 +172,7 @@ def test_the_ray_class_of_a_rank_calls_the_learner_with_its_signatures():
                 if p.name != "_ray_trace_ctx"]  # fmt: skip
 
     names = [n for n in vars(LearnerRank) if not n.startswith("_")]
-    assert len(names) == 17, names
+    assert len(names) == 18, names
     for name in names:
         mine, theirs = getattr(LearnerRank, name), getattr(Learner, name)
         assert params(mine) == params(theirs), name

@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from torch import nn
 
 from asyncrl.learner.model import LM_PREFIX, VALUE_PREFIX, PolicyModel
 from asyncrl.models.arch import decoder_layers
+from asyncrl.transport.reshard import OTHER
 
 LOOPBACK = "127.0.0.1"
 
@@ -148,6 +149,53 @@ def stream_parameters(policy: PolicyModel, sharded: bool) -> Iterator[tuple[str,
             for n in names:
                 if n.startswith(LM_PREFIX):
                     yield n[len(LM_PREFIX) :], full(policy.get_parameter(n).detach())
+        finally:
+            module.reshard()
+
+
+def tp_layout(policy: PolicyModel) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """``(HF name, full shape, split)`` per tensor of the sharded stream, in its order:
+    ``split`` the dimension whose ``1/tp`` part each ``tp`` rank holds (rank ``r`` the
+    ``r``-th), None where every ``tp`` rank holds the tensor whole, ``OTHER`` for one
+    split some other way (over ``ep``, or unevenly). From the placements alone: no
+    collective."""
+    out = []
+    for _, names in fsdp_units(policy):
+        for n in names:
+            if n.startswith(LM_PREFIX):
+                p = policy.get_parameter(n)
+                out.append((n[len(LM_PREFIX) :], tuple(p.shape), tp_split(p)))
+    return out
+
+
+def tp_split(t: torch.Tensor) -> int | None:
+    """See :func:`tp_layout`: how the ``tp`` ranks hold ``t`` (a DTensor or not)."""
+    mesh = getattr(t, "device_mesh", None)
+    if mesh is None:
+        return None
+    for i, (name, p) in enumerate(zip(mesh.mesh_dim_names or (), t.placements, strict=True)):
+        if name == "tp" and p.is_shard():
+            return p.dim if t.shape[p.dim] % mesh.size(i) == 0 else OTHER
+        if name not in ("dp", "tp") and not p.is_replicate():
+            return OTHER
+    return None
+
+
+def stream_local(
+    policy: PolicyModel, gather: Collection[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, what this rank holds of it)`` in :func:`stream_parameters`' order:
+    its own ``tp`` shard of a split tensor (no ``tp`` collective), the whole tensor of
+    one every ``tp`` rank holds, and the whole tensor (:func:`full`, a collective) of
+    each name in ``gather``. One FSDP unit unsharded at a time, valid until the next
+    item; every rank iterates in step."""
+    for module, names in fsdp_units(policy):
+        module.unshard()
+        try:
+            for n in names:
+                if n.startswith(LM_PREFIX):
+                    hf, p = n[len(LM_PREFIX) :], policy.get_parameter(n).detach()
+                    yield hf, full(p) if hf in gather else local(p)
         finally:
             module.reshard()
 

@@ -49,7 +49,9 @@ from asyncrl.learner.dist import (
     pick_device,
     replicas,
     shard,
+    stream_local,
     stream_parameters,
+    tp_layout,
     value_param,
 )  # fmt: skip
 from asyncrl.learner.logprobs import to_rows, token_logprobs
@@ -104,6 +106,7 @@ class Learner:
     close_send_groups = held("weights", WeightsOut.close_send_groups)
     detach_broker = held("weights", WeightsOut.detach_broker)
     weight_digests = held("weights", WeightsOut.weight_digests)
+    shard_digests = held("weights", WeightsOut.shard_digests)
     weights_ref = held("weights", WeightsOut.weights_ref)
 
     def __init__(
@@ -161,8 +164,14 @@ class Learner:
         self.tokens = TokenRecorder()  # what the loss used, per token, for the log
         if trajectory_log and rank == 0:
             self.traj_log = TrajectoryLog(trajectory_log)
+        tp = None
+        if self.tp > 1 and not self.lora.on:  # a TP rank cuts its own engine shard
+            tp = (
+                self.tp_rank, self.tp, functools.partial(tp_layout, self.policy),
+                functools.partial(stream_local, self.policy),
+            )  # fmt: skip
         self.weights = WeightsOut(
-            rank, self.sharded, self.named_parameters_stream, self.model.config.to_dict()
+            rank, self.sharded, self.named_parameters_stream, self.model.config.to_dict(), tp
         )
         self.checkpoints = Checkpointer(self.policy, self.opt, self.sched, model_path, s, rank)
 

@@ -98,5 +98,8 @@ class LearnerRank:
     def weight_digests(self) -> dict[str, str]:
         return self.learner.weight_digests()
 
+    def shard_digests(self, tp: int) -> dict[str, Any]:
+        return self.learner.shard_digests(tp)
+
     def weights_ref(self) -> dict[str, Any] | None:
         return self.learner.weights_ref()

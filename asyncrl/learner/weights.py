@@ -51,6 +51,9 @@ except ImportError:  # a learner used without Ray (benchmarks/gpu_learner_check.
 
 
 Stream = Callable[[], Iterator[tuple[str, torch.Tensor]]]  # (HF name, full tensor), in order
+# (names to gather whole) -> (HF name, what this rank holds: its TP shard or the whole tensor)
+LocalStream = Callable[[frozenset[str]], Iterator[tuple[str, torch.Tensor]]]
+Layout = list[tuple[str, tuple[int, ...], int | None]]  # dist.tp_layout
 
 
 def export_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -72,6 +75,10 @@ class WeightsOut:
     _stream: Stream | None = None
 
     model_config: dict[str, Any] | None = None  # the HF config (resharding plans)
+    tp_rank: int = 0
+    tp: int = 1  # learner.tp
+    _layout: Callable[[], Layout] | None = None
+    _local: LocalStream | None = None
 
     def __init__(
         self,
@@ -79,9 +86,14 @@ class WeightsOut:
         sharded: bool = False,
         stream: Stream | None = None,
         model_config: dict[str, Any] | None = None,
+        tp: tuple[int, int, Callable[[], Layout], LocalStream] | None = None,
     ):
+        """``tp``: a tensor-parallel learner's ``(tp_rank, learner.tp, layout, local
+        stream)`` (asyncrl/learner/dist.py ``tp_layout``, ``stream_local``)."""
         self.rank, self.sharded, self._stream = rank, sharded, stream
         self.model_config = model_config
+        if tp is not None:
+            self.tp_rank, self.tp, self._layout, self._local = tp
 
     def named_parameters_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._stream is not None:
@@ -102,6 +114,34 @@ class WeightsOut:
             if self.rank == 0:
                 sd[name] = t.detach().to("cpu", copy=True)
         return sd
+
+    def engine_shard(self, tp: int) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+        """This rank's engine TP shard, cut from what it holds: ``(engine name, tensor)``
+        for engine rank ``tp_rank`` of ``tp`` (= ``learner.tp``), as the full-tensor plan
+        cuts it (asyncrl/transport/reshard.py ``direct_plan``), and what it took:
+        ``held_bytes`` (the largest this rank held at once), ``gathered`` (the tensors
+        gathered whole). Collective: every rank calls it; a rank of ``dp_rank > 0`` cuts
+        the same shard as its group's first. ValueError when the layouts differ."""
+        from asyncrl.transport.reshard import direct_plan
+
+        if self._local is None or self._layout is None or tp != self.tp or tp < 2:
+            raise ValueError(f"engine TP size {tp}: this learner rank runs learner.tp={self.tp}")
+        if self.model_config is None:
+            raise ValueError("resharding needs the model's config")
+        direct = direct_plan(self.model_config, self._layout(), tp)
+        held = {n: t.clone() for n, t in self._local(direct.gather)}
+        held_bytes = sum(t.numel() * t.element_size() for t in held.values())
+        shard = [(n, t.clone()) for n, t in direct.shard(self.tp_rank, held)]
+        return shard, {"held_bytes": held_bytes, "gathered": sorted(direct.gather)}
+
+    def shard_digests(self, tp: int) -> dict[str, Any]:
+        """Every rank: the digests of :meth:`engine_shard` with its bytes (``nbytes``) and
+        what it took (bit-exactness checks against the full-tensor plan)."""
+        from asyncrl.transport.endpoint import digests
+
+        shard, took = self.engine_shard(tp)
+        nbytes = sum(t.numel() * t.element_size() for _, t in shard)
+        return {"tp_rank": self.tp_rank, "digests": digests(shard), "nbytes": nbytes, **took}
 
     # ---- the process-group broker -----------------------------------------------------
     def attach_broker(self, broker_id: str, broker: Any, settings: BrokerSettings) -> Attached:

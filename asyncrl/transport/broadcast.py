@@ -87,11 +87,15 @@ class SendStats:
     bytes_per_rank: int = 0
     shard_digests: list[dict[str, str]] | None = None  # resharded, when asked: per shard
     road: str = "wire"  # "shm": payloads read from shared memory (transport/shm.py)
+    # a tensor-parallel learner's ranks sending their own shards (transport/tp_send.py):
+    # what each sent (rank 0's with the header); None when rank 0 sends everything
+    bytes_per_learner_rank: list[int] | None = None
 
     def metrics(self) -> dict[str, float]:
         return {
             "broker/bytes_sent": self.bytes_sent,
             "broker/bytes_per_engine_rank": self.bytes_per_rank,
+            "broker/bytes_per_learner_rank": max(self.bytes_per_learner_rank or [self.bytes_sent]),
             "broker/bytes_full": self.bytes_full,
             "broker/buckets_skipped": self.buckets_skipped,
             "broker/buckets_sparse": self.buckets_sparse,
@@ -102,6 +106,8 @@ class SendStats:
 
 class WeightSender(SyncEnd):
     """Learner rank 0: broadcasts versions of the model to the receivers of one group.
+    (``sender_ranks`` > 1: ranks ``0..sender_ranks-1`` are a tensor-parallel learner's
+    ranks, each sending its own shard; asyncrl/transport/tp_send.py.)
 
     ``shadows`` may be shared by several senders (one per receiver group) on the
     same rank; by default each sender keeps its own. Shadows live on
@@ -118,10 +124,15 @@ class WeightSender(SyncEnd):
         bucket_mb: float = DEFAULT_BUCKET_MB,
         shadow_device: torch.device | str | None = None,
         shm: ShmArena | None = None,
+        sender_ranks: int = 1,
     ):
-        if group.rank != 0:
-            raise ValueError(f"WeightSender must be rank 0 of its group, got rank {group.rank}")
+        if group.rank >= sender_ranks:
+            raise ValueError(
+                f"a WeightSender is one of ranks 0..{sender_ranks - 1} of its group, "
+                f"got rank {group.rank}"
+            )
         super().__init__(group)
+        self.sender_ranks = sender_ranks  # ranks 0.. send (transport/tp_send.py), the rest receive
         self.shadows = shadows if shadows is not None else ShadowStore()
         self.bucket_mb = bucket_mb
         self.shadow_device = (
@@ -429,7 +440,7 @@ class WeightSender(SyncEnd):
     def _arrivals(self, seq: int, version: int, timeout_s: float) -> dict[int, int]:
         """Wait (store only, no collective) until every receiver entered sync ``seq``."""
         g = self.group
-        keys = {r: g.key("arrive", seq, r) for r in range(1, g.world_size)}
+        keys = {r: g.key("arrive", seq, r) for r in range(self.sender_ranks, g.world_size)}
         if self._hb is not None:
             self._hb.enter("wait")
         try:

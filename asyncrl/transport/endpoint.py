@@ -38,6 +38,7 @@ from asyncrl.transport.reshard import plan_for
 from asyncrl.transport.shm import MODES as SHM_MODES
 from asyncrl.transport.shm import ShmArena
 from asyncrl.transport.spec import NO_VERSION, JoinSpec, ReceiveReport
+from asyncrl.transport.tp_send import TPShardSender
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 log = logging.getLogger(__name__)
@@ -158,8 +159,12 @@ class SenderEndpoint:
                 info["digests"] = digests(packed.named_tensors())
             return info
 
-    def open(self, key: str, world_size: int, on_listening: Callable[[int], None]) -> None:
-        """Host group ``key``: bind a free port, report it, block until all joined."""
+    def open(
+        self, key: str, world_size: int, on_listening: Callable[[int], None], tp: int = 1
+    ) -> None:
+        """Host group ``key``: bind a free port, report it, block until all joined.
+        ``tp`` > 1: ranks ``1..tp-1`` are the other TP ranks of this learner, each
+        sending its own shard (:meth:`join_tp`, :meth:`send_own`)."""
         self.close(key)
         group = make_group(
             self.host,
@@ -171,9 +176,53 @@ class SenderEndpoint:
             join_timeout_s=self.join_timeout_s,
             on_listening=on_listening,
         )
+        if tp > 1:
+            self.senders[key] = TPShardSender(
+                group, tp, self.shadows, self.bucket_mb, self.shadow_device
+            )
+            return
         self.senders[key] = WeightSender(
             group, self.shadows, self.bucket_mb, self.shadow_device, self.shm
         )
+
+    def join_tp(self, key: str, host: str, port: int, rank: int, world_size: int, tp: int):
+        """Learner TP rank ``rank`` (> 0) joins group ``key``, hosted by TP rank 0."""
+        self.close(key)
+        group = make_group(
+            host, port, rank, world_size, self.timeout_s, self.backend,
+            join_timeout_s=self.join_timeout_s,
+        )  # fmt: skip
+        self.senders[key] = TPShardSender(
+            group, tp, self.shadows, self.bucket_mb, self.shadow_device
+        )
+
+    def send_own(
+        self,
+        key: str,
+        version: int,
+        base: int,
+        mode: Mode | str,
+        arrive_timeout_s: float | None = None,
+        with_digests: bool = False,
+    ) -> SendStats:
+        """A tensor-parallel learner's rank: send this rank's shard of ``version`` (its
+        shadows hold only that: ``snapshot`` of its ``engine_shard``) to the workers of
+        its engine TP rank in group ``key``, every TP rank at once
+        (asyncrl/transport/tp_send.py); a failure closes the group. ``with_digests``:
+        the shard's digests in the stats (``shard_digests``, this rank's alone)."""
+        sender = self.senders.get(key)
+        if not isinstance(sender, TPShardSender):
+            raise KeyError(f"no tensor-parallel group {key!r}; have {sorted(self.senders)}")
+        with self._locked(f"send of version {version} to group {key}"):
+            try:
+                stats = sender.send_own(version, base, mode, arrive_timeout_s)
+            except TransferError:
+                self.close(key)
+                raise
+        if with_digests:
+            own = self.shadows.get(version)
+            stats.shard_digests = [digests(own.named_tensors())] if own is not None else None
+        return stats
 
     def send(
         self,

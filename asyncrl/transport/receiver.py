@@ -77,6 +77,7 @@ class WeightReceiver(SyncEnd):
         self._buckets: list[torch.Tensor] | None = None
         self.last_stats: ReceiveStats | None = None
         self.shard: int | None = None  # resharded syncs: this rank's engine TP shard
+        self.src = 0  # the rank a resharded sync's payloads come from
         # held buckets a sync replaced with a segment's mapping: unmapped once the sync is
         # claimed (same-host road), so freeing their pages is not on the sender's wait
         self._replaced: list[torch.Tensor] = []
@@ -157,13 +158,16 @@ class WeightReceiver(SyncEnd):
 
     def _own_shard(self, header: dict) -> dict:
         """A resharded sync's header lists every shard's manifest and plan; keep this
-        rank's (receivers are each engine's workers in TP order, so rank ``g`` holds
-        shard ``(g - 1) % shards``)."""
+        rank's. Receivers are each engine's workers in TP order after the ``senders``
+        ranks (1: rank 0 sends every shard; a tensor-parallel learner's ``shards`` ranks:
+        rank ``s`` sends shard ``s``), so rank ``g`` holds shard ``(g - senders) % shards``."""
         n = header.get("shards")
         if not n:
             self.shard = None
             return header
-        s = self.shard = (self.group.rank - 1) % int(n)
+        senders = int(header.get("senders", 1))
+        s = self.shard = (self.group.rank - senders) % int(n)
+        self.src = s if senders > 1 else 0
         manifests = header["manifest"]
         return {
             **header,
@@ -283,7 +287,9 @@ class WeightReceiver(SyncEnd):
                 buf = targets[i].view(torch.uint8)
             else:
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
-            work = self._bcast(buf) if self.shard is None else self.group.pg.recv([buf], 0, i)
+            work = (
+                self._bcast(buf) if self.shard is None else self.group.pg.recv([buf], self.src, i)
+            )
             pending.append((i, work, buf))
             if len(pending) >= INFLIGHT:
                 finish()

@@ -292,3 +292,84 @@ def check_family(config: Mapping[str, Any], tp: int = 2, cpu: bool = False) -> s
             f"multiple of {CPU_EXPERT_ALIGN}, which a shard does not fill"
         )
     return None
+
+
+# ----------------------------------------------------------------- sent from the TP ranks
+OTHER = -1  # a learner tensor held in some other layout (expert parallel, uneven): gathered
+
+
+@dataclass(frozen=True)
+class DirectPlan:
+    """The engine shards as a tensor-parallel learner's own ranks cut them: learner TP
+    rank ``r`` (the same TP size as the engine) builds engine rank ``r``'s shard from
+    what it holds. ``plan.ranks[r]``' pieces are in the coordinates of the tensor rank
+    ``r`` holds: its own TP shard of a split tensor, the whole tensor otherwise.
+    ``gather``: the learner tensors whose shard is not the engine's (another split
+    dimension, an engine slice crossing the learner's shard boundary, or held in
+    another layout); every rank gathers each of these whole, one at a time, and slices
+    it as the full-tensor plan does."""
+
+    plan: ReshardPlan
+    gather: frozenset[str]
+
+    def shard(self, rank: int, tensors: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+        """``(engine name, tensor)`` of rank ``rank`` from what that learner rank holds."""
+        return self.plan.shard(rank, tensors)
+
+
+def own_piece(p: Piece, shape: tuple[int, ...], split: int | None, rank: int, tp: int):
+    """``p`` in the coordinates of learner TP rank ``rank``'s tensor (whole when
+    ``split`` is None, else its ``1/tp`` part of dimension ``split`` of ``shape``), or
+    None when that rank does not hold all of ``p``."""
+    if split is None:
+        return p
+    if split == OTHER or p.dim != split or shape[split] % tp:
+        return None
+    per = shape[split] // tp
+    lo = rank * per
+    if p.length == 0:  # a vocabulary shard past the real rows: nothing to cut
+        return Piece(p.source, p.dim, 0, 0)
+    if not (lo <= p.start and p.start + p.length <= lo + per):
+        return None
+    return Piece(p.source, p.dim, p.start - lo, p.length)
+
+
+@functools.lru_cache(maxsize=8)
+def cached_direct(
+    plan: ReshardPlan, layout: tuple[tuple[str, tuple[int, ...], int | None], ...]
+) -> DirectPlan:
+    held = {n: (shape, split) for n, shape, split in layout}
+
+    def mine(p: Piece, rank: int) -> Piece | None:
+        return own_piece(p, *held[p.source], rank, plan.tp)
+
+    gather = frozenset(
+        p.source for r, ts in enumerate(plan.ranks) for t in ts for p in t.pieces
+        if mine(p, r) is None
+    )  # fmt: skip
+    ranks = tuple(
+        tuple(
+            Target(t.name, t.shape, tuple(p if p.source in gather else mine(p, r)
+                                          for p in t.pieces), t.rows, t.cat)  # type: ignore[misc]
+            for t in ts
+        )
+        for r, ts in enumerate(plan.ranks)
+    )  # fmt: skip
+    return DirectPlan(ReshardPlan(plan.tp, plan.family, ranks), gather)
+
+
+def direct_plan(
+    config: Mapping[str, Any],
+    layout: Iterable[tuple[str, tuple[int, ...], int | None]],
+    tp: int,
+) -> DirectPlan:
+    """The engine shards for ``tp`` engine ranks, cut by the ``tp`` ranks of a learner
+    whose ``layout`` is, per learner tensor in stream order, ``(HF name, full shape,
+    split)``: ``split`` the dimension its TP ranks hold ``1/tp`` each of (rank ``r`` the
+    ``r``-th part), None for a tensor every TP rank holds whole, :data:`OTHER` for one
+    held otherwise. Each tensor is checked once per pair of layouts (cached): sent from
+    the rank's own shard where that shard holds the engine's slice, gathered otherwise.
+    Raises :class:`UnsupportedLayout` as :func:`plan_for` does."""
+    layout = tuple((n, tuple(s), split) for n, s, split in layout)
+    plan = plan_for(config, [(n, s) for n, s, _ in layout], tp)
+    return cached_direct(plan, layout)

@@ -10,10 +10,14 @@ the receivers :class:`~asyncrl.transport.receiver.WeightReceiver` (vLLM workers)
                                                      segment's bytes) or ABANDONED (the sender gave
                                                      up first), set once, atomically (compare_set)
                                 at/<seq>/<rank>      same-host road: the bucket the receiver is at
+                                plan/<seq>/<rank>    a TP learner rank > 0: its shard's plan (tp_send.py)
     header:     one store value, ``header/<seq>`` = HEADER_MAGIC + JSON: v, base, mode, fp,
                 manifest (once per bucket layout), plan [[kind, nnz], ...], abort, shm
                 (same-host road: per bucket [segment, offset, nbytes] or null); the sender
-                sets it once, each receiver's ``get`` waits for it: one round trip per end
+                sets it once, each receiver's ``get`` waits for it: one round trip per end.
+                Resharded: ``shards`` (engine TP size) and per shard fp, manifest, plan, shm;
+                ``senders`` (tp_send.py: a TP learner's ranks, rank s sending shard s; absent:
+                rank 0 sends all); receiver g takes shard (g - senders) % shards
     payloads:   one bcast per non-skipped bucket, in bucket order: a dense bucket's
                 bytes, or a sparse one's encoding (delta.py encode_sparse)
 """
@@ -39,7 +43,7 @@ ABANDONED = "abandoned"  # read/<seq>/<rank> when the sender gave up before the 
 HEADER_MAGIC = b"ARLW1"  # leads every header: catches a value that is not one
 # The keys the sender deletes once every rank is past their sync (the store keeps no more
 # than two syncs' worth).
-SYNC_KEYS = ("arrive", "done", "fail", "read", "at")
+SYNC_KEYS = ("arrive", "done", "fail", "read", "at", "plan")
 
 
 def header_key(group: TransferGroup, seq: int) -> str:
