@@ -164,16 +164,19 @@ class Learner:
         self.tokens = TokenRecorder()  # what the loss used, per token, for the log
         if trajectory_log and rank == 0:
             self.traj_log = TrajectoryLog(trajectory_log)
+        self.weights = self._weights_out()
+        self.checkpoints = Checkpointer(self.policy, self.opt, self.sched, model_path, s, rank)
+
+    def _weights_out(self) -> WeightsOut:
+        """What sends this rank's weights; a TP rank (LoRA off) can cut its own engine shard."""
         tp = None
-        if self.tp > 1 and not self.lora.on:  # a TP rank cuts its own engine shard
+        if self.tp > 1 and not self.lora.on:
             tp = (
                 self.tp_rank, self.tp, functools.partial(tp_layout, self.policy),
                 functools.partial(stream_local, self.policy),
             )  # fmt: skip
-        self.weights = WeightsOut(
-            rank, self.sharded, self.named_parameters_stream, self.model.config.to_dict(), tp
-        )
-        self.checkpoints = Checkpointer(self.policy, self.opt, self.sched, model_path, s, rank)
+        config = self.model.config.to_dict()
+        return WeightsOut(self.rank, self.sharded, self.named_parameters_stream, config, tp)
 
     def _build_policy(self, model_path: str) -> PolicyModel:
         """The policy (LM, LoRA adapters when on, value head), sharded or on the device."""

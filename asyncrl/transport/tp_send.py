@@ -108,6 +108,20 @@ class TPShardSender(WeightSender):
             t3 = time.perf_counter()
         finally:
             self._forget(seq - 1)
+        return self._stats(
+            version, receiver_version, header, shards, held, header_bytes, len(plans),
+            bucket_counts(plans), (t2 - t1, t3 - t2),
+        )  # fmt: skip
+
+    def _stats(
+        self, version: int, receiver_version: int, header: dict, shards: list[dict],
+        held: dict[int, int], header_bytes: int, buckets: int, counts: dict[str, int],
+        times: tuple[float, float],
+    ) -> SendStats:  # fmt: skip
+        """One sync's figures from this rank's view: rank 0 counts every TP rank's shards,
+        the others their own."""
+        wait_s, send_s = times
+        r = self.group.rank
         full = header["mode"] == Mode.FULL.value
         per_shard = [sh["full_nbytes" if full else "nbytes"] for sh in shards]
         workers = [sum(1 for w in held if (w - self.tp) % self.tp == s) for s in range(self.tp)]
@@ -119,8 +133,8 @@ class TPShardSender(WeightSender):
             version=version, base_version=receiver_version, mode=header["mode"],
             bytes_sent=sent, header_bytes=header_bytes,
             bytes_full=sum(sh["full_nbytes"] * workers[s] for sh, s in zip(shards, ranks)),
-            buckets_total=len(plans), **bucket_counts(plans), pack_seconds=0.0,
-            wait_seconds=t2 - t1, seconds=t3 - t2, gbps=sent / max(t3 - t2, 1e-9) / 1e9,
+            buckets_total=buckets, **counts, pack_seconds=0.0,
+            wait_seconds=wait_s, seconds=send_s, gbps=sent / max(send_s, 1e-9) / 1e9,
             bytes_per_rank=header_bytes + max(per_shard), bytes_per_learner_rank=by_rank,
         )  # fmt: skip
 
