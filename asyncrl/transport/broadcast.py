@@ -239,13 +239,7 @@ class WeightSender(SyncEnd):
             header = self._make_header(
                 version, base_version, used, packed.manifest, plans, abort, refs
             )
-            try:
-                header_bytes = self.post_header(seq, header)
-            except Exception as e:  # noqa: BLE001 - a store failure is reported like any other
-                raise self._failure(seq, version, HEADER_BUCKET, e) from e
-            if abort is not None:  # receivers saw the reason too; the group stays usable
-                raise TransferError(abort[0], abort[1], HEADER_BUCKET, version)
-            self._peer_manifest = packed.manifest.fingerprint
+            header_bytes = self._announce(seq, version, header, abort, packed.manifest.fingerprint)
             progress = {"bucket": HEADER_BUCKET}
             try:
                 self._payloads(packed, base, plans, progress, refs)
@@ -337,13 +331,7 @@ class WeightSender(SyncEnd):
                 for p, b, pl in zip(packs, bases, plans, strict=True)
             ]
         header = self._shard_header(version, base, used, packs, plans, abort, refs)
-        try:
-            header_bytes = self.post_header(seq, header)
-        except Exception as e:  # noqa: BLE001 - reported the same way as any collective
-            raise self._failure(seq, version, HEADER_BUCKET, e) from e
-        if abort is not None:
-            raise TransferError(abort[0], abort[1], HEADER_BUCKET, version)
-        self._peer_manifest = "|".join(header["fp"])
+        header_bytes = self._announce(seq, version, header, abort, "|".join(header["fp"]))
         progress = {"bucket": HEADER_BUCKET}
         try:
             for s in range(len(packs)):
@@ -436,6 +424,26 @@ class WeightSender(SyncEnd):
         payload = payload.to(self.group.device)
         assert payload.numel() == plan.nbytes, (i, payload.numel(), plan)
         return payload
+
+    def _announce(
+        self,
+        seq: int,
+        version: int,
+        header: dict,
+        abort: tuple[str, list[int]] | None,
+        fingerprint: str,
+    ) -> int:
+        """Post sync ``seq``'s header; raise the abort it carries (receivers saw the reason
+        too; the group stays usable), else remember the layout the receivers will hold.
+        Returns the header's bytes."""
+        try:
+            header_bytes = self.post_header(seq, header)
+        except Exception as e:  # noqa: BLE001 - a store failure is reported like any other
+            raise self._failure(seq, version, HEADER_BUCKET, e) from e
+        if abort is not None:
+            raise TransferError(abort[0], abort[1], HEADER_BUCKET, version)
+        self._peer_manifest = fingerprint
+        return header_bytes
 
     def _arrivals(self, seq: int, version: int, timeout_s: float) -> dict[int, int]:
         """Wait (store only, no collective) until every receiver entered sync ``seq``."""

@@ -171,13 +171,7 @@ class TPShardSender(WeightSender):
             "abort": abort[0] if abort is not None else None,
             "shm": None,
         }
-        try:
-            header_bytes = self.post_header(seq, header)
-        except Exception as e:  # noqa: BLE001 - reported the same way as any collective
-            raise self._failure(seq, version, HEADER_BUCKET, e) from e
-        if abort is not None:
-            raise TransferError(abort[0], abort[1], HEADER_BUCKET, version)
-        self._peer_manifest = "|".join(fps)
+        header_bytes = self._announce(seq, version, header, abort, "|".join(fps))
         return header, shards, header_bytes
 
     def _others_done(self, seq: int, version: int, buckets: int) -> None:
