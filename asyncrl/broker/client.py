@@ -42,8 +42,11 @@ class BrokerClient:
         return metrics
 
     def start(self) -> BrokerClient:
-        """Attach to learner rank 0 and every actor, prime version 0; returns self."""
-        self._get(self.handle.start.remote())
+        """Attach to learner rank 0 and every actor, prime version 0; returns self. Logs
+        the weights' path: rank 0 gathers and sends, or each learner TP rank sends its
+        own engine shard (direct)."""
+        info = self._get(self.handle.start.remote())
+        log.info("weight broker: %s", info["path"])
         return self
 
     def publish(self, version: int) -> dict[str, float]:

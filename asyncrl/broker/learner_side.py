@@ -1,5 +1,6 @@
 """The learner's end of the process-group broker: the sender endpoint held by learner
-rank 0 while a broker is attached (asyncrl/learner/weights.py calls it).
+rank 0 while a broker is attached (asyncrl/learner/weights.py calls it), and by the
+other TP ranks of ``dp_rank`` 0 where they send their own engine shards (direct).
 
     WeightBroker (Ray actor)                     learner rank 0
     start ── attach_broker ─────────────────▶ SenderSide.start: the endpoint ─▶ Attached
@@ -7,6 +8,8 @@ rank 0 while a broker is attached (asyncrl/learner/weights.py calls it).
                                                  the learner may train on at once)
     per sync set ── send_weights(SendOrder) ─▶ [new group: open, ── Listening ──▶ broker,
                                                  members join] send ─▶ SendDone
+      direct (order.tp > 1), TP rank r > 0 ──▶ [new group: join_tp at rank 0's port]
+                                                 send_own ─▶ SendDone (rank 0 too)
 
 ``attach_broker`` and ``snapshot_weights`` run in the learner's own call queue (the
 driver publishes between learner steps, so they never wait behind a step);
@@ -28,6 +31,7 @@ from asyncrl.broker.messages import (
     SnapshotOrder,
 )
 from asyncrl.broker.settings import BrokerSettings
+from asyncrl.transport.broadcast import SendStats
 from asyncrl.transport.endpoint import NamedTensors, SenderEndpoint
 from asyncrl.transport.group import TransferError
 
@@ -57,20 +61,28 @@ def object_store_bytes() -> int:
 
 
 class SenderSide:
-    """Rank 0's endpoint for one broker (``broker``: its Ray handle, told where a new
-    group listens). Every call is bounded by the endpoint's timeouts."""
+    """A sending rank's endpoint for one broker (``broker``: its Ray handle, told where
+    a new group listens; ``tp_rank``: the rank's place among the learner's TP ranks).
+    Every call is bounded by the endpoint's timeouts."""
 
-    def __init__(self, broker_id: str, broker: Any, endpoint: SenderEndpoint, host: str):
+    def __init__(
+        self, broker_id: str, broker: Any, endpoint: SenderEndpoint, host: str, tp_rank: int = 0
+    ):
         self.broker_id = broker_id
         self.broker = broker
         self.endpoint = endpoint
         self.host = host
+        self.tp_rank = tp_rank
 
     @classmethod
     def start(
-        cls, broker_id: str, broker: Any, s: BrokerSettings, model_config: dict | None = None
-    ) -> SenderSide:
+        cls, broker_id: str, broker: Any, s: BrokerSettings, model_config: dict | None = None,
+        tp_rank: int = 0,
+    ) -> SenderSide:  # fmt: skip
+        """Rank 0's endpoint, or (``tp_rank`` > 0) a TP rank's: shared memory is for
+        rank 0's whole-model sends only."""
         host = s.host or default_host()
+        shm = s.shm if tp_rank == 0 else "off"
         endpoint = SenderEndpoint(
             host=host,
             backend=s.backend,
@@ -80,37 +92,31 @@ class SenderSide:
             shadow_device=s.shadow_device,
             max_versions=s.max_versions,
             model_config=model_config,
-            shm=s.shm,
-            shm_reserve_bytes=object_store_bytes() if s.shm != "off" else 0,
+            shm=shm,
+            shm_reserve_bytes=object_store_bytes() if shm != "off" else 0,
         )
-        return cls(broker_id, broker, endpoint, host)
+        return cls(broker_id, broker, endpoint, host, tp_rank)
 
-    def attached(self, pid: int) -> Attached:
-        return Attached(self.host, self.endpoint.backend, pid)
+    def attached(self, pid: int, tp: int = 1) -> Attached:
+        return Attached(self.host, self.endpoint.backend, pid, tp)
 
-    def snapshot(self, order: SnapshotOrder, stream: NamedTensors) -> Snapshot:
-        info = self.endpoint.snapshot(order.version, stream, order.retain, order.with_digests)
+    def snapshot(
+        self, order: SnapshotOrder, stream: NamedTensors, transient: bool = True
+    ) -> Snapshot:
+        info = self.endpoint.snapshot(
+            order.version, stream, order.retain, order.with_digests, transient
+        )
         return Snapshot(
             order.version, info["nbytes"], info["buckets"], info["pack_seconds"],
-            info.get("digests"),
+            info.get("digests"), order.tp,
         )  # fmt: skip
 
     def send(self, order: SendOrder) -> SendDone:
-        """Open the group first when asked, then send; never raises."""
+        """Open (or, a TP rank > 0, join) the group first when asked, then send; never
+        raises."""
         key = order.key
         try:
-            if order.open_world:
-                self.endpoint.open(
-                    key,
-                    order.open_world,
-                    on_listening=lambda port: self.broker.group_listening.remote(
-                        Listening(key, port)
-                    ),
-                )
-            stats = self.endpoint.send(
-                key, order.version, order.base, order.mode, order.arrive_timeout_s,
-                order.shards, order.with_digests,
-            )  # fmt: skip
+            stats = self._send_own(order) if order.tp > 1 else self._send(order)
         except TransferError as e:
             self.endpoint.close(key)
             return SendDone(key, False, error=str(e), peer_ranks=e.peer_ranks, bucket=e.bucket)
@@ -121,6 +127,37 @@ class SenderSide:
             key, True, stats.bytes_sent, stats.bytes_full, stats.buckets_skipped,
             stats.buckets_sparse, stats.seconds, bytes_per_rank=stats.bytes_per_rank,
             shard_digests=stats.shard_digests, shm=stats.road == "shm",
+            bytes_per_learner_rank=max(stats.bytes_per_learner_rank or [stats.bytes_sent]),
+        )  # fmt: skip
+
+    def _listen(self, order: SendOrder, tp: int = 1) -> None:
+        key = order.key
+        self.endpoint.open(
+            key, order.open_world, tp=tp,
+            on_listening=lambda port: self.broker.group_listening.remote(Listening(key, port)),
+        )  # fmt: skip
+
+    def _send(self, order: SendOrder) -> SendStats:
+        """Rank 0 sends the whole model, or each engine worker its shard (``shards``)."""
+        if order.open_world:
+            self._listen(order)
+        return self.endpoint.send(
+            order.key, order.version, order.base, order.mode, order.arrive_timeout_s,
+            order.shards, order.with_digests,
+        )  # fmt: skip
+
+    def _send_own(self, order: SendOrder) -> SendStats:
+        """Direct: this TP rank sends its own engine shard (rank 0 hosts a new group, the
+        others join it)."""
+        if order.open_world:
+            self._listen(order, order.tp)
+        elif order.join_world:
+            self.endpoint.join_tp(
+                order.key, order.host, order.port, self.tp_rank, order.join_world, order.tp
+            )
+        return self.endpoint.send_own(
+            order.key, order.version, order.base, order.mode, order.arrive_timeout_s,
+            order.with_digests,
         )  # fmt: skip
 
     def close(self, keys: tuple[str, ...] | None) -> None:

@@ -1,9 +1,11 @@
 """The messages of a process-group weight sync: one dataclass each, with a ``kind``,
 each sent straight to the party that acts on it (a Ray call's argument or its answer).
 
-    WeightBroker ── SnapshotOrder ──▶ learner rank 0 (its call queue)  ─▶ Snapshot
+    WeightBroker ── SnapshotOrder ──▶ every learner rank (its call queue)  ─▶ Snapshot
     WeightBroker ── SendOrder ──────▶ learner rank 0 (its weights thread) ─▶ SendDone
                     (a new group first: rank 0 ── Listening ──▶ WeightBroker)
+        direct (``tp`` > 1): also to learner ranks 1..tp-1 (dp_rank 0's TP ranks),
+                    each sending its own engine shard; they join once rank 0 listens
     WeightBroker ── ReceiveOrder ───▶ each actor of the set ─▶ Reloaded
     WeightBroker ── CloseGroups ────▶ rank 0 and the actors (a group left the cache)
     (object store) ── update_weights([ref], V) ──▶ each actor ─▶ Loaded
@@ -27,34 +29,43 @@ CONCURRENCY_GROUPS = {WEIGHTS_GROUP: 1}
 @dataclass(frozen=True)
 class SnapshotOrder:
     """Pack the learner's weights as ``version`` (a copy: it may train on at once);
-    drop shadows other than ``retain`` first; digest them with ``with_digests``."""
+    drop shadows other than ``retain`` first; digest them with ``with_digests``.
+    ``tp`` > 1: each TP rank of ``dp_rank`` 0 packs only its own engine shard
+    (``WeightsOut.engine_shard``), not rank 0 the whole model."""
 
     broker_id: str
     version: int
     retain: tuple[int, ...] = ()
     with_digests: bool = False
+    tp: int = 0
     kind: str = "snapshot"
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """What a snapshot holds: ``nbytes`` in ``buckets``; per-tensor ``digests`` if asked."""
+    """What a snapshot holds: ``nbytes`` in ``buckets``; per-tensor ``digests`` if asked.
+    ``tp`` > 1: the learner's TP ranks each hold their own engine shard (the broker's
+    sum of their snapshots: every shard's bytes, the most buckets, the slowest pack)."""
 
     version: int
     nbytes: int = 0
     buckets: int = 1
     pack_seconds: float = 0.0
     digests: dict[str, str] | None = None
+    tp: int = 0
     kind: str = "snapshot_done"
 
 
 @dataclass(frozen=True)
 class Attached:
-    """Learner rank 0's answer to ``attach_broker``: where workers connect, and how."""
+    """A learner rank's answer to ``attach_broker``: where workers connect, and how.
+    ``tp`` > 1: the rank can send its own engine shard at engine TP size ``tp`` (a
+    tensor-parallel learner without LoRA); 1: only the whole model."""
 
     host: str
     backend: str
     pid: int
+    tp: int = 1
     kind: str = "attached"
 
 
@@ -73,6 +84,12 @@ class SendOrder:
     open_world: int = 0
     shards: int = 0  # > 1: the members' engines have this many TP workers; each gets its shard
     with_digests: bool = False  # resharded: the shards' digests come back (broker.verify)
+    # > 1: the learner's TP ranks 0..tp-1 each send their own engine shard; a rank > 0
+    # of a new group (``join_world`` > 0) first joins it at rank 0's ``host``:``port``
+    tp: int = 0
+    host: str = ""
+    port: int = 0
+    join_world: int = 0
     kind: str = "send"
 
 
@@ -87,8 +104,10 @@ class Listening:
 
 @dataclass
 class SendDone:
-    """Rank 0's end of one set's transfer: its stats, or the error naming the failing
-    peer ranks and the bucket (``HEADER_BUCKET``: before the payload; None: setup)."""
+    """A sending rank's end of one set's transfer: its stats, or the error naming the
+    failing peer ranks and the bucket (``HEADER_BUCKET``: before the payload; None:
+    setup). Direct (``SendOrder.tp`` > 1): rank 0's bytes are the whole sync's, the
+    other TP ranks' their own; ``bytes_per_learner_rank`` is the most one rank sent."""
 
     key: str
     ok: bool
@@ -103,14 +122,16 @@ class SendDone:
     bytes_per_rank: int = 0  # what one engine worker received (its shard when resharded)
     shard_digests: list[dict[str, str]] | None = None  # resharded, asked: per engine TP rank
     shm: bool = False  # the payloads went through shared memory (transport/shm.py)
+    bytes_per_learner_rank: int = 0  # the most one learner rank sent
     kind: str = "send_done"
 
     @classmethod
-    def missing(cls, key: str, stage: str) -> SendDone:
-        """Rank 0 never answered ``stage`` in time: it is the culprit."""
+    def missing(cls, key: str, stage: str, rank: int = 0) -> SendDone:
+        """Learner rank ``rank`` never answered ``stage`` in time: it is the culprit."""
         return cls(
-            key, False, error=f"learner rank 0 did not report the {stage} in time (dead or stuck)",
-            peer_ranks=(0,), bucket=HEADER_BUCKET,
+            key, False,
+            error=f"learner rank {rank} did not report the {stage} in time (dead or stuck)",
+            peer_ranks=(rank,), bucket=HEADER_BUCKET,
         )  # fmt: skip
 
 

@@ -58,9 +58,12 @@ def plan_waves(
     return waves
 
 
-def ranks_of(members: tuple[str, ...], actors: dict[str, ActorView]) -> tuple[dict[str, int], int]:
-    """First rank of each member's workers (rank 0 is the learner) and the world size."""
-    ranks, nxt = {}, 1
+def ranks_of(
+    members: tuple[str, ...], actors: dict[str, ActorView], senders: int = 1
+) -> tuple[dict[str, int], int]:
+    """First rank of each member's workers and the world size. Ranks ``0..senders-1``
+    are the learner's: rank 0 alone, or its TP ranks each sending its own shard."""
+    ranks, nxt = {}, senders
     for n in members:
         ranks[n] = nxt
         nxt += actors[n].workers

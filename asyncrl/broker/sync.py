@@ -14,11 +14,13 @@ from asyncrl.transport.spec import HEADER_BUCKET
 
 @dataclass
 class Group:
-    """One cached process group: learner rank 0 and the members' workers."""
+    """One cached process group: the learner's sending ranks (rank 0, or its ``senders``
+    TP ranks) and the members' workers."""
 
     key: str
     ranks: dict[str, int]  # first rank of each member's workers
     world: int
+    senders: int = 1
     port: int = 0
     listening: asyncio.Future | None = None  # a new group: rank 0's port, once bound
 
@@ -34,6 +36,7 @@ class SyncTally:
     bytes_sent: int = 0
     bytes_full: int = 0
     bytes_per_engine_rank: int = 0  # the most one engine worker received (max over sets)
+    bytes_per_learner_rank: int = 0  # the most one learner rank sent to a set (max over sets)
     buckets_skipped: int = 0
     buckets_sparse: int = 0
     transfer_seconds: float = 0.0
@@ -56,6 +59,9 @@ class SyncTally:
             self.bytes_sent += sender.bytes_sent
             self.bytes_full += sender.bytes_full
             self.bytes_per_engine_rank = max(self.bytes_per_engine_rank, sender.bytes_per_rank)
+            self.bytes_per_learner_rank = max(
+                self.bytes_per_learner_rank, sender.bytes_per_learner_rank
+            )
             self.buckets_skipped += sender.buckets_skipped
             self.buckets_sparse += sender.buckets_sparse
             self.transfer_seconds += sender.seconds
@@ -82,6 +88,7 @@ class SyncTally:
             "broker/bytes_sent": float(self.bytes_sent),
             "broker/bytes_full": float(self.bytes_full),
             "broker/bytes_per_engine_rank": float(self.bytes_per_engine_rank),
+            "broker/bytes_per_learner_rank": float(self.bytes_per_learner_rank),
             "broker/buckets_skipped": float(self.buckets_skipped),
             "broker/buckets_sparse": float(self.buckets_sparse),
             "broker/transfer_seconds": self.transfer_seconds,
@@ -97,6 +104,45 @@ class SyncTally:
             "broker/errors": float(len(self.errors)),
             "broker/dead": float(dead),
         }
+
+
+def combine_snapshots(snaps: list[Snapshot]) -> Snapshot:
+    """The learner TP ranks' snapshots of their own engine shards (``snaps[r]``: rank
+    ``r``'s) as one: every shard's bytes, the most buckets (a transfer's deadline), the
+    slowest pack; the digests keyed ``<rank>/<name>`` (with ``verify``)."""
+    digests = None
+    if all(s.digests is not None for s in snaps):
+        digests = {f"{r}/{k}": v for r, s in enumerate(snaps) for k, v in s.digests.items()}
+    return Snapshot(
+        snaps[0].version, sum(s.nbytes for s in snaps), max(s.buckets for s in snaps),
+        max(s.pack_seconds for s in snaps), digests, snaps[0].tp,
+    )  # fmt: skip
+
+
+def combine_sends(dones: list[SendDone]) -> SendDone:
+    """One set's transfer from its learner TP ranks' reports (``dones[r]``: rank ``r``'s).
+    Rank 0's counts every rank's bytes; bucket counts add up; the slowest rank's
+    seconds; each rank's shard digests in rank order. Failed: every failing rank named
+    in one line, its peers and the first failing bucket."""
+    if len(dones) == 1:
+        return dones[0]
+    head = dones[0]
+    bad = [(r, d) for r, d in enumerate(dones) if not d.ok]
+    if bad:
+        return SendDone(
+            head.key, False,
+            error=" | ".join(f"learner TP rank {r}: {d.error}" for r, d in bad),
+            peer_ranks=tuple(sorted({p for r, d in bad for p in d.peer_ranks or (r,)})),
+            bucket=bad[0][1].bucket,
+        )  # fmt: skip
+    shards = [d.shard_digests for d in dones]
+    return SendDone(
+        head.key, True, head.bytes_sent, head.bytes_full,
+        sum(d.buckets_skipped for d in dones), sum(d.buckets_sparse for d in dones),
+        max(d.seconds for d in dones), bytes_per_rank=head.bytes_per_rank,
+        shard_digests=None if None in shards else [s for one in shards for s in one],
+        bytes_per_learner_rank=max(d.bytes_per_learner_rank for d in dones),
+    )  # fmt: skip
 
 
 def culprits(group: Group, sender: SendDone, views: dict[str, ActorView]) -> set[str]:

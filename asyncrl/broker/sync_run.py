@@ -4,6 +4,9 @@
       per set, one after another (rank 0 sends to one group at a time):
         [new group] rank 0 ◀── SendOrder(open_world) ... Listening(port) ──▶ here
         rank 0 ◀── SendOrder ─┐ at once
+        direct (a snapshot of engine shards, ``Snapshot.tp`` = T): learner ranks
+          1..T-1 ◀── SendOrder(tp, port) too, once rank 0 listens; their SendDones
+          are combined (sync.py ``combine_sends``); the members' ranks start at T
         each member ◀── ReceiveOrder: pause, receive + reload in place, resume
         ◀── SendDone (deadline)
       per wave: ◀── each member's Reloaded (deadline)
@@ -19,7 +22,7 @@ import asyncio
 import itertools
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from asyncrl.broker.membership import Roster
@@ -33,7 +36,14 @@ from asyncrl.broker.messages import (
 )
 from asyncrl.broker.plan import SyncSet, plan_waves, ranks_of
 from asyncrl.broker.settings import BrokerSettings
-from asyncrl.broker.sync import Group, SyncTally, culprits, digest_mismatch, where
+from asyncrl.broker.sync import (
+    Group,
+    SyncTally,
+    combine_sends,
+    culprits,
+    digest_mismatch,
+    where,
+)
 
 # Slack on top of the transport's own deadlines before the broker gives up on a
 # Ray call (process scheduling, RPC hops): the transport normally fails first.
@@ -55,24 +65,29 @@ class Launched:
 
 
 class GroupCache:
-    """Process groups by member tuple, least recently used closed first."""
+    """Process groups by member tuple, least recently used closed first. ``senders``:
+    the learner ranks that may send (rank 0 first; a group uses its first ``senders``)."""
 
-    def __init__(self, broker_id: str, roster: Roster, rank0: Any, max_groups: int):
-        self.broker_id, self.roster, self.rank0 = broker_id, roster, rank0
+    def __init__(self, broker_id: str, roster: Roster, senders: list[Any], max_groups: int):
+        self.broker_id, self.roster, self.senders = broker_id, roster, senders
         self.max_groups = max_groups
         self._groups: OrderedDict[tuple[str, ...], Group] = OrderedDict()
         self._ids = itertools.count()
 
-    def get(self, members: tuple[str, ...], roster: Roster) -> tuple[Group, bool]:
-        """The cached group of ``members``, or a new one (True)."""
-        if members in self._groups:
+    def get(self, members: tuple[str, ...], roster: Roster, senders: int = 1) -> tuple[Group, bool]:
+        """The cached group of ``members`` sent to by ``senders`` learner ranks, or a new
+        one (True); a cached group of other senders is closed first."""
+        cached = self._groups.get(members)
+        if cached is not None and cached.senders == senders:
             self._groups.move_to_end(members)
-            return self._groups[members], False
+            return cached, False
+        if cached is not None:
+            self.forget(members, cached)
         while len(self._groups) >= self.max_groups:
             old_members, old = self._groups.popitem(last=False)
             self._close(old_members, old)
-        ranks, world = ranks_of(members, roster.views)
-        group = Group(f"{self.broker_id}-g{next(self._ids)}", ranks, world)
+        ranks, world = ranks_of(members, roster.views, senders)
+        group = Group(f"{self.broker_id}-g{next(self._ids)}", ranks, world, senders=senders)
         self._groups[members] = group
         return group, True
 
@@ -91,7 +106,8 @@ class GroupCache:
 
     def _close(self, members: tuple[str, ...], group: Group) -> None:
         order = CloseGroups((group.key,))
-        self.rank0.close_send_groups.remote(order)  # best effort, as below
+        for rank in self.senders[: group.senders]:
+            rank.close_send_groups.remote(order)  # best effort, as below
         for n in members:
             if n in self.roster.views:
                 self.roster.actors[n].close_weight_groups.remote(order)
@@ -100,8 +116,9 @@ class GroupCache:
 class SyncRun:
     """Brings every actor of ``roster`` to a version (``run``), one set at a time."""
 
-    def __init__(self, s: BrokerSettings, roster: Roster, groups: GroupCache, rank0: Any):
-        self.s, self.roster, self.groups, self.rank0 = s, roster, groups, rank0
+    def __init__(self, s: BrokerSettings, roster: Roster, groups: GroupCache, senders: Any):
+        # senders: the learner ranks' handles, rank 0 first (direct: TP ranks 0..T-1)
+        self.s, self.roster, self.groups, self.senders = s, roster, groups, senders
         self.host, self.backend = "", ""  # where rank 0 listens, once attached
         self.n_buckets = 1  # of the last snapshot: bounds a transfer's deadline
 
@@ -125,24 +142,25 @@ class SyncRun:
         for sset in wave:
             sset = SyncSet(tuple(m for m in sset.members if m in self.roster.views), sset.base)
             if sset.members:
-                launched.append(await self._transfer(version, sset, acc))
+                launched.append(await self._transfer(version, sset, acc, snap.tp))
         retry: list[str] = []
         for one in launched:
             retry += await self._settle(version, one, snap, acc)
         return retry
 
-    async def _transfer(self, version: int, sset: SyncSet, acc: SyncTally) -> Launched:
-        """Order rank 0 to send and the members to receive; returns once rank 0 is done
-        (the members' answers come after their reloads)."""
-        group, new = self.groups.get(sset.members, self.roster)
+    async def _transfer(self, version: int, sset: SyncSet, acc: SyncTally, tp: int) -> Launched:
+        """Order rank 0 (direct, ``tp`` > 1: each learner TP rank) to send and the members
+        to receive; returns once the senders are done (the members' answers come after
+        their reloads)."""
+        group, new = self.groups.get(sset.members, self.roster, max(tp, 1))
         if new:
             group.listening = asyncio.get_running_loop().create_future()
         order = SendOrder(
             group.key, version, sset.base, self.s.mode, self._arrive_timeout_s(sset.members),
             open_world=group.world if new else 0, shards=self._shards(sset.members),
-            with_digests=self.s.verify,
+            with_digests=self.s.verify, tp=tp if tp > 1 else 0,
         )  # fmt: skip
-        done = asyncio.ensure_future(self._sent(order, new))
+        done = asyncio.ensure_future(self._sent(order, new, 0))
         if new:
             await asyncio.wait(
                 {group.listening, done},
@@ -154,32 +172,44 @@ class SyncRun:
                 acc.add_sender(sender)
                 return Launched(sset, group, sender, {})
             group.port = group.listening.result()
+        joined = replace(order, open_world=0, port=group.port, host=self.host,
+                         join_world=group.world if new else 0)  # fmt: skip
+        others = [asyncio.ensure_future(self._sent(joined, new, r)) for r in range(1, tp)]
         acc.t_ordered = time.time()
         refs = {
             n: self.roster.actors[n].receive_weights.remote(self._receive_order(version, group, n))
             for n in sset.members
         }
-        sender = await done
+        sender = combine_sends([await done] + [await o for o in others])
         acc.add_sender(sender)
         return Launched(sset, group, sender, refs)
 
-    async def _sent(self, order: SendOrder, new: bool) -> SendDone:
-        """Rank 0's answer to ``order``, or why there is none within its deadline."""
+    async def _sent(self, order: SendOrder, new: bool, rank: int) -> SendDone:
+        """Learner rank ``rank``'s answer to ``order``, or why there is none within its
+        deadline."""
         import ray
 
         deadline = self.transfer_deadline_s(new) + SLACK_S
         try:
-            return await asyncio.wait_for(self.rank0.send_weights.remote(order), deadline)
+            return await asyncio.wait_for(self.senders[rank].send_weights.remote(order), deadline)
         except TimeoutError:
-            return SendDone.missing(order.key, "send")
+            return SendDone.missing(order.key, "send", rank)
         except ray.exceptions.RayActorError as e:
-            return SendDone(order.key, False, error=f"learner rank 0 died: {e}", peer_ranks=(0,))
+            return SendDone(
+                order.key, False, error=f"learner rank {rank} died: {e}", peer_ranks=(rank,)
+            )
 
     async def _settle(self, version: int, one: Launched, snap: Snapshot, acc: SyncTally):
         """Judge each member of one set from its own answer and the sender's."""
         sset, group, sender = one.sset, one.group, one.sender
         if not sender.ok:
             self.groups.forget(sset.members, group)
+        learners = sorted(p for p in sender.peer_ranks if p < group.senders)
+        if not sender.ok and group.senders > 1 and learners:
+            self._error(
+                acc, f"weight sync of version {version}: learner TP rank(s) {learners} failed "
+                f"at {where(sender.bucket)}: {sender.error}",
+            )  # fmt: skip
         bad_ranks = culprits(group, sender, self.roster.views)
         retry = []
         for name in sset.members:

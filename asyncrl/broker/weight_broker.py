@@ -4,6 +4,7 @@ receives what, and drives process-group transfers (learner rank 0 → vLLM worke
     driver              WeightBroker (async Ray actor)              learner rank 0 / actors
     publish(V) ───────▶ wait for sync V-1 (bounded)
                         SnapshotOrder(V) ──── snapshot_weights ───▶ every rank: pack a copy
+                          (direct: each learner TP rank packs its own engine shard)
                ◀─────── metrics of sync V-1 (and errors not returned before)
                         sync V in the background (sync_run.py): per sync set
                           SendOrder ──── send_weights ──────────▶ rank 0 (weights thread)
@@ -17,11 +18,20 @@ at a time, so an actor never sees versions out of order. Actors leave
 (``remove_actor``) and join (``add_actor``: a dead actor's replacement, primed from the
 snapshot the last publish packed, never from the learner's live weights, which may have
 moved on) while the run goes on (asyncrl/fault/actors.py).
+
+Direct sends: when the learner is tensor-parallel at ``learner.tp`` = T (no LoRA: rank
+0's ``Attached.tp``), ``broker.reshard`` is on, the group backend is gloo and every
+actor's engine runs T workers, each TP rank of the learner's ``dp_rank`` 0 packs and
+sends its own engine shard (``SnapshotOrder.tp``, ``SendOrder.tp``); nothing is gathered
+on rank 0. Otherwise rank 0 gathers the model and sends it (each worker its shard
+under ``broker.reshard``). Decided at start (``start()`` returns it as ``path``) and
+checked again at each snapshot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Any
@@ -30,9 +40,11 @@ from asyncrl.broker.base import BrokerError
 from asyncrl.broker.membership import Roster
 from asyncrl.broker.messages import CloseGroups, Listening, Snapshot, SnapshotOrder
 from asyncrl.broker.settings import BrokerSettings
-from asyncrl.broker.sync import SyncTally
+from asyncrl.broker.sync import SyncTally, combine_snapshots
 from asyncrl.broker.sync_run import GroupCache, SyncRun
 from asyncrl.transport.spec import NO_VERSION
+
+log = logging.getLogger(__name__)
 
 # Packing a snapshot is a local copy; this many timeouts is a generous bound.
 SNAPSHOT_TIMEOUTS = 5
@@ -50,9 +62,10 @@ class WeightBroker:
         self.id = uuid.uuid4().hex[:8]
         self.version = 0
         self.roster = Roster(actors)
-        self.groups = GroupCache(self.id, self.roster, self.ranks[0], settings.max_groups)
+        self.groups = GroupCache(self.id, self.roster, self.ranks, settings.max_groups)
         self.roster.on_drop = self.groups.forget_actor
-        self.run = SyncRun(settings, self.roster, self.groups, self.ranks[0])
+        self.run = SyncRun(settings, self.roster, self.groups, self.ranks)
+        self.tp = 1  # > 1: learner TP ranks 0..tp-1 are attached and send their own shards
         self.totals = {"broker/syncs": 0, "broker/bytes_sent": 0.0, "broker/sync_seconds": 0.0}
         self._sync: asyncio.Task | None = None
         self._last_snap: Snapshot | None = None
@@ -79,6 +92,7 @@ class WeightBroker:
                 self.roster.drop(name, f"unreachable at broker start: {e}")
         if not self.roster.views:
             raise BrokerError(f"no actor answered: {self.roster.dead}")
+        path = await self._attach_tp(attached, me)
         if self.s.prime:
             snap = await self._snapshot(self.version)
             self._sync = asyncio.create_task(self._synced(self.version, snap, force=True))
@@ -89,7 +103,30 @@ class WeightBroker:
             "host": attached.host,
             "backend": attached.backend,
             "actors": sorted(self.roster.views),
+            "path": path,
         }
+
+    async def _attach_tp(self, attached: Any, me: Any) -> str:
+        """Attach learner ranks 1..T-1 when they can send their own shards (see the
+        module's docstring); returns the path in words."""
+        t = attached.tp
+        workers = sorted({v.workers for v in self.roster.views.values()})
+        why = (
+            "broker.reshard=false" if not self.s.reshard
+            else f"learner.tp={t} (a LoRA or 1-way learner sends whole tensors)" if t < 2
+            else f"backend {attached.backend}" if attached.backend != "gloo"
+            else f"engine TP sizes {workers} != learner.tp={t}" if workers != [t]
+            else ""
+        )  # fmt: skip
+        if why:
+            return f"gather: learner rank 0 sends the model ({why})"
+        await self._bounded(
+            asyncio.gather(*[r.attach_broker.remote(self.id, me, self.s) for r in self.ranks[1:t]]),
+            self.s.join_timeout_s,
+            f"attaching to learner TP ranks 1..{t - 1}",
+        )
+        self.tp = t
+        return f"direct: learner TP ranks 0..{t - 1} each send their own engine shard"
 
     async def close(self) -> None:
         try:
@@ -97,7 +134,7 @@ class WeightBroker:
         finally:
             everything = CloseGroups(None)
             await asyncio.gather(
-                self._quiet(self.ranks[0].detach_broker.remote()),
+                *[self._quiet(r.detach_broker.remote()) for r in self.ranks[: self.tp]],
                 *[
                     self._quiet(self.roster.actors[n].close_weight_groups.remote(everything))
                     for n in self.roster.views
@@ -181,18 +218,20 @@ class WeightBroker:
     # ---- one sync ---------------------------------------------------------------------------
     async def _snapshot(self, version: int) -> Snapshot:
         views = self.roster.views.values()
+        direct = self.tp > 1 and all(v.workers == self.tp for v in views)
         order = SnapshotOrder(
             self.id, version, tuple(sorted({v.held for v in views if v.held != NO_VERSION})),
-            self.s.verify,
+            self.s.verify, tp=self.tp if direct else 0,
         )  # fmt: skip
         snaps = await self._bounded(
             asyncio.gather(*[r.snapshot_weights.remote(order) for r in self.ranks]),
             SNAPSHOT_TIMEOUTS * self.s.timeout_s,
             f"snapshot of version {version} on the learner",
         )
-        self._last_snap = snaps[0]
-        self.run.n_buckets = snaps[0].buckets
-        return snaps[0]
+        snap = combine_snapshots(snaps[: self.tp]) if direct else snaps[0]
+        self._last_snap = snap
+        self.run.n_buckets = snap.buckets
+        return snap
 
     async def _synced(self, version: int, snap: Snapshot, force: bool = False) -> dict:
         acc = await self.run.run(version, snap, force)

@@ -5,9 +5,13 @@
                                            part in the collective unshard of a sharded
                                            learner)
     start ── attach_broker ──────────────▶ rank 0's SenderSide (self._sender) ─▶ Attached
-    publish(V) ── snapshot_weights ───────▶ pack a copy of the weights as V (every rank)
-    per sync set ── send_weights(SendOrder) ▶ rank 0, in the ``weights`` concurrency
-                                           group (overlaps a train step) ─▶ SendDone
+                                           (direct: dp_rank 0's other TP ranks too)
+    publish(V) ── snapshot_weights ───────▶ pack a copy of the weights as V (every rank);
+                                           direct (order.tp > 1): each TP rank of
+                                           dp_rank 0 packs its own engine shard
+    per sync set ── send_weights(SendOrder) ▶ rank 0 (direct: every TP rank of dp_rank 0),
+                                           in the ``weights`` concurrency group
+                                           (overlaps a train step) ─▶ SendDone
     close ── detach_broker ───────────────▶ the groups close
     checks ── weight_digests ─────────────▶ per-tensor sha256 of the live weights
 
@@ -145,19 +149,28 @@ class WeightsOut:
 
     # ---- the process-group broker -----------------------------------------------------
     def attach_broker(self, broker_id: str, broker: Any, settings: BrokerSettings) -> Attached:
-        """Rank 0: the sender endpoint for ``broker`` (a Ray handle). Attaching again
-        replaces the previous broker's."""
+        """Rank 0, or a TP rank of ``dp_rank`` 0 that sends its own shard: the sender
+        endpoint for ``broker`` (a Ray handle). Attaching again replaces the previous
+        broker's. ``Attached.tp``: the engine TP size this rank can send its own shard
+        at (``learner.tp`` for a tensor-parallel learner without LoRA, else 1)."""
         self.detach_broker()
         config = self.model_config
         if config is None and hasattr(getattr(self, "model", None), "config"):
             config = self.model.config.to_dict()  # a plain model's
-        self._sender = SenderSide.start(broker_id, broker, settings, config)
-        return self._sender.attached(os.getpid())
+        self._sender = SenderSide.start(broker_id, broker, settings, config, self.tp_rank)
+        direct = self.tp > 1 and self._local is not None and config is not None
+        return self._sender.attached(os.getpid(), self.tp if direct else 1)
 
     def snapshot_weights(self, order: SnapshotOrder) -> Snapshot | None:
         """Rank 0: pack the weights as ``order.version`` for the attached broker (a copy:
         the learner may train on once this returns). Other ranks take part in the
-        stream and return None."""
+        stream and return None. ``order.tp`` > 1: every rank cuts its engine shard
+        (collective), and each TP rank of ``dp_rank`` 0 packs its own."""
+        if order.tp > 1:
+            shard, _ = self.engine_shard(order.tp)
+            if self.rank >= order.tp:  # dp_rank > 0: the same shard as its group's first
+                return None
+            return self._attached(order.broker_id).snapshot(order, shard, transient=False)
         stream = self.named_parameters_stream()
         if self.rank != 0:
             for _ in stream:
@@ -167,9 +180,12 @@ class WeightsOut:
 
     @ray_method(concurrency_group=WEIGHTS_GROUP)
     def send_weights(self, order: SendOrder) -> SendDone:
-        """Rank 0: one set's transfer (beside a train step, in its own thread)."""
+        """Rank 0 (direct: each TP rank of ``dp_rank`` 0): one set's transfer (beside a
+        train step, in its own thread)."""
         if self._sender is None:
-            return SendDone(order.key, False, error="no broker is attached to learner rank 0")
+            return SendDone(
+                order.key, False, error=f"no broker is attached to learner rank {self.rank}"
+            )
         return self._sender.send(order)
 
     @ray_method(concurrency_group=WEIGHTS_GROUP)

