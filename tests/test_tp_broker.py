@@ -204,16 +204,41 @@ def test_a_worker_loading_other_bytes_than_its_tp_ranks_shard_is_named():
 
 
 # ----------------------------------------------------------------- a real TP-2 engine
+FP32_LOGP_TOL = 2e-4  # fp32 on both sides; the row-parallel sums add in another order
+
+
+PARTIAL = {  # payload mode: (the tensors moved, the fraction of their elements)
+    "full": ("layers.0.", 1.0),  # layer 0's attention and MLP: every TP split kind
+    "sparse_delta": ("layers.0.", 0.01),
+    "changed_buckets": ("layers.0.self_attn.o_proj", 1.0),  # a few buckets
+}
+
+
+def _perturb(rank, seed: int, mode: str) -> None:
+    """On a learner rank's actor: move its own shard of ``PARTIAL[mode]``'s tensors,
+    seeded per rank; the sender's buckets made small (32 KiB) so that partial modes
+    have buckets to skip."""
+    import torch
+
+    rank.learner.weights._sender.endpoint.bucket_mb = 1 / 32
+    prefix, frac = PARTIAL[mode]
+    g = torch.Generator().manual_seed(seed * 10 + rank.learner.rank)
+    with torch.no_grad():
+        for name, p in rank.learner.model.named_parameters():
+            if prefix in name and ("self_attn" in name or "mlp" in name):
+                local = p.to_local() if hasattr(p, "to_local") else p
+                mask = torch.rand(local.shape, generator=g) < frac
+                local.add_(0.05 * torch.randn(local.shape, generator=g) * mask)
+
+
 def _break_send(rank) -> None:
-    """On learner rank 1's actor: its next sends fail at once (a rank whose shadows were
-    lost), until ``_mend_send``."""
+    """On learner rank 1's actor: its sends fail at once (a rank that lost its shard)."""
 
     def broken(*_args, **_kwargs):
         raise RuntimeError("injected: learner rank 1 lost its shard")
 
-    side = rank.learner.weights._sender
-    side.endpoint.saved_send_own = side.endpoint.send_own
-    side.endpoint.send_own = broken
+    endpoint = rank.learner.weights._sender.endpoint
+    endpoint.saved_send_own, endpoint.send_own = endpoint.send_own, broken
 
 
 def _mend_send(rank) -> None:
@@ -221,12 +246,15 @@ def _mend_send(rank) -> None:
     endpoint.send_own = endpoint.saved_send_own
 
 
-def _set(broker, **values) -> None:
-    def apply(b) -> None:
-        for k, v in values.items():
-            setattr(b.s, k, v)
-
-    broker.handle.__ray_call__.remote(apply)
+def _short_timeouts(obj, timeout_s: float) -> None:
+    """A broker (its settings) or a learner rank (its endpoint): later groups and waits
+    time out after ``timeout_s``; the broker forgets its groups so that a fresh one
+    with the short timeout forms."""
+    if hasattr(obj, "learner"):
+        obj.learner.weights._sender.endpoint.timeout_s = timeout_s
+        return
+    obj.s.timeout_s = timeout_s
+    obj.groups.forget_actor("actor0")
 
 
 @pytest.fixture(scope="module")
@@ -243,9 +271,98 @@ def tp_learner_world(ray_local, tiny_model, task):
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cloudpickle.register_pickle_by_value(helpers)
     cloudpickle.register_pickle_by_value(weight_sync_controls)
-    cfg = compose_config(["learner.tp=2", "learner.world_size=2", "learner.num_cpus=0"])
+    cfg = compose_config(["learner.tp=2", "learner.world_size=2", "learner.num_cpus=0.5"])
     sampling = SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=8)
     engine = EngineSettings.defaults(tensor_parallel_size=TP, max_num_seqs=16,
                                      kv_cache_memory_mb=64)  # fmt: skip
     with real_world(ray_local, cfg, str(tiny_model), task, sampling, engine, 120.0, 300.0) as w:
         yield w
+
+
+def _plan_shards(model_dir, full: dict) -> list[dict[str, str]]:
+    """Per engine TP rank, the digests of the full-tensor plan's slice of ``full``."""
+    import json
+
+    from asyncrl.transport.endpoint import digests
+    from asyncrl.transport.reshard import plan_for
+
+    config = json.loads((model_dir / "config.json").read_text())
+    plan = plan_for(config, [(k, tuple(v.shape)) for k, v in full.items()], TP)
+    return [digests(plan.shard(r, full)) for r in range(TP)]
+
+
+def _synced(ray, w, version: int, model_dir, mode: str = "full") -> dict[str, float]:
+    """Perturb every learner rank, publish ``version``; every worker loaded exactly its
+    learner TP rank's shard, which is the full-tensor plan's slice."""
+    learner, broker = w["learner"], w["broker"]
+    ray.get([r.__ray_call__.remote(_perturb, version, mode) for r in learner.ranks])
+    broker.publish(version)
+    m = broker.wait()
+    assert m["broker/errors"] == 0, broker.errors
+    loaded = ray.get(w["actor"].loaded_digests.remote())
+    by_rank = ray.get([r.shard_digests.remote(TP) for r in learner.ranks])
+    assert [x["digests"] for x in loaded] == [x["digests"] for x in by_rank]
+    assert [x["digests"] for x in loaded] == _plan_shards(model_dir, learner.full_state_dict())
+    assert all(x["version"] == version for x in loaded) and by_rank[0]["gathered"] == []
+    return m
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_learners_tp_ranks_feed_a_tp2_engine_bit_exact_in_every_mode(
+    ray_local, tp_learner_world, tiny_model
+):
+    from helpers import collect_at
+    from weight_sync_controls import set_policy
+
+    ray, w = ray_local, tp_learner_world
+    learner = w["learner"]
+    assert ray.get(w["actor"].weight_state.remote()).workers == TP
+    full = _synced(ray, w, 1, tiny_model)  # the broker's mode: full
+    sent, per_learner = full["broker/bytes_sent"], full["broker/bytes_per_learner_rank"]
+    assert 0.45 < per_learner / sent < 0.55, full  # each rank sent its half: nothing gathered
+    assert full["broker/bytes_per_engine_rank"] == per_learner  # one engine: rank 0's + header
+    trajs = collect_at(ray, w["queue"], 1)
+    diff = max(
+        float(abs(t.behaviour_logprobs - lp).max())
+        for t, lp in zip(trajs, learner.logprobs_of(trajs), strict=True)
+    )
+    assert diff < FP32_LOGP_TOL
+    figures = [f"full: {sent:.0f} B sent, {per_learner:.0f} B per learner rank, "
+               f"{full['broker/bytes_per_engine_rank']:.0f} B per engine rank, "
+               f"max |dlogp| {diff:.1e}"]  # fmt: skip
+    for version, mode in ((2, "sparse_delta"), (3, "changed_buckets")):
+        set_policy(w["broker"], mode)
+        m = _synced(ray, w, version, tiny_model, mode)
+        assert m["broker/bytes_sent"] < 0.5 * sent, (mode, m)  # a partial sync, per shard
+        assert m["broker/buckets_sparse"] + m["broker/buckets_skipped"] > 0, (mode, m)
+        figures.append(f"{mode}: {m['broker/bytes_sent']:.0f} B sent, "
+                       f"{m['broker/bytes_per_learner_rank']:.0f} B per learner rank")  # fmt: skip
+    print("; ".join(figures))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_failing_learner_tp_rank_is_named_and_the_next_sync_is_whole(
+    ray_local, tp_learner_world, tiny_model
+):
+    import time
+
+    ray, w = ray_local, tp_learner_world
+    learner, broker = w["learner"], w["broker"]
+    ray.get([r.__ray_call__.remote(_short_timeouts, 5.0) for r in learner.ranks[:TP]])
+    ray.get(broker.handle.__ray_call__.remote(_short_timeouts, 5.0))
+    ray.get(learner.ranks[1].__ray_call__.remote(_break_send))
+    before = broker.actor_versions["actor0"]
+    t0 = time.monotonic()
+    broker.publish(before + 1)
+    m = broker.wait()
+    took = time.monotonic() - t0
+    ray.get(learner.ranks[1].__ray_call__.remote(_mend_send))
+    named = [e for e in broker.errors if "learner TP rank(s) [1]" in e]
+    print(f"failed sync in {took:.1f} s: {named[0] if named else broker.errors}")
+    assert m["broker/errors"] >= 1 and named and "\n" not in named[0]
+    assert "injected: learner rank 1 lost its shard" in named[0]
+    assert broker.actor_versions["actor0"] == before and took < 120
+    _synced(ray, w, before + 2, tiny_model)  # a fresh group, whole again
+    assert broker.actor_versions["actor0"] == before + 2
