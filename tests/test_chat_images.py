@@ -14,6 +14,7 @@ import io
 import random
 
 import pytest
+from chat_image_envs import IMAGE_TEMPLATE, TEXT_TEMPLATE, draw
 from fake_engine import FakeEngine
 
 from asyncrl.actor.env_runner import MultiTurnEpisodes
@@ -21,84 +22,12 @@ from asyncrl.actor.settings import ActorSettings
 from asyncrl.config import ConfigError
 from asyncrl.engine.settings import EngineSettings, SamplingSettings
 from asyncrl.envs.chat_turns import ChatRenderer
-from asyncrl.envs.messages import ChatOptions, ImagePart, Message, MessageStep, Opening, ToolEnv
+from asyncrl.envs.messages import ChatOptions, ImagePart, Message
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.models.tiny_vlm import TinyVLMSpec, build_tiny_vlm, default_lm_spec, default_task
-from asyncrl.models.tool_calls import ToolCall
-from asyncrl.tasks.visual import png_bytes
 from asyncrl.trajectory import Image, from_bytes, to_bytes
 
-# the tiny VLM's chat: a message's text and image parts in order (an image part as
-# `<image>`), the model's turns and EOS, a tool's result after `=`
-IMAGE_TEMPLATE = (
-    "{%- for m in messages -%}{%- if m['role'] == 'tool' -%}={%- endif -%}"
-    "{%- if m['content'] is string -%}{{ m['content'] }}{%- else -%}"
-    "{%- for p in m['content'] -%}{%- if p['type'] == 'image' -%}<image>{%- else -%}"
-    "{{ p['text'] }}{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{%- if m['role'] == 'assistant' -%}{{ eos_token }}{%- endif -%}{%- endfor -%}"
-)
-# the same, but a content is always printed as a whole (a template for text messages)
-TEXT_TEMPLATE = (
-    "{%- for m in messages -%}{%- if m['role'] == 'tool' -%}={%- endif -%}{{ m['content'] }}"
-    "{%- if m['role'] == 'assistant' -%}{{ eos_token }}{%- endif -%}{%- endfor -%}"
-)
-DRAW_SUM = {"type": "function", "function": {
-    "name": "draw_sum", "description": "draws the sum a+b",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}  # fmt: skip
-SUM_IMAGE_SIZE = 32  # the tool's picture (another size than the prompt's 64 x 64)
-
-
-def draw(text: str) -> bytes:
-    """``text`` in black on a white square, as PNG bytes."""
-    from PIL import Image as PIL
-    from PIL import ImageDraw
-
-    im = PIL.new("RGB", (SUM_IMAGE_SIZE, SUM_IMAGE_SIZE), (255, 255, 255))
-    ImageDraw.Draw(im).text((4, 10), text, fill=(0, 0, 0))
-    return png_bytes(im)
-
-
-class SumPictureEnv(ToolEnv):
-    """The prompt's image in a user message; the model asks ``draw_sum`` for a picture of
-    the sum, which its tool message shows; then it answers. The tiny VLM's alphabet spells
-    no call syntax, so a turn ``a+b`` (no ``=``) is read as a call of ``draw_sum``."""
-
-    shows_images = True
-    tools = (DRAW_SUM,)
-
-    def __init__(self, chat_template: str = IMAGE_TEMPLATE):
-        super().__init__(tool_format="calc", chat_template=chat_template)
-        self.sample = self.task = None
-
-    async def reset(self, sample, task) -> Opening:
-        self.sample, self.task = sample, task
-        return Opening([Message("user", [ImagePart(sample.meta["images"][0])])], list(self.tools))
-
-    async def step(self, message: Message) -> MessageStep:
-        if "+" in message.content and not message.tool_calls:
-            call = ToolCall("call_0", "draw_sum", {"expression": message.content})
-            message = Message("assistant", "", [call])
-        return await super().step(message)
-
-    def draw_sum(self, expression: str) -> ImagePart:
-        return ImagePart(draw(str(sum(int(x) for x in expression.split("+")))))
-
-    async def answer(self, message: Message) -> MessageStep:
-        return MessageStep(reward=self.task.reward(self.sample, message.content)["reward"],
-                           done=True)  # fmt: skip
-
-
-class UndeclaredSumPictureEnv(SumPictureEnv):
-    """The same env, not declaring its images (nothing refuses it at start-up)."""
-
-    shows_images = False
-
-
-class TextTemplateEnv(UndeclaredSumPictureEnv):
-    """The undeclared env with a template that prints a content whole."""
-
-    def __init__(self):
-        super().__init__(TEXT_TEMPLATE)
+ENVS = "tests.chat_image_envs"  # the envs' module as the repository root names it
 
 
 @pytest.fixture(scope="module")
@@ -144,9 +73,9 @@ def sum_engine(processor, prompt) -> FakeEngine:
     return FakeEngine(tok, policy=policy, expand=expand)
 
 
-def runner(engine, env_cls=SumPictureEnv, n: int = 2) -> MultiTurnEpisodes:
+def runner(engine, env_cls: str = "SumPictureEnv", n: int = 2) -> MultiTurnEpisodes:
     env = EnvSettings.from_config(
-        {"_target_": f"{__name__}.{env_cls.__name__}", "max_turns": 3, "max_tokens": 60,
+        {"_target_": f"{ENVS}.{env_cls}", "max_turns": 3, "max_tokens": 60,
          "timeout_s": 60}
     )  # fmt: skip
     settings = ActorSettings.defaults(sampling=SamplingSettings.defaults(n=n, max_tokens=8),
@@ -199,6 +128,7 @@ def test_a_tool_image_episode_is_the_incremental_render_expanded_exactly(process
         assert t.prompt_ids.tolist() + t.response_ids.tolist() == expanded(processor, full, pngs)
         assert t.prompt_ids.tolist() == expanded(processor, "<image>", pngs[:1])
         tool = expanded(processor, "=<image>", pngs[1:])  # the tool message: not trained
+        assert len(tool) == 1 + 19  # "=" and the image's tokens
         assert t.response_ids.tolist() == call + tool + answer
         trained = [True] * len(call) + [False] * len(tool) + [True] * len(answer)
         assert t.loss_mask.tolist() == trained
@@ -215,7 +145,7 @@ def test_a_tool_image_episode_is_the_incremental_render_expanded_exactly(process
 
 
 def test_a_text_models_run_is_refused_and_an_undeclared_env_ends_env_error(tiny_model, task):
-    env = EnvSettings.from_config({"_target_": f"{__name__}.SumPictureEnv", "max_turns": 3})
+    env = EnvSettings.from_config({"_target_": f"{ENVS}.SumPictureEnv", "max_turns": 3})
     with pytest.raises(ConfigError, match=r"shows images in its messages, and .*tiny-.*: "
                        "the model's processor takes no images: set model=tiny_vlm"):  # fmt: skip
         env.check_template(str(tiny_model))
@@ -223,7 +153,7 @@ def test_a_text_models_run_is_refused_and_an_undeclared_env_ends_env_error(tiny_
 
     prompt = default_task().sample(random.Random(3))
     engine = FakeEngine(AutoTokenizer.from_pretrained(tiny_model), policy=lambda ids: "1+2")
-    group = asyncio.run(runner(engine, UndeclaredSumPictureEnv, n=1).run_group(prompt))
+    group = asyncio.run(runner(engine, "UndeclaredSumPictureEnv", n=1).run_group(prompt))
     (t,) = group.trajectories
     assert t.finish_reason == "env_error" and "the model's processor takes no images" in t.error
     assert engine.requests == []  # ended before any request
@@ -234,6 +164,6 @@ def test_a_template_that_drops_image_parts_ends_the_episode_env_error(processor)
     renders no placeholder for them fails the episode, naming the count."""
     prompt = default_task().sample(random.Random(4))
     engine = sum_engine(processor, prompt)
-    group = asyncio.run(runner(engine, TextTemplateEnv, n=1).run_group(prompt))
+    group = asyncio.run(runner(engine, "TextTemplateEnv", n=1).run_group(prompt))
     (t,) = group.trajectories
     assert t.finish_reason == "env_error" and "0 <image> placeholders for 1 images" in t.error
