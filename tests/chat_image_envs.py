@@ -40,7 +40,7 @@ def draw(text: str) -> bytes:
 
 
 class SumPictureEnv(ToolEnv):
-    """The prompt's image in a user message; the model asks ``draw_sum`` for a picture of
+    """The prompt's image (a text prompt: its text drawn) in a user message; the model asks ``draw_sum`` for a picture of
     the sum, which its tool message shows; then it answers. The tiny VLM's alphabet spells
     no call syntax, so a turn ``a+b`` (no ``=``) is read as a call of ``draw_sum``."""
 
@@ -53,7 +53,8 @@ class SumPictureEnv(ToolEnv):
 
     async def reset(self, sample, task) -> Opening:
         self.sample, self.task = sample, task
-        return Opening([Message("user", [ImagePart(sample.meta["images"][0])])], list(self.tools))
+        png = sample.meta["images"][0] if "images" in sample.meta else draw(sample.text)
+        return Opening([Message("user", [ImagePart(png)])], list(self.tools))
 
     async def step(self, message: Message) -> MessageStep:
         if "+" in message.content and not message.tool_calls:

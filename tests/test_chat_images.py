@@ -73,14 +73,14 @@ def sum_engine(processor, prompt) -> FakeEngine:
     return FakeEngine(tok, policy=policy, expand=expand)
 
 
-def runner(engine, env_cls: str = "SumPictureEnv", n: int = 2) -> MultiTurnEpisodes:
+def runner(engine, env_cls: str = "SumPictureEnv", n: int = 2, task=None) -> MultiTurnEpisodes:
     env = EnvSettings.from_config(
         {"_target_": f"{ENVS}.{env_cls}", "max_turns": 3, "max_tokens": 60,
          "timeout_s": 60}
     )  # fmt: skip
     settings = ActorSettings.defaults(sampling=SamplingSettings.defaults(n=n, max_tokens=8),
                                       engine=EngineSettings.defaults(max_model_len=128))  # fmt: skip
-    return MultiTurnEpisodes(engine, default_task(), settings, env, lambda: 0)
+    return MultiTurnEpisodes(engine, task or default_task(), settings, env, lambda: 0)
 
 
 def test_an_image_part_renders_as_the_models_placeholder_where_it_stands(processor):
@@ -151,11 +151,12 @@ def test_a_text_models_run_is_refused_and_an_undeclared_env_ends_env_error(tiny_
         env.check_template(str(tiny_model))
     from transformers import AutoTokenizer
 
-    prompt = default_task().sample(random.Random(3))
+    prompt = task.sample(random.Random(3))  # the text model's task: no images of its own
     engine = FakeEngine(AutoTokenizer.from_pretrained(tiny_model), policy=lambda ids: "1+2")
-    group = asyncio.run(runner(engine, "UndeclaredSumPictureEnv", n=1).run_group(prompt))
+    group = asyncio.run(runner(engine, "UndeclaredSumPictureEnv", 1, task).run_group(prompt))
     (t,) = group.trajectories
     assert t.finish_reason == "env_error" and "the model's processor takes no images" in t.error
+    assert t.images == [] and t.prompt_ids.size > 0  # a text prompt for the text model
     assert engine.requests == []  # ended before any request
 
 

@@ -238,12 +238,12 @@ class MultiTurnEpisodes:
     def _open(self, ep: _Episode, opening: Rendered) -> None:
         """A rendered opening as the episode's prompt: its images (the whole prompt's:
         the task's are the env's to show) expanded as an observation's, the compact ids
-        the first request."""
-        ep.prompt_text, ep.images = opening.text, [Image.of(png) for png in opening.images]
-        ep.prompt_ids = list(opening.ids)
-        if ep.images:
-            ep.compact = list(opening.ids)
-            ep.prompt_ids = self.image_tokens.expand(opening.ids, ep.images)
+        the first request. Nothing is set if that fails (a model without images): the
+        episode's error then leaves a text prompt."""
+        images = [Image.of(png) for png in opening.images]
+        ids = self.image_tokens.expand(opening.ids, images) if images else list(opening.ids)
+        ep.prompt_text, ep.images, ep.prompt_ids = opening.text, images, ids
+        ep.compact = list(opening.ids) if images else None
 
     def _room(self, ep: _Episode) -> int:
         """Tokens the next turn may generate: the episode's budget and the model's length."""

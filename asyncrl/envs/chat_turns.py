@@ -114,7 +114,8 @@ class ChatRenderer:
 
     def check(self) -> None:
         """Render a probe episode incrementally and in full (TemplateDrift if they differ;
-        a template that refuses the probe's messages raises too, as a ValueError)."""
+        a template that refuses the probe's messages raises too, as a ValueError). With a
+        placeholder, the tool result holds an image, which must render as it, once."""
         history = [Message("system", "Probe."), Message("user", "Call the probe.")]
         result: str | list = "2" if self.placeholder is None else ["2", ImagePart(probe_png())]
         turns = [
