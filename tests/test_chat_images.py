@@ -168,3 +168,13 @@ def test_a_template_that_drops_image_parts_ends_the_episode_env_error(processor)
     group = asyncio.run(runner(engine, "TextTemplateEnv", n=1).run_group(prompt))
     (t,) = group.trajectories
     assert t.finish_reason == "env_error" and "0 <image> placeholders for 1 images" in t.error
+
+
+def test_start_up_takes_a_vlm_whose_template_renders_image_parts(vlm_dir):
+    ok = EnvSettings.from_config({"_target_": f"{ENVS}.SumPictureEnv", "max_turns": 3})
+    ok.check_template(str(vlm_dir))  # the probe with an image renders append-only
+    bad = EnvSettings.from_config(
+        {"_target_": f"{ENVS}.SumPictureEnv", "max_turns": 3, "chat_template": TEXT_TEMPLATE}
+    )
+    with pytest.raises(ConfigError, match=r"SumPictureEnv: .*renders 0 <image> for 1 image"):
+        bad.check_template(str(vlm_dir))
