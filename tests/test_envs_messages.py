@@ -168,7 +168,7 @@ def test_a_three_turn_tool_episode_is_the_engines_ids_and_the_rendered_history(m
 
     # the rendered history: the last request is the template's full render, token for
     # token, and the tool's error and result are tool messages in it
-    r = runner.renderer(runner.env.make().chat)
+    r = runner.renderer(runner.env.make())
     shown = [tok.decode(o, skip_special_tokens=True) for o in engine.outputs]
     history = [*([Message("system", env["system"])] if "system" in env else []),
                Message("user", prompt.text), Message("assistant", shown[0]),
@@ -244,7 +244,7 @@ async def test_a_chat_episode_on_vllm_is_the_engines_ids_and_the_rendered_histor
         BETWEEN_TURNS.clear()
         await engine.label(start)
     tok = engine.get_tokenizer()
-    r = runner.renderer(EchoChatEnv().chat)
+    r = runner.renderer(EchoChatEnv())
     for t in group.trajectories:
         assert t.finish_reason == "done" and t.reward == 1.0, t.error
         seq = t.prompt_ids.tolist() + t.response_ids.tolist()

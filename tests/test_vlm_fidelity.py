@@ -9,7 +9,8 @@ recomputation from the same PNGs (fp32 on both sides), the bytes the vLLM worker
 are the learner's (per-tensor sha256, vision tower included), and every token carries
 the version that made it. As tests/test_smollm2_fidelity.py does for text. On the same
 engine, env=visual_addition_mt's episodes (the prompt's image, then a second image in an
-observation after a wrong answer) give the same agreement over both turns.
+observation after a wrong answer) give the same agreement over both turns, and so do a
+message-level env's (an image in a user message after the first answer).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ TEMPERATURE = 2.0  # the untrained tower's prompts end at once at 1.0 (EOS at p 
 # measured (2-core Intel host): version 0, 8 tokens: max |dlogp| 1.9e-7 (mean |logp|
 # 0.16); version 1, 42 tokens: max 9.5e-7 (mean |logp| 2.4); observation images, 12
 # two-image episodes at version 1, 122 generated tokens: max 9.4e-6 (65 after the second
-# image: max 2.2e-6)
+# image: max 2.2e-6); chat image messages alone (version 0), 11 of 12 episodes with two
+# images, 26 generated tokens: max 4.8e-7
 
 
 @pytest.fixture(scope="module")
@@ -127,5 +129,48 @@ def test_vlm_logprobs_match_on_episodes_with_an_observation_image(ray_local, vlm
     print(f"observation images: {len(trajs)} episodes ({len(two)} with 2 images), "
           f"{diffs.size} generated tokens, max |dlogp| {diffs.max():.2e}; "
           f"{late.size} after the second image, max {late.max():.2e}")  # fmt: skip
+    assert late.size >= len(two)
+    assert diffs.max() < FP32_LOGP_TOL
+
+
+def test_vlm_logprobs_match_on_chat_episodes_with_an_image_message(ray_local, vlm_world):
+    """A message-level env's episodes (tests/chat_image_envs.py ``SumHintChatEnv``: the
+    prompt's image in a user message; after the first answer, a user message showing the
+    sum's picture) on the same engine: the runner checks that vLLM's expansion of each
+    request's placeholders equals the trajectory's ids (an episode that disagreed would
+    end ``env_error``), and the learner's log-probs of both turns are the engine's."""
+    import random
+
+    from asyncrl.envs.settings import EnvSettings
+    from asyncrl.models.tiny_vlm import default_task
+
+    ray, w = ray_local, vlm_world
+    env = EnvSettings.defaults(target="tests.chat_image_envs.SumHintChatEnv", max_turns=3,
+                               max_tokens=50)  # fmt: skip
+    prompts = [default_task().sample(random.Random(seed)) for seed in range(3)]
+    groups = ray.get(w["actor"].episodes_with.remote(env, prompts))
+    trajs = [t for g in groups for t in g.trajectories]
+    errors = [t.error for t in trajs if t.error]
+    print(f"chat episodes: {len(trajs)}, errors: {errors}")
+    # the untrained policy may write a special token (<end_of_utterance>) before EOS: its
+    # turn then renders otherwise than its ids, which ends that episode (docs/envs.md)
+    assert all(e.startswith("TemplateDrift") for e in errors), errors
+    two = [t for t in trajs if t.error == "" and len(t.images) == 2]
+    assert len(two) >= 6, errors
+    for t in two:
+        tokens = int((~t.loss_mask).sum())
+        assert t.prompt_ids.size == 19 and tokens == 1 + 19  # "=" and the picture's tokens
+        assert int(t.episode["turns"]) == 2
+    recomputed = w["learner"].logprobs_of(two)
+    diffs, late = [], []  # late: the turn after the image message
+    for t, lp in zip(two, recomputed, strict=True):
+        d = np.abs(t.behaviour_logprobs - lp)
+        diffs.append(d[t.loss_mask])
+        after = np.arange(len(d)) > np.flatnonzero(~t.loss_mask).max()
+        late.append(d[after & t.loss_mask])
+    diffs, late = np.concatenate(diffs), np.concatenate(late)
+    print(f"chat image messages: {len(two)} episodes with 2 images, {diffs.size} generated "
+          f"tokens, max |dlogp| {diffs.max():.2e}; {late.size} after the image message, "
+          f"max {late.max():.2e}")  # fmt: skip
     assert late.size >= len(two)
     assert diffs.max() < FP32_LOGP_TOL

@@ -16,7 +16,8 @@ engine's own token ids turn by turn.
 A message-level env (asyncrl/envs/messages.py ChatEnv) runs through the same loop,
 wrapped in :class:`asyncrl.envs.chat_turns.ChatTurns`: its opening is the whole prompt,
 rendered by the chat template and sent as token ids; its messages after a turn are the
-rendered segment appended as the observation.
+rendered segment appended as the observation. Their image parts are the opening's and
+the observations' images below, one placeholder each in the rendered text.
 
 Every turn's request carries its own sampling seed, from the run's seed, the group's
 place in the actor's start order, the sample and the turn (``turn_sampling``): the same
@@ -63,7 +64,7 @@ from asyncrl.config import locate_target
 from asyncrl.engine.protocol import Completion, Engine, Sampling, policy_sampling, version_salt
 from asyncrl.envs.base import Rendered, StepResult
 from asyncrl.envs.chat_turns import ChatRenderer, ChatTurns
-from asyncrl.envs.messages import ChatEnv, ChatOptions
+from asyncrl.envs.messages import ChatEnv
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.rewards.pool import RewardClient
 from asyncrl.tasks.base import Prompt, Task
@@ -179,10 +180,10 @@ class MultiTurnEpisodes:
     ) -> tuple[Trajectory, _Episode]:
         t_start = time.time()
         env = self.env.make()
-        if isinstance(env, ChatEnv):  # speaks messages: rendered turn by turn
-            env = ChatTurns(env, self.renderer(env.chat))
         ep = _Episode(prompt_ids=[], group=index, sample=i, images=list(images))
         try:
+            if isinstance(env, ChatEnv):  # speaks messages: rendered turn by turn
+                env = ChatTurns(env, self.renderer(env))
             await asyncio.wait_for(self._turns(env, prompt, ep, f"{gid}-{i}"), self.env.timeout_s)
         except TimeoutError:
             ep.finish = "timeout"
@@ -201,7 +202,7 @@ class MultiTurnEpisodes:
     async def _turns(self, env: Any, prompt: Prompt, ep: _Episode, rid: str) -> None:
         opening = await env.reset(prompt, self.task)
         if isinstance(opening, Rendered):  # a message env's chat: the prompt itself
-            ep.prompt_ids, ep.prompt_text = list(opening.ids), opening.text
+            self._open(ep, opening)
         else:
             ep.opening = opening if isinstance(opening, str) else ""
         ep.finish = "max_turns"
@@ -233,6 +234,16 @@ class MultiTurnEpisodes:
                     ep.finish = "token_budget"
                     return
                 ep.texts.append(step.observation or "")
+
+    def _open(self, ep: _Episode, opening: Rendered) -> None:
+        """A rendered opening as the episode's prompt: its images (the whole prompt's:
+        the task's are the env's to show) expanded as an observation's, the compact ids
+        the first request. Nothing is set if that fails (a model without images): the
+        episode's error then leaves a text prompt."""
+        images = [Image.of(png) for png in opening.images]
+        ids = self.image_tokens.expand(opening.ids, images) if images else list(opening.ids)
+        ep.prompt_text, ep.images, ep.prompt_ids = opening.text, images, ids
+        ep.compact = list(opening.ids) if images else None
 
     def _room(self, ep: _Episode) -> int:
         """Tokens the next turn may generate: the episode's budget and the model's length."""
@@ -342,12 +353,14 @@ class MultiTurnEpisodes:
             self._image_tokens = ImageTokens(tokenizer_path(self.tokenizer))
         return self._image_tokens
 
-    def renderer(self, options: ChatOptions) -> ChatRenderer:
+    def renderer(self, env: ChatEnv) -> ChatRenderer:
         """The chat renderer of a message env (one per runner: every episode's env has
-        the same options)."""
+        the same options); for an env that ``shows_images``, with the model's image
+        placeholder (a model whose processor takes no images: ValueError)."""
         if self._renderer is None:
             name = str(getattr(self.tokenizer, "name_or_path", "") or "the model")
-            self._renderer = ChatRenderer(self.tokenizer, options, name)
+            placeholder = self.image_tokens.placeholder if env.shows_images else None
+            self._renderer = ChatRenderer(self.tokenizer, env.chat, name, placeholder)
         return self._renderer
 
 

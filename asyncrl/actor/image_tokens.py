@@ -21,6 +21,7 @@ import io
 from collections.abc import Sequence
 from typing import Any
 
+from asyncrl.models.resolve import image_processor
 from asyncrl.trajectory import Image
 
 SIZES_KEPT = 256  # image sizes whose tokens are kept: an env shows a few sizes, not many
@@ -31,13 +32,8 @@ class ImageTokens:
     reads too) as the runner needs it: the placeholder token and each image's tokens."""
 
     def __init__(self, model_path: str):
-        from transformers import AutoProcessor
-
-        self.processor = AutoProcessor.from_pretrained(model_path)
-        placeholder = getattr(self.processor, "image_token", None)
-        if placeholder is None or getattr(self.processor, "image_processor", None) is None:
-            raise ValueError(f"{model_path}: the model's processor takes no images")
-        self.placeholder = str(placeholder)
+        self.processor = image_processor(model_path)  # ValueError: a model without images
+        self.placeholder = str(self.processor.image_token)
         self.placeholder_id = int(self.processor.tokenizer.convert_tokens_to_ids(self.placeholder))
         self._by_size: dict[tuple[int, int], list[int]] = {}
 

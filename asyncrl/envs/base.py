@@ -53,10 +53,12 @@ class StepResult:
 class Rendered:
     """An opening that is the whole prompt, already tokenized: the runner sends ``ids``
     as the first request instead of the task's prompt text (a message-level env's
-    rendered chat, asyncrl/envs/chat_turns.py)."""
+    rendered chat, asyncrl/envs/chat_turns.py). ``images``: the PNG bytes of its images,
+    one placeholder token each in ``ids``, in order."""
 
     text: str
     ids: list[int]
+    images: list[bytes] = field(default_factory=list)
 
 
 @runtime_checkable

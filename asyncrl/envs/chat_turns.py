@@ -23,6 +23,16 @@ tokens mid-turn) ends its episode as ``env_error``.
 
 A template that does not render tool schemas (SmolLM2's ignores ``tools``) gets them
 described in the system message by the tool format (``ToolFormat.describe``).
+
+Images (a message's :class:`ImagePart`): the template renders each image part as the
+model's placeholder text (``<image>``), so every text above (``sent``, each segment)
+holds one placeholder per image, in order; the opening's images go with the
+:class:`Rendered` prompt and a step's with its ``StepResult.images``, where the runner
+expands the placeholders exactly as for a text env's observation images
+(asyncrl/actor/image_tokens.py). For an env that ``shows_images`` the renderer knows
+the placeholder: the probe's tool result then holds an image, and a template that does
+not render an image part as the placeholder is refused with the rest; a render whose
+placeholders are not its images' count ends the episode as ``env_error``.
 """
 
 from __future__ import annotations
@@ -31,7 +41,14 @@ import asyncio
 from typing import Any
 
 from asyncrl.envs.base import Rendered, StepResult
-from asyncrl.envs.messages import ChatEnv, ChatOptions, Message, MessageStep, Opening
+from asyncrl.envs.messages import (
+    ChatEnv,
+    ChatOptions,
+    ImagePart,
+    Message,
+    MessageStep,
+    Opening,
+)
 from asyncrl.models.tool_calls import ToolCall, tool_format
 from asyncrl.tasks.base import Prompt, Task
 
@@ -50,8 +67,11 @@ class ChatRenderer:
     """One model's chat template under one env's :class:`ChatOptions` (built once per
     runner; under ``turn_split=history`` the constructor runs the append-only check)."""
 
-    def __init__(self, tokenizer: Any, options: ChatOptions, model: str):
+    def __init__(
+        self, tokenizer: Any, options: ChatOptions, model: str, placeholder: str | None = None
+    ):
         self.tok, self.options, self.model = tokenizer, options, model
+        self.placeholder = placeholder  # an image part's text (None: images not checked)
         self.format = tool_format(options.tool_format)
         self.eos = tokenizer.eos_token or ""
         self.renders_tools = self._renders_tools()
@@ -94,11 +114,13 @@ class ChatRenderer:
 
     def check(self) -> None:
         """Render a probe episode incrementally and in full (TemplateDrift if they differ;
-        a template that refuses the probe's messages raises too, as a ValueError)."""
+        a template that refuses the probe's messages raises too, as a ValueError). With a
+        placeholder, the tool result holds an image, which must render as it, once."""
         history = [Message("system", "Probe."), Message("user", "Call the probe.")]
+        result: str | list = "2" if self.placeholder is None else ["2", ImagePart(probe_png())]
         turns = [
             (self.format.write(ToolCall("call_0", "probe", {"x": 1})),
-             [Message("tool", "2", tool_call_id="call_0", name="probe")]),
+             [Message("tool", result, tool_call_id="call_0", name="probe")]),
             ("The probe gave 2.", [Message("user", "Thanks. Once more?")]),
             ("No more.", []),
         ]  # fmt: skip
@@ -108,6 +130,7 @@ class ChatRenderer:
                 seg = self.segment(sent, history, PROBE_TOOLS, shown, shown + self.eos, new)
                 history = [*history, Message("assistant", shown), *new]
                 sent += shown + self.eos + seg
+            self.check_images(sent, 1 if self.placeholder is not None else 0)
         except TemplateDrift as e:
             raise TemplateDrift(
                 f"{e}; set env.chat_template to an append-only template, or "
@@ -118,6 +141,19 @@ class ChatRenderer:
                 f"{self.model}: the chat template cannot render a tool episode "
                 f"({type(e).__name__}: {' '.join(str(e).split())[:160]}); set env.chat_template"
             ) from None
+
+    def check_images(self, text: str, images: int) -> None:
+        """``text`` holds one placeholder per image (ValueError otherwise; nothing to
+        check without a placeholder)."""
+        if self.placeholder is None:
+            return
+        have = text.count(self.placeholder)
+        if have != images:
+            raise ValueError(
+                f"{self.model}: the chat template renders {have} {self.placeholder} for "
+                f"{images} image parts: it must render each image part "
+                f"({{'type': 'image'}}) as {self.placeholder}"
+            )
 
     def _renders_tools(self) -> bool:
         """Whether the template shows tool schemas it is given."""
@@ -137,9 +173,22 @@ class ChatRenderer:
 def with_system(messages: list[Message], text: str) -> list[Message]:
     """``messages`` with ``text`` ending the system message (one added if none)."""
     if messages and messages[0].role == "system":
-        first = messages[0]
-        return [Message("system", f"{first.content}\n\n{text}"), *messages[1:]]
+        first = messages[0].content
+        if isinstance(first, list):
+            return [Message("system", [*first, f"\n\n{text}"]), *messages[1:]]
+        return [Message("system", f"{first}\n\n{text}"), *messages[1:]]
     return [Message("system", text), *messages]
+
+
+def probe_png() -> bytes:
+    """A small gray PNG: the probe episode's tool image."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (128, 128, 128)).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 class ChatTurns:
@@ -158,7 +207,9 @@ class ChatTurns:
             raise TypeError(f"reset() returned {type(opening).__name__}, not an Opening")
         self.history, self.tools = list(opening.messages), list(opening.tools)
         self.sent = self.r.render(self.history, self.tools)
-        return Rendered(self.sent, self.r.encode(self.sent))
+        images = [png for m in self.history for png in m.images]
+        self.r.check_images(self.sent, len(images))
+        return Rendered(self.sent, self.r.encode(self.sent), images)
 
     async def step(self, text: str, token_ids: list[int]) -> StepResult:
         raw, shown = self.r.decode(token_ids)
@@ -177,9 +228,11 @@ class ChatTurns:
         else:
             context, sent = DELTA_CONTEXT, self.r.render(DELTA_CONTEXT, self.tools)
         seg = self.r.segment(sent, context, self.tools, shown, raw, out.messages)
+        images = [png for m in out.messages for png in m.images]
+        self.r.check_images(seg, len(images))
         self.history = [*self.history, Message("assistant", shown), *out.messages]
         self.sent += raw + seg
-        result.observation = seg
+        result.observation, result.images = seg, images
         return result
 
     async def close(self) -> None:

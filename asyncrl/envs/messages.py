@@ -13,6 +13,13 @@ instead of raw text. The runtime renders them with the model's chat template
         step.messages rendered, appended          (tool results, a user turn: mask 0)
     await env.close()                             # optional
 
+A message may show images: its ``content`` is then a list of parts, text (``str``) and
+:class:`ImagePart` (PNG bytes) in the order they read; the template renders each image
+part as the model's image placeholder, and the images go to the engine and the
+trajectory as a text env's observation images do (docs/vision.md). A text-only message
+keeps a ``str`` content. An env whose messages show images sets ``shows_images``: a
+model whose processor takes no images is then refused at start-up.
+
 ``ChatEnv`` holds what the runtime needs from the env's config: ``tool_format`` (how the
 model writes calls: asyncrl/models/tool_calls.py), ``chat_template`` (None: the model's
 own) and ``turn_split`` (``history``: each new segment is the full render of the history
@@ -21,7 +28,8 @@ for the model; ``delta``: each segment is rendered after a fixed one-exchange co
 for templates that rewrite earlier turns). ``ToolEnv`` runs the calls against its
 methods and answers each with a tool message; a call it cannot run (unknown tool, bad
 arguments, a tool that raises, a block that does not parse) is answered with an
-``error: ...`` tool message and the episode goes on.
+``error: ...`` tool message and the episode goes on. A tool answers text, an
+:class:`ImagePart`, or a list of parts (its tool message's content).
 
 Reward, ``done``, ``info`` and ``tool_calls`` mean what they mean in StepResult.
 """
@@ -39,15 +47,32 @@ from asyncrl.tasks.base import Prompt, Task
 
 ROLES = ("system", "user", "assistant", "tool")
 TURN_SPLITS = ("history", "delta")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"  # how every PNG file begins
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """An image in a message's content, where it stands among the text parts: its PNG
+    bytes (``asyncrl.tasks.visual.png_bytes`` writes a PIL image)."""
+
+    png: bytes
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.png, bytes) or not self.png.startswith(PNG_MAGIC):
+            raise TypeError("an ImagePart holds an image's PNG bytes")
+
+
+Part = str | ImagePart  # a content part: text, or an image
 
 
 @dataclass
 class Message:
-    """One chat message. ``tool_calls``: an assistant's parsed calls; ``tool_call_id``
-    and ``name``: which call a tool message answers."""
+    """One chat message. ``content``: text, or a list of text and image parts (in the
+    order they read); ``tool_calls``: an assistant's parsed calls; ``tool_call_id`` and
+    ``name``: which call a tool message answers."""
 
     role: str
-    content: str = ""
+    content: str | list[Part] = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_id: str | None = None
     name: str | None = None
@@ -56,12 +81,37 @@ class Message:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"message role {self.role!r}: expected one of {', '.join(ROLES)}")
-        if not isinstance(self.content, str):
-            raise TypeError(f"a {self.role} message's content must be a string")
+        if isinstance(self.content, list):
+            if not all(isinstance(p, Part) for p in self.content):
+                raise TypeError(
+                    f"a {self.role} message's content parts must be strings or ImageParts"
+                )
+        elif not isinstance(self.content, str):
+            raise TypeError(f"a {self.role} message's content must be a string or a list of parts")
+
+    @property
+    def text(self) -> str:
+        """The content's text parts, joined (the content itself when it is text)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p for p in self.content if isinstance(p, str))
+
+    @property
+    def images(self) -> list[bytes]:
+        """The PNG bytes of the content's image parts, in order."""
+        if isinstance(self.content, str):
+            return []
+        return [p.png for p in self.content if isinstance(p, ImagePart)]
 
     def as_dict(self) -> dict[str, Any]:
-        """The message as chat templates take it (OpenAI's chat format)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        """The message as chat templates take it (OpenAI's chat format; a content with
+        parts as ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` entries,
+        as Hugging Face's multimodal templates read them)."""
+        content: Any = self.content
+        if isinstance(content, list):
+            content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
+                       for p in content]  # fmt: skip
+        out: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_calls:
             out["tool_calls"] = [c.openai() for c in self.tool_calls]
         if self.tool_call_id is not None:
@@ -111,7 +161,10 @@ class ChatOptions:
 class ChatEnv:
     """Base of a message-level env: takes the rendering keys, leaves ``reset`` and
     ``step`` to the subclass (``reset(sample, task) -> Opening``,
-    ``step(message) -> MessageStep``)."""
+    ``step(message) -> MessageStep``). ``shows_images``: whether its messages may hold
+    images (checked against the model at start-up)."""
+
+    shows_images: bool = False
 
     def __init__(
         self,
@@ -151,8 +204,9 @@ class ToolEnv(ChatEnv):
                                name=call.name))  # fmt: skip
         return MessageStep(messages=out, tool_calls=len(message.tool_calls))
 
-    async def call(self, call: ToolCall) -> str:
-        """One call's result, or ``error: ...`` (never raises)."""
+    async def call(self, call: ToolCall) -> str | list[Part]:
+        """One call's result (text, or parts with images), or ``error: ...`` (never
+        raises)."""
         names = [t["function"]["name"] for t in self.tools]
         if call.name not in names:
             return f"error: unknown tool {call.name!r} (tools: {', '.join(names)})"
@@ -160,7 +214,7 @@ class ToolEnv(ChatEnv):
             out = getattr(self, call.name)(**call.arguments)
             if inspect.isawaitable(out):
                 out = await out
-            return str(out)
+            return tool_content(out)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a tool's failure is the model's feedback
@@ -169,3 +223,16 @@ class ToolEnv(ChatEnv):
     async def answer(self, message: Message) -> MessageStep:
         """A turn without tool calls (default: the episode ends, reward 0)."""
         return MessageStep(done=True)
+
+
+def tool_content(out: Any) -> str | list[Part]:
+    """A tool's return as a tool message's content: an :class:`ImagePart` or a list of
+    parts as parts (TypeError for a part that is neither), anything else as its text."""
+    if isinstance(out, ImagePart):
+        return [out]
+    if isinstance(out, list) and any(isinstance(p, ImagePart) for p in out):
+        bad = [type(p).__name__ for p in out if not isinstance(p, Part)]
+        if bad:
+            raise TypeError(f"a tool's parts must be strings or ImageParts, not {bad[0]}")
+        return list(out)
+    return str(out)

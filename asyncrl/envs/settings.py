@@ -144,7 +144,9 @@ class EnvSettings(Settings):
     def check_template(self, model_path: str) -> None:
         """A message-level env (asyncrl/envs/messages.py ChatEnv) with the model: its
         chat template must render the env's messages append-only (``env.turn_split``
-        history) or at least render them (ConfigError naming the model and the keys)."""
+        history) or at least render them, and an env that ``shows_images`` needs a model
+        whose processor takes images and a template that renders an image part as its
+        placeholder (ConfigError naming the model and the keys)."""
         from asyncrl.envs.messages import is_chat_env
 
         if not is_chat_env(locate_target("env", self.target)):
@@ -152,10 +154,20 @@ class EnvSettings(Settings):
         from transformers import AutoTokenizer
 
         from asyncrl.envs.chat_turns import ChatRenderer
+        from asyncrl.models.resolve import image_processor
 
+        env, placeholder = self.make(), None
+        if env.shows_images:
+            try:
+                placeholder = str(image_processor(model_path).image_token)
+            except ValueError as e:
+                raise ConfigError(
+                    f"env._target_={self.target} shows images in its messages, and {e}: "
+                    "set model=tiny_vlm or model.path to a vision-language model"
+                ) from None
         tok = AutoTokenizer.from_pretrained(model_path)
         try:
-            ChatRenderer(tok, self.make().chat, model_path)
+            ChatRenderer(tok, env.chat, model_path, placeholder)
         except ValueError as e:
             raise ConfigError(f"env._target_={self.target}: {e}") from None
 

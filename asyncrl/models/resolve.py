@@ -138,6 +138,23 @@ def local_or_hub(path: str) -> Path:
         ) from e
 
 
+def image_processor(model_path: str) -> Any:
+    """The model directory's processor (its ``processor_config.json``, which vLLM reads
+    too), when it takes images: an ``image_token`` and an image processor. A model
+    without a vision tower: ValueError naming it."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(model_path)
+    except (OSError, ValueError) as e:  # no processor files, or none transformers knows
+        raise ValueError(f"{model_path}: the model has no processor that takes images") from e
+    if getattr(processor, "image_token", None) is None or (
+        getattr(processor, "image_processor", None) is None
+    ):
+        raise ValueError(f"{model_path}: the model's processor takes no images")
+    return processor
+
+
 def check_architecture(model_dir: Path, key: str) -> None:
     """Build the model on the meta device (no weights, no memory) and find its decoder
     layers the way the learner's FSDP wrapping does; refuse it by name otherwise. A
