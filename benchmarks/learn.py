@@ -71,6 +71,20 @@ TASKS: dict[str, list[str]] = {
         "task.dataset=syllogism",
         "task.system='Reply with the answer only.'",
     ],
+    # reasoning-gym's number_format: pick the largest or smallest of 3-5 numbers written in
+    # different formats ("757,954,644.986", "7.57954645211e+08"), scored by value; every
+    # problem has its own answer (no constant answer scores), and SmolLM2 greedy starts at
+    # 7 of 48 exact (docs/models.md). Questions reach ~150 tokens, answers ~18.
+    "number_format": [
+        "task=reasoning_gym",
+        "task.dataset=number_format",
+        "task.system='Reply with the answer only.'",
+        "actor.engine.max_model_len=320",
+        "actor.sampling.max_tokens=32",
+        # every prompt of a step prefilled whole: a chunked prefill rewinds a seeded
+        # request's generator, which vLLM-CPU cannot ("CPU Generator does not use offset")
+        "+actor.engine.extra.max_num_batched_tokens=10240",
+    ],
 }
 EVAL_SEEDS = (1, 2, 3)  # one held-out set per seed (eval.sets.<name>.seed)
 HELDOUT_FRAC = 0.3  # enough held-out problems that three sets of --eval-prompts differ
