@@ -101,6 +101,23 @@ async def test_a_seed_reproduces_its_samples(engine):
         np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
 
 
+async def test_seeded_prompts_longer_than_one_step_all_answer(engine):
+    """64 seeded prompts of 35 tokens at once: 2,240 prompt tokens, more than one step of
+    vLLM's default budget on a CPU (2,048), so one prompt would be cut over two steps,
+    which a seeded request on a CPU generator cannot survive (asyncrl/engine/vllm_engine.py
+    ``engine_kwargs``)."""
+    prompts = [f"{i:02d}" + "1234567890" * 3 + "+7=" for i in range(64)]
+    outs = await asyncio.gather(
+        *(
+            engine.generate(p, sampling(n=1, seed=i), f"contract-long-{i}")
+            for i, p in enumerate(prompts)
+        )
+    )
+    for out in outs:
+        assert not out.aborted and len(out.prompt_ids) >= 35
+        assert len(out.completions) == 1 and len(out.completions[0].token_ids) >= 1
+
+
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 async def test_a_paused_engine_holds_requests_until_resumed(engine, mode):
     await engine.pause(mode)

@@ -63,6 +63,11 @@ def engine_kwargs(model_path: str, s: EngineSettings, seed: int = 0) -> dict[str
     )
     if on_cpu():
         kwargs["kv_cache_memory_bytes"] = s.kv_cache_memory_mb << 20
+        # A prompt cut over two steps rewinds its seeded request's generator, which a CPU
+        # generator cannot ("CPU Generator does not use offset": the engine dies). Unchunked,
+        # a prompt waits for the next step instead, and vLLM raises the step's token budget
+        # to at least max_model_len.
+        kwargs["enable_chunked_prefill"] = False
     else:
         kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
     kwargs.update(s.extra or {})
