@@ -28,7 +28,9 @@ reward of the initial policy's samples (version 0), pooled over all runs; gain r
 the share of what was learnt at k=0 that survives k=8 (``retention_k8``, the ratio of
 rewards, stays near 1 when little is learnt at all). ``retention_by_k`` gives, for every
 loss and every k swept, each seed's ``reward(k) / reward(k=0)`` as mean, std, min, max
-and n over the seeds (the table after the others and the plot's last panel).
+and n over the seeds (the table after the others and the plot's last panel);
+``retention_by_k_same_version`` the same for the same-version reward (each run's
+policies after equally many updates, so without the final reward's k-version lag).
 
 ``--summarise DIR...`` runs nothing: it merges the CSVs of earlier sweeps (e.g. one
 per ``--losses`` subset, run apart) and reports them as one; ``--ks``, ``--losses``
@@ -437,16 +439,19 @@ def report(rows, curves, ks, losses, steps, seeds, args) -> None:
     by_k = retention_by_k(rows, ks, losses)
     plot(args.out / "staleness.png", curves, reward, ks, losses, by_k)
     table(rows, reward, retention, retention_same, gain, start, ks, losses, steps, seeds, args)
-    print_table(
-        "retention by k: reward(k) / reward(k=0) of each seed, mean and sample std over the "
-        "seeds that ran both (n)",
-        ["loss", *[f"k={k}" for k in ks]],
-        [[loss, *[_spread(by_k[loss][str(k)]) for k in ks]] for loss in losses],
-    )
+    by_k_same = retention_by_k(rows, ks, losses, "same_version_reward")
+    for title, got in (("final", by_k), ("same-version", by_k_same)):
+        print_table(
+            f"retention by k ({title} reward): reward(k) / reward(k=0) of each seed, mean and "
+            "sample std over the seeds that ran both (n)",
+            ["loss", *[f"k={k}" for k in ks]],
+            [[loss, *[_spread(got[loss][str(k)]) for k in ks]] for loss in losses],
+        )
     emit_json(
         {
             "reward": reward,
             "retention_by_k": by_k,
+            "retention_by_k_same_version": by_k_same,
             "retention_k8": retention,
             "retention_k8_same_version": retention_same,
             "start_reward": start,
@@ -634,21 +639,21 @@ def seed_means(rows: list[dict], key: str, ks, losses) -> dict[str, dict[str, fl
     }
 
 
-def retention_by_k(rows: list[dict], ks, losses) -> dict[str, dict[str, dict[str, float]]]:
-    """loss -> str(k) -> the final reward's retention over seeds: each seed's
-    ``reward(k) / reward(k=0)`` (the seed's own k=0 run, or the copy --share-k0 made),
-    their ``mean``, sample ``std`` (0 for one seed), ``min``, ``max`` and ``n`` (seeds
-    with both runs; nan figures when none)."""
+def retention_by_k(
+    rows: list[dict], ks, losses, column: str = "final_reward"
+) -> dict[str, dict[str, dict[str, float]]]:
+    """loss -> str(k) -> the retention of ``column`` (the final reward, or the
+    same-version reward) over seeds: each seed's ``reward(k) / reward(k=0)`` (the seed's
+    own k=0 run, or the copy --share-k0 made), their ``mean``, sample ``std`` (0 for one
+    seed), ``min``, ``max`` and ``n`` (seeds with both runs; nan figures when none)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for loss in losses:
         mine = [r for r in rows if r["loss"] == loss]
-        base = {r["seed"]: r["final_reward"] for r in mine if r["k"] == 0}
+        base = {r["seed"]: r[column] for r in mine if r["k"] == 0}
         out[loss] = {}
         for k in ks:
             per_seed = [
-                ratio(r["final_reward"], base[r["seed"]])
-                for r in mine
-                if r["k"] == k and r["seed"] in base
+                ratio(r[column], base[r["seed"]]) for r in mine if r["k"] == k and r["seed"] in base
             ]
             out[loss][str(k)] = _spread_of([x for x in per_seed if not math.isnan(x)])
     return out

@@ -198,6 +198,7 @@ def test_staleness_benchmark(tmp_path):
     assert set(f) == {
         "reward",
         "retention_by_k",
+        "retention_by_k_same_version",
         "retention_k8",
         "retention_k8_same_version",
         "start_reward",
@@ -209,6 +210,8 @@ def test_staleness_benchmark(tmp_path):
     by_k = f["retention_by_k"]["none"]  # one seed: its own ratio, no spread
     assert set(by_k) == {"0", "8"} and by_k["0"]["mean"] == 1.0 and by_k["8"]["n"] == 1
     assert math.isclose(by_k["8"]["mean"], f["retention_k8"]["none"]) and by_k["8"]["std"] == 0
+    same = f["retention_by_k_same_version"]["none"]
+    assert same["8"]["n"] == 1 and finite(same["8"]["mean"])
     for key in ("retention_k8", "retention_k8_same_version"):
         assert set(f[key]) == {"none"} and finite(f[key]["none"]) and f[key]["none"] >= 0
     rows = list(csv.DictReader((tmp_path / "staleness.csv").open()))
@@ -378,16 +381,17 @@ def test_staleness_summarise_refuses_bad_input(tmp_path):
     assert "mismatch_kl_target 0.05, 0.1" in r.stderr, r.stderr[-2000:]
 
 
-def write_sweep(d: Path, runs, curve_run=lambda i: i) -> str:
+def write_sweep(d: Path, runs, curve_run=lambda i: i, same=lambda r: r) -> str:
     """A finished sweep's staleness.csv and curves.csv, written by hand: runs are
     (loss, k, seed, final reward, shared_from); each run's curve has two steps, the
-    second at its final reward. ``curve_run(i)``: the run number its curve carries."""
+    second at its final reward. ``curve_run(i)``: the run number its curve carries;
+    ``same(r)``: the same-version reward of a run whose final reward is ``r``."""
     d.mkdir()
     (d / "staleness.csv").write_text(
         "loss,k,seed,steps,samples,final_reward,same_version_reward,first_reward,"
         "start_reward,start_samples,ess,mismatch_kl,exact_staleness,lr,kl_target,shared_from\n"
         + "".join(
-            f"{loss},{k},{seed},2,256,{r},{r},0.3,0.3,128,1.0,0.0,True,0.0003,0.05,{sh}\n"
+            f"{loss},{k},{seed},2,256,{r},{same(r)},0.3,0.3,128,1.0,0.0,True,0.0003,0.05,{sh}\n"
             for loss, k, seed, r, sh in runs
         )
     )
@@ -425,6 +429,22 @@ def test_staleness_retention_by_k_over_seeds(tmp_path):
         "mean": None, "std": None, "min": None, "max": None, "n": 0
     }  # fmt: skip
     assert (tmp_path / "out" / "staleness.png").stat().st_size > 0
+
+
+def test_staleness_retention_by_k_of_the_same_version_reward(tmp_path):
+    """retention_by_k_same_version: the same figures as retention_by_k, of each run's
+    same-version reward instead of its final one."""
+    runs = [("tis", 0, 0, 0.6, ""), ("tis", 8, 0, 0.5, ""),
+            ("tis", 0, 1, 0.7, ""), ("tis", 8, 1, 0.56, "")]  # fmt: skip
+    sweep = write_sweep(tmp_path / "s", runs, same=lambda r: round(r + 0.1, 3))
+    f = run_bench("staleness", tmp_path / "out", "--summarise", sweep)
+    k8 = [0.6 / 0.7, 0.66 / 0.8]
+    same = f["retention_by_k_same_version"]["tis"]
+    assert same["0"]["mean"] == 1.0 and same["8"]["n"] == 2
+    assert math.isclose(same["8"]["mean"], sum(k8) / 2)
+    assert math.isclose(same["8"]["min"], min(k8)) and math.isclose(same["8"]["max"], max(k8))
+    final = f["retention_by_k"]["tis"]["8"]["mean"]
+    assert math.isclose(final, (0.5 / 0.6 + 0.56 / 0.7) / 2)
 
 
 def test_staleness_summarise_shares_a_missing_k0(tmp_path):
