@@ -17,10 +17,10 @@ import threading
 
 import pytest
 import torch
-from test_reshard import LLAMA, TINY, hf_tensors
+from test_reshard import LLAMA, MOE, TINY, hf_tensors, moe_tensors
 
 from asyncrl.transport.endpoint import digests
-from asyncrl.transport.reshard import OTHER, direct_plan, plan_for
+from asyncrl.transport.reshard import EXPERTS_EP, OTHER, direct_plan, plan_for
 
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # the learner splits rows
 ROWWISE = ("o_proj.weight", "down_proj.weight")  # the learner splits columns
@@ -78,6 +78,39 @@ def test_tensors_split_otherwise_are_gathered():
         assert digests(direct.shard(r, held)) == digests(plan.shard(r, full))
 
 
+def swapped(full: torch.Tensor, pieces, ep: int, rank: int) -> torch.Tensor:
+    """What ``dist.swap_experts`` leaves on a rank of TP rank ``rank``: each of the
+    ``ep`` peers' experts (``torch.chunk`` over dim 0), cut to ``pieces[rank]``, stacked
+    in peer order."""
+
+    def cut(mine):
+        return torch.cat([mine.narrow(p.dim, p.start, p.length) for p in pieces[rank]],
+                         dim=pieces[rank][0].dim)  # fmt: skip
+
+    return torch.cat([cut(mine) for mine in torch.chunk(full, ep, 0)])
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_experts_split_over_ep_are_exchanged_not_gathered(ep):
+    """tiny_moe's layout at learner.tp = 2 with its experts ``Shard(0)`` over ``ep``
+    (attention split as the learner splits it): nothing is gathered; each rank's expert
+    pieces, swapped within its ``ep`` group, give exactly the full-tensor plan's shard,
+    and hold 1/tp of the experts, not all of them."""
+    tp = 2
+    full = moe_tensors(MOE)
+    experts = {n for n in full if ".mlp.experts." in n}
+    layout = [(n, tuple(t.shape), EXPERTS_EP if n in experts else learner_split(n))
+              for n, t in full.items()]  # fmt: skip
+    direct = direct_plan(MOE, layout, tp)
+    assert direct.gather == set() and set(direct.exchange) == experts
+    plan = plan_for(MOE, [(n, s) for n, s, _ in layout], tp)
+    for r in range(tp):
+        held = held_by(full, tp, r)
+        held.update({n: swapped(full[n], direct.exchange[n], ep, r) for n in experts})
+        assert all(held[n].numel() * tp == full[n].numel() for n in experts)
+        assert digests(direct.shard(r, held)) == digests(plan.shard(r, full)), r
+
+
 # ----------------------------------------------------------------- a real TP2 learner
 @pytest.mark.slow
 def test_each_tp_rank_of_a_learner_cuts_its_engine_shard_bit_exact(ray_local, tmp_path):
@@ -119,6 +152,46 @@ def test_each_tp_rank_of_a_learner_cuts_its_engine_shard_bit_exact(ray_local, tm
         "shard",
         [g["nbytes"] for g in got],
     )
+
+
+@pytest.mark.slow
+def test_each_tp_rank_of_an_ep_learner_cuts_its_engine_shard_bit_exact(ray_local, tmp_path):
+    """TP2 x EP2 learner on tiny_moe's architecture (world 4, gloo; the experts
+    ``Shard(0)`` over each ``tp`` pair, FSDP over ``dp``): rank r's engine shard (TP rank
+    r % 2) equals the full-tensor plan's slice of the gathered weights bit for bit, the
+    experts exchanged within the ``ep`` pair, nothing gathered, and no rank holds more
+    than about half the model."""
+    import ray
+    from helpers import plain_optim
+
+    from asyncrl.learner.config import LearnerSettings
+    from asyncrl.learner.group import LearnerGroup
+    from asyncrl.learner.learner import Learner  # noqa: F401 - the ranks' class
+    from asyncrl.losses.advantages import GroupNormalized
+    from asyncrl.losses.clipped import ClippedISLoss
+    from asyncrl.models.tiny import random_qwen3_moe
+
+    torch.set_num_threads(1)
+    random_qwen3_moe(20, 128, 2, 4, 2, 64, 8, 2, tie=True, out_dir=tmp_path, pad_token_id=0)
+    config = json.loads((tmp_path / "config.json").read_text())
+    s = LearnerSettings.defaults(optim=plain_optim(lr=1e-3), num_threads=1, world_size=4,
+                                 tp=2, ep=2)  # fmt: skip
+    group = LearnerGroup(str(tmp_path), ClippedISLoss(), GroupNormalized(), s)
+    try:
+        full = group.full_state_dict()
+        got = ray.get([r.shard_digests.remote(2) for r in group.ranks], timeout=300)
+    finally:
+        group.close()
+    plan = plan_for(config, [(n, tuple(t.shape)) for n, t in full.items()], 2)
+    experts = sorted(n for n in full if ".mlp.experts." in n)
+    model_bytes = sum(t.numel() * t.element_size() for t in full.values())
+    for rank, g in enumerate(got):
+        r = rank % 2
+        assert g["tp_rank"] == r and g["gathered"] == [] and g["exchanged"] == experts
+        assert g["digests"] == digests(plan.shard(r, full)), rank
+        assert g["held_bytes"] < 0.6 * model_bytes, (g["held_bytes"], model_bytes)
+    print(f"model {model_bytes} B; per TP rank: held", [g["held_bytes"] for g in got],
+          "shard", [g["nbytes"] for g in got])  # fmt: skip
 
 
 # ----------------------------------------------------------------- the transport

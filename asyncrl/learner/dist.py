@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from torch import nn
 
 from asyncrl.learner.model import LM_PREFIX, VALUE_PREFIX, PolicyModel
 from asyncrl.models.arch import decoder_layers
-from asyncrl.transport.reshard import OTHER
+from asyncrl.transport.reshard import EXPERTS_EP, OTHER, Piece
 
 LOOPBACK = "127.0.0.1"
 
@@ -156,9 +156,10 @@ def stream_parameters(policy: PolicyModel, sharded: bool) -> Iterator[tuple[str,
 def tp_layout(policy: PolicyModel) -> list[tuple[str, tuple[int, ...], int | None]]:
     """``(HF name, full shape, split)`` per tensor of the sharded stream, in its order:
     ``split`` the dimension whose ``1/tp`` part each ``tp`` rank holds (rank ``r`` the
-    ``r``-th), None where every ``tp`` rank holds the tensor whole, ``OTHER`` for one
-    split some other way (over ``ep``, or unevenly). From the placements alone: no
-    collective."""
+    ``r``-th), None where every ``tp`` rank holds the tensor whole, ``EXPERTS_EP`` for
+    fused experts split by expert (``Shard(0)``) over ``ep`` (whose groups are whole
+    ``tp`` groups: ``tp`` divides ``ep``), ``OTHER`` for one split some other way (an
+    uneven split). From the placements alone: no collective."""
     out = []
     for _, names in fsdp_units(policy):
         for n in names:
@@ -176,28 +177,61 @@ def tp_split(t: torch.Tensor) -> int | None:
     for i, (name, p) in enumerate(zip(mesh.mesh_dim_names or (), t.placements, strict=True)):
         if name == "tp" and p.is_shard():
             return p.dim if t.shape[p.dim] % mesh.size(i) == 0 else OTHER
+        if name == "ep" and p.is_shard(0) and t.shape[0] % mesh.size(i) == 0:
+            return EXPERTS_EP
         if name not in ("dp", "tp") and not p.is_replicate():
             return OTHER
     return None
 
 
 def stream_local(
-    policy: PolicyModel, gather: Collection[str]
+    policy: PolicyModel,
+    gather: Collection[str],
+    exchange: Mapping[str, tuple[tuple[Piece, ...], ...]] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(HF name, what this rank holds of it)`` in :func:`stream_parameters`' order:
     its own ``tp`` shard of a split tensor (no ``tp`` collective), the whole tensor of
-    one every ``tp`` rank holds, and the whole tensor (:func:`full`, a collective) of
-    each name in ``gather``. One FSDP unit unsharded at a time, valid until the next
-    item; every rank iterates in step."""
+    one every ``tp`` rank holds, the whole tensor (:func:`full`, a collective) of each
+    name in ``gather``, and this ``tp`` rank's pieces of every expert of each name in
+    ``exchange`` (:func:`swap_experts`, a collective over ``ep``). One FSDP unit
+    unsharded at a time, valid until the next item; every rank iterates in step."""
+    exchange = exchange or {}
     for module, names in fsdp_units(policy):
         module.unshard()
         try:
             for n in names:
                 if n.startswith(LM_PREFIX):
                     hf, p = n[len(LM_PREFIX) :], policy.get_parameter(n).detach()
-                    yield hf, full(p) if hf in gather else local(p)
+                    if hf in exchange:
+                        yield hf, swap_experts(p, exchange[hf])
+                    else:
+                        yield hf, full(p) if hf in gather else local(p)
         finally:
             module.reshard()
+
+
+def swap_experts(t: torch.Tensor, pieces: tuple[tuple[Piece, ...], ...]) -> torch.Tensor:
+    """This rank's engine pieces of every expert of ``t``, fused experts held
+    ``Shard(0)`` over the mesh's ``ep`` dimension (asyncrl/transport/reshard.py
+    ``DirectPlan.exchange``; ``pieces[k]``: what TP rank ``k`` of ``len(pieces)`` takes,
+    along one dimension past the experts'). One even all-to-all over the ``ep`` group:
+    peer ``e`` (TP rank ``e % tp``, as the mesh lays ``tp`` groups inside ``ep``
+    groups) gets ``pieces[e % tp]`` of this rank's experts, concatenated along their
+    dimension; this rank gets its own TP rank's from every peer, stacked in expert
+    order: ``[experts, ...]``. Collective over ``ep``; exact (bytes moved, no
+    arithmetic)."""
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    i = mesh.mesh_dim_names.index("ep")
+    ep, tp = mesh.size(i), len(pieces)
+    mine = local(t)
+
+    def cut(ps: tuple[Piece, ...]) -> torch.Tensor:
+        return torch.cat([mine.narrow(p.dim, p.start, p.length) for p in ps], dim=ps[0].dim)
+
+    send = torch.stack([cut(pieces[e % tp]) for e in range(ep)])
+    got = torch.empty_like(send)
+    dist.all_to_all_single(got, send, group=mesh.get_group(i))
+    return got.flatten(0, 1)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ streams the model's state dict. The Ray actor class of whoever exposes these met
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -55,8 +55,9 @@ except ImportError:  # a learner used without Ray (benchmarks/gpu_learner_check.
 
 
 Stream = Callable[[], Iterator[tuple[str, torch.Tensor]]]  # (HF name, full tensor), in order
-# (names to gather whole) -> (HF name, what this rank holds: its TP shard or the whole tensor)
-LocalStream = Callable[[frozenset[str]], Iterator[tuple[str, torch.Tensor]]]
+# (names to gather whole, expert tensors to exchange over ep) -> (HF name, what this rank
+# holds: its TP shard, the whole tensor, or its pieces of every expert): dist.stream_local
+LocalStream = Callable[[frozenset[str], Mapping[str, Any]], Iterator[tuple[str, torch.Tensor]]]
 Layout = list[tuple[str, tuple[int, ...], int | None]]  # dist.tp_layout
 
 
@@ -123,9 +124,10 @@ class WeightsOut:
         """This rank's engine TP shard, cut from what it holds: ``(engine name, tensor)``
         for engine rank ``tp_rank`` of ``tp`` (= ``learner.tp``), as the full-tensor plan
         cuts it (asyncrl/transport/reshard.py ``direct_plan``), and what it took:
-        ``held_bytes`` (the largest this rank held at once), ``gathered`` (the tensors
-        gathered whole). Collective: every rank calls it; a rank of ``dp_rank > 0`` cuts
-        the same shard as its group's first. ValueError when the layouts differ."""
+        ``held_bytes`` (what this rank held to cut it), ``gathered`` (the tensors gathered
+        whole), ``exchanged`` (the expert tensors swapped within the ``ep`` group).
+        Collective: every rank calls it; a rank of ``dp_rank > 0`` cuts the same shard as
+        its group's first. ValueError when the layouts differ."""
         from asyncrl.transport.reshard import direct_plan
 
         if self._local is None or self._layout is None or tp != self.tp or tp < 2:
@@ -133,10 +135,11 @@ class WeightsOut:
         if self.model_config is None:
             raise ValueError("resharding needs the model's config")
         direct = direct_plan(self.model_config, self._layout(), tp)
-        held = {n: t.clone() for n, t in self._local(direct.gather)}
+        held = {n: t.clone() for n, t in self._local(direct.gather, direct.exchange)}
         held_bytes = sum(t.numel() * t.element_size() for t in held.values())
         shard = [(n, t.clone()) for n, t in direct.shard(self.tp_rank, held)]
-        return shard, {"held_bytes": held_bytes, "gathered": sorted(direct.gather)}
+        took = {"gathered": sorted(direct.gather), "exchanged": sorted(direct.exchange)}
+        return shard, {"held_bytes": held_bytes, **took}
 
     def shard_digests(self, tp: int) -> dict[str, Any]:
         """Every rank: the digests of :meth:`engine_shard` with its bytes (``nbytes``) and

@@ -41,6 +41,7 @@ caches one plan per (model layout, stream, engine TP size).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -296,6 +297,9 @@ def check_family(config: Mapping[str, Any], tp: int = 2, cpu: bool = False) -> s
 
 # ----------------------------------------------------------------- sent from the TP ranks
 OTHER = -1  # a learner tensor held in some other layout (expert parallel, uneven): gathered
+# a MoE layer's fused experts split by expert (dim 0) over an ``ep`` group made of whole TP
+# groups (ep rank e is TP rank e % tp): exchanged, each rank getting its width of every expert
+EXPERTS_EP = -2
 
 
 @dataclass(frozen=True)
@@ -303,7 +307,15 @@ class DirectPlan:
     """The engine shards as a tensor-parallel learner's own ranks cut them: learner TP
     rank ``r`` (the same TP size as the engine) builds engine rank ``r``'s shard from
     what it holds. ``plan.ranks[r]``' pieces are in the coordinates of the tensor rank
-    ``r`` holds: its own TP shard of a split tensor, the whole tensor otherwise.
+    ``r`` holds: its own TP shard of a split tensor, the whole tensor otherwise, the
+    exchanged tensor of an expert tensor in ``exchange``.
+    ``exchange``: per learner tensor held :data:`EXPERTS_EP` (experts split over
+    ``ep``), per TP rank ``t``, the pieces (full-tensor coordinates, none on the expert
+    dimension) engine rank ``t`` needs. The ranks of each ``ep`` group swap them (one
+    all-to-all per tensor): each rank sends every peer ``e`` its own experts' pieces for
+    TP rank ``e % tp`` and holds, for its own TP rank, those pieces of every expert
+    concatenated along their dimension (experts in order), which is what its targets
+    then cut from.
     ``gather``: the learner tensors whose shard is not the engine's (another split
     dimension, an engine slice crossing the learner's shard boundary, or held in
     another layout); every rank gathers each of these whole, one at a time, and slices
@@ -311,6 +323,7 @@ class DirectPlan:
 
     plan: ReshardPlan
     gather: frozenset[str]
+    exchange: Mapping[str, tuple[tuple[Piece, ...], ...]] = dataclasses.field(default_factory=dict)
 
     def shard(self, rank: int, tensors: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
         """``(engine name, tensor)`` of rank ``rank`` from what that learner rank holds."""
@@ -334,28 +347,55 @@ def own_piece(p: Piece, shape: tuple[int, ...], split: int | None, rank: int, tp
     return Piece(p.source, p.dim, p.start - lo, p.length)
 
 
+def exchanged(plan: ReshardPlan, name: str) -> tuple[tuple[Piece, ...], ...] | None:
+    """Per engine TP rank, the pieces of learner tensor ``name`` its targets take, when
+    the ranks of an ``ep`` group can swap them (:attr:`DirectPlan.exchange`): all along
+    one dimension other than the experts' (0), the same amount on every rank (an even
+    all-to-all); None otherwise (the tensor is gathered)."""
+    per_rank = tuple(
+        tuple(p for t in ts for p in t.pieces if p.source == name) for ts in plan.ranks
+    )
+    dims = {p.dim for ps in per_rank for p in ps}
+    amounts = {sum(p.length for p in ps) for ps in per_rank}
+    if len(dims) != 1 or 0 in dims or len(amounts) != 1:
+        return None
+    return per_rank
+
+
 @functools.lru_cache(maxsize=8)
 def cached_direct(
     plan: ReshardPlan, layout: tuple[tuple[str, tuple[int, ...], int | None], ...]
 ) -> DirectPlan:
     held = {n: (shape, split) for n, shape, split in layout}
+    swaps = {n: exchanged(plan, n) for n, (_, split) in held.items() if split == EXPERTS_EP}
+    exchange = {n: pieces for n, pieces in swaps.items() if pieces is not None}
 
     def mine(p: Piece, rank: int) -> Piece | None:
         return own_piece(p, *held[p.source], rank, plan.tp)
 
     gather = frozenset(
         p.source for r, ts in enumerate(plan.ranks) for t in ts for p in t.pieces
-        if mine(p, r) is None
+        if p.source not in exchange and mine(p, r) is None
     )  # fmt: skip
-    ranks = tuple(
-        tuple(
-            Target(t.name, t.shape, tuple(p if p.source in gather else mine(p, r)
-                                          for p in t.pieces), t.rows, t.cat)  # type: ignore[misc]
-            for t in ts
+
+    def of_rank(rank: int) -> tuple[Target, ...]:
+        offsets = dict.fromkeys(exchange, 0)  # an exchanged tensor: its pieces, stacked
+
+        def where(p: Piece) -> Piece:
+            if p.source in gather:
+                return p
+            if p.source in exchange:
+                offsets[p.source] += p.length
+                return Piece(p.source, p.dim, offsets[p.source] - p.length, p.length)
+            return mine(p, rank)  # type: ignore[return-value]
+
+        return tuple(
+            Target(t.name, t.shape, tuple(where(p) for p in t.pieces), t.rows, t.cat)
+            for t in plan.ranks[rank]
         )
-        for r, ts in enumerate(plan.ranks)
-    )  # fmt: skip
-    return DirectPlan(ReshardPlan(plan.tp, plan.family, ranks), gather)
+
+    ranks = tuple(of_rank(r) for r in range(plan.tp))
+    return DirectPlan(ReshardPlan(plan.tp, plan.family, ranks), gather, exchange)
 
 
 def direct_plan(
@@ -366,9 +406,11 @@ def direct_plan(
     """The engine shards for ``tp`` engine ranks, cut by the ``tp`` ranks of a learner
     whose ``layout`` is, per learner tensor in stream order, ``(HF name, full shape,
     split)``: ``split`` the dimension its TP ranks hold ``1/tp`` each of (rank ``r`` the
-    ``r``-th part), None for a tensor every TP rank holds whole, :data:`OTHER` for one
-    held otherwise. Each tensor is checked once per pair of layouts (cached): sent from
-    the rank's own shard where that shard holds the engine's slice, gathered otherwise.
+    ``r``-th part), None for a tensor every TP rank holds whole, :data:`EXPERTS_EP` for
+    fused experts split by expert over ``ep`` groups of whole TP groups, :data:`OTHER`
+    for one held otherwise. Each tensor is checked once per pair of layouts (cached):
+    sent from the rank's own shard where that shard holds the engine's slice, exchanged
+    within the ``ep`` group (:attr:`DirectPlan.exchange`), gathered otherwise.
     Raises :class:`UnsupportedLayout` as :func:`plan_for` does."""
     layout = tuple((n, tuple(s), split) for n, s, split in layout)
     plan = plan_for(config, [(n, s) for n, s, _ in layout], tp)
