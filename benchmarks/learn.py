@@ -49,6 +49,11 @@ from benchmarks.common import (  # noqa: E402
     stop_all,
     write_csv,
 )
+from benchmarks.tool_probe import OVERRIDES as TOOL_OVERRIDES  # noqa: E402
+from benchmarks.tool_probe import VARIANTS as TOOL_VARIANTS  # noqa: E402
+from benchmarks.tool_probe import hydra_value  # noqa: E402
+
+TOOL_VARIANT = "hermes_fewshot"  # of benchmarks/tool_probe.py: the calculator_tool task's prompt
 
 # --tasks: name -> the task's overrides. chain_sum is reasoning-gym's (its generator and
 # its own scorer, which gives full credit to the bare number only): two terms of 1-2
@@ -84,6 +89,19 @@ TASKS: dict[str, list[str]] = {
         "+actor.engine.extra.max_num_batched_tokens=10240",  # 32 prompts of a step at once
     ],
 }
+# calculator_tool: env=calculator_chat with SmolLM2's template and hermes `<tool_call>` JSON
+# (the format a ChatML model's tool calls take; SmolLM2's template has no tool section, so
+# the schema is described in the system message), two worked examples as chat turns before
+# each prompt: benchmarks/tool_probe.py's variant with the most signal. The
+# held-out evaluation runs each prompt as whole episodes (asyncrl/eval/actor.py).
+TASKS["calculator_tool"] = [
+    *TOOL_OVERRIDES,
+    *(f"{k}={hydra_value(v)}" for k, v in TOOL_VARIANTS[TOOL_VARIANT].items()),
+    "actor.sampling.max_tokens=48",  # a hermes call is ~30 tokens
+    # three factors: with two (the examples' own) SmolLM2 answers all 48 probe prompts
+    # greedily, leaving nothing to gain; with three, 38 of 48 (sampled at T 1: 20%)
+    "task.num_operands=3",
+]
 EVAL_SEEDS = (1, 2, 3)  # one held-out set per seed (eval.sets.<name>.seed)
 HELDOUT_FRAC = 0.3  # enough held-out problems that three sets of --eval-prompts differ
 LAST_SHARE = 0.1  # the training reward's first and last tenth of the steps

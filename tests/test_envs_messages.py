@@ -21,12 +21,12 @@ from asyncrl.actor.env_runner import make_runner
 from asyncrl.actor.settings import ActorSettings
 from asyncrl.config import compose_config
 from asyncrl.engine.settings import EngineSettings, SamplingSettings
-from asyncrl.envs.calculator import CalculatorTask
+from asyncrl.envs.calculator import CalculatorChatEnv, CalculatorTask
 from asyncrl.envs.chat_turns import ChatRenderer, TemplateDrift
 from asyncrl.envs.messages import ChatEnv, ChatOptions, Message, MessageStep, Opening
 from asyncrl.envs.settings import EnvSettings
 from asyncrl.models.tiny import build_tokenizer
-from asyncrl.models.tool_calls import FORMATS, ToolCall
+from asyncrl.models.tool_calls import FORMATS, ToolCall, tool_format
 
 TINY_TEMPLATE = compose_config(["env=calculator_chat"]).env.chat_template
 # ChatML-like, but an assistant turn before the last is shown as "(earlier turn)" (as
@@ -182,6 +182,38 @@ def test_a_three_turn_tool_episode_is_the_engines_ids_and_the_rendered_history(m
 
 
 # ---- on the real engine (the session's vLLM-CPU one, the tiny model) -------------------
+@pytest.mark.parametrize("model", list(CASES))
+def test_worked_examples_are_chat_turns_the_env_itself_would_answer(model, request):
+    tok = request.getfixturevalue("smollm2_tokenizer") if model == "smollm2" else tiny_tokenizer()
+    env, call = CASES[model]
+    a, b = CalculatorTask().sample(random.Random(0)).meta["operands"]
+    examples = {"12*34": 12 * 34, "56+7": 56 + 7}  # the expression, its value
+    traj, engine, prompt, runner = run_episode(
+        tok, {**env, "examples": list(examples)}, [call.format(expr=f"{a}*{b}"), str(a * b)]
+    )
+    assert traj.finish_reason == "done" and traj.reward == 1.0, traj.error
+    # each example: the question, the call as the format writes it (what the env parses
+    # from a model's turn), the value the env's tool answers, the value as the answer
+    fmt = tool_format(env["tool_format"])
+    worked = []
+    for expr, want in examples.items():
+        value = runner.env.make().calc(expr)
+        assert value == str(want)
+        written = call.format(expr=expr)
+        assert [c.arguments for c in fmt.parse(written).calls] == [{"expression": expr}]
+        worked += [Message("user", f"{expr}="), Message("assistant", written),
+                   Message("tool", value, tool_call_id="call_0", name="calc"),
+                   Message("assistant", value)]  # fmt: skip
+    system = [Message("system", env["system"])] if "system" in env else []
+    r = runner.renderer(runner.env.make())
+    opening = r.render(
+        [*system, *worked, Message("user", prompt.text)], list(CalculatorChatEnv.tools)
+    )
+    assert engine.requests[0] == list(tok.encode(opening, add_special_tokens=False))
+    with pytest.raises(ValueError, match="env.examples"):
+        CalculatorChatEnv(examples=["12x34"])
+
+
 CONTENT_TEMPLATE = (
     "{%- for m in messages -%}{%- if m['role'] == 'assistant' -%}{{ m['content'] }}"
     "{{ eos_token }}{%- else -%}{{ m['content'] }}{%- endif -%}{%- endfor -%}"

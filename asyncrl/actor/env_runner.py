@@ -135,18 +135,21 @@ class MultiTurnEpisodes:
         env: EnvSettings,
         version: Callable[[], int],
         rewards: RewardClient | None = None,  # None: the env's reward, in-process
+        sampling: Sampling | None = None,  # a group's: n episodes, each turn's request;
+        #   None: actor.sampling's (the held-out evaluation's greedy or pass@k groups)
     ):
         self.engine = engine
         self.task = task
         self.env = env
         self.rewards = rewards or RewardClient()
         env.prepare()  # the sandbox pool, if the env grades programs
-        self.n = settings.sampling.n
+        sampling = sampling or policy_sampling(settings.sampling)
+        self.n = sampling.n
         self.max_model_len = settings.engine.max_model_len
-        self.turn_tokens = settings.sampling.max_tokens
+        self.turn_tokens = sampling.max_tokens
         self.version = version
         # n=1: each episode diverges after its first turn
-        self.sampling = replace(policy_sampling(settings.sampling), n=1)
+        self.sampling = replace(sampling, n=1)
         self._groups = 0  # groups started so far: the sampling seeds count them
         self._tokenizer = None
         self._renderer: ChatRenderer | None = None
@@ -395,9 +398,23 @@ def make_runner(
     if env.agent:
         return AgentEpisodes(engine, task, settings, env, version, rewards)
     cls = locate_target("env", env.target)
-    if callable(getattr(cls, "episodes", None)):  # an env that drives its own turn loop
+    if own_loop(cls):
         return own_loop_runner(cls(**env.kwargs), engine, task, settings, env, version)
     return MultiTurnEpisodes(engine, task, settings, env, version, rewards)
+
+
+def own_loop(cls: type) -> bool:
+    """Whether an env class drives its own turn loop (an ``episodes`` method)."""
+    return callable(getattr(cls, "episodes", None))
+
+
+def runs_turns(env: EnvSettings | None) -> bool:
+    """Whether :func:`make_runner` runs ``env``'s episodes with :class:`MultiTurnEpisodes`
+    (a text or message env; not the single-turn env, an agent program or an env with its
+    own turn loop)."""
+    if env is None or env.single_turn or env.agent:
+        return False
+    return not own_loop(locate_target("env", env.target))
 
 
 def own_loop_runner(

@@ -32,6 +32,7 @@ import re
 from asyncrl.envs.base import StepResult
 from asyncrl.envs.latency import ToolLatency
 from asyncrl.envs.messages import Message, MessageStep, Opening, ToolEnv
+from asyncrl.models.tool_calls import ToolCall, tool_format
 from asyncrl.tasks.base import Prompt, Task
 
 ALPHABET = "0123456789+*=<>/calc"
@@ -176,18 +177,38 @@ class CalculatorChatEnv(ToolEnv):
         tool_format: str = "calc",
         chat_template: str | None = None,
         turn_split: str = "history",
+        examples: list[str] | tuple[str, ...] = (),  # worked examples before the prompt
     ):
         super().__init__(tool_format, chat_template, turn_split)
         if max_calls < 0:
             raise ValueError(f"env.max_calls={max_calls}: expected >= 0")
+        bad = [e for e in examples if not EXPRESSION.fullmatch(str(e))]
+        if bad:
+            raise ValueError(f"env.examples: {bad[0]!r} is not integers joined by + or *")
         self.max_calls, self.system, self.calls = max_calls, system, 0
+        self.examples = [str(e) for e in examples]
         self.sample: Prompt | None = None
         self.task: Task | None = None
 
     async def reset(self, sample: Prompt, task: Task) -> Opening:
         self.sample, self.task, self.calls = sample, task, 0
         messages = [Message("system", self.system)] if self.system else []
+        header = getattr(task, "header", "")
+        for expr in self.examples:
+            messages += self.worked(f"{header}{expr}=", expr)
         return Opening([*messages, Message("user", sample.text)], list(self.tools))
+
+    def worked(self, question: str, expr: str) -> list[Message]:
+        """One worked example as chat turns: the question, a call written in the env's
+        tool format (the model's own turn is its text, as the runtime renders it), the
+        tool's answer, the value as the final answer."""
+        value = self.calc(expr)
+        call = tool_format(self.chat.tool_format).write(
+            ToolCall("call_0", "calc", {"expression": expr})
+        )
+        return [Message("user", question), Message("assistant", call),
+                Message("tool", value, tool_call_id="call_0", name="calc"),
+                Message("assistant", value)]  # fmt: skip
 
     def calc(self, expression: str) -> str:
         if not EXPRESSION.fullmatch(str(expression)):

@@ -76,6 +76,8 @@ class Evaluator:
             m[f"eval/{name}/pass@1"] = r["pass@1"]
             m[f"eval/{name}/pass@k"] = r["pass@k"]
             m[f"eval/{name}/reward_mean"] = r["reward_mean"]
+            if "tool_call_share" in r:  # a set scored as episodes (eval/actor.py)
+                m[f"eval/{name}/tool_call_share"] = r["tool_call_share"]
             m[f"eval/{name}/version"] = float(v)
         log.info(
             "eval: version %d: %s (%.1f s)", v,

@@ -8,7 +8,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.actor.settings import ActorSettings
 from asyncrl.config import ConfigError, build
+from asyncrl.envs.settings import EnvSettings
 from asyncrl.eval.settings import EvalSettings
 from asyncrl.eval.split import TrainSplit, heldout_prompts
 from asyncrl.tasks.base import Prompt
@@ -55,16 +57,22 @@ def prepare_eval(settings: EvalSettings, task: Any) -> tuple[EvalPlan, Any]:
 class EvalRun:
     """The evaluation actor of one run (None-safe: a run without evaluation has none)."""
 
-    def __init__(self, plan: EvalPlan, model_path: str, engine: Any, max_tokens: int, seed: int):
+    def __init__(
+        self, plan: EvalPlan, model_path: str, actor: ActorSettings, seed: int,
+        env: EnvSettings | None = None,
+    ):  # fmt: skip
+        """``actor``: the run's ActorSettings (its engine, its limits); ``env``: the
+        run's EnvSettings (an env that takes turns: each prompt runs as episodes)."""
         import ray
 
         from asyncrl.eval.actor import EvalActor
 
         s = plan.settings
+        max_tokens = s.max_tokens or actor.sampling.max_tokens
         self.actor = (
             ray.remote(EvalActor)
             .options(num_cpus=s.num_cpus, max_concurrency=MAX_CONCURRENCY)
-            .remote(model_path, engine, s, plan.sets, s.max_tokens or max_tokens, seed)
+            .remote(model_path, actor, s, plan.sets, max_tokens, seed, env)
         )
         self.started = self.actor.start.remote()  # the engine starts beside the others
         self.plan = plan
@@ -91,7 +99,4 @@ class EvalRun:
 def launch(plan: EvalPlan, setup: Any) -> EvalRun | None:
     if not plan.settings.enabled:
         return None
-    return EvalRun(
-        plan, setup.model_path, setup.actor.engine, setup.actor.sampling.max_tokens,
-        setup.run.seed,
-    )  # fmt: skip
+    return EvalRun(plan, setup.model_path, setup.actor, setup.run.seed, setup.env)
