@@ -287,3 +287,16 @@ def sync_world(
             ray.kill(actor)
             learner.close()
             ray.kill(queue)
+
+
+def plan_shard_digests(model_dir, full: dict, tp: int) -> list[dict[str, str]]:
+    """Per engine TP rank, the digests of the full-tensor resharding plan's slice of
+    ``full`` (the learner's whole state dict) for a model directory at TP size ``tp``."""
+    import json
+
+    from asyncrl.transport.endpoint import digests
+    from asyncrl.transport.reshard import plan_for
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    plan = plan_for(config, [(k, tuple(v.shape)) for k, v in full.items()], tp)
+    return [digests(plan.shard(r, full)) for r in range(tp)]

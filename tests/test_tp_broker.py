@@ -279,21 +279,11 @@ def tp_learner_world(ray_local, tiny_model, task):
         yield w
 
 
-def _plan_shards(model_dir, full: dict) -> list[dict[str, str]]:
-    """Per engine TP rank, the digests of the full-tensor plan's slice of ``full``."""
-    import json
-
-    from asyncrl.transport.endpoint import digests
-    from asyncrl.transport.reshard import plan_for
-
-    config = json.loads((model_dir / "config.json").read_text())
-    plan = plan_for(config, [(k, tuple(v.shape)) for k, v in full.items()], TP)
-    return [digests(plan.shard(r, full)) for r in range(TP)]
-
-
 def _synced(ray, w, version: int, model_dir, mode: str = "full") -> dict[str, float]:
     """Perturb every learner rank, publish ``version``; every worker loaded exactly its
     learner TP rank's shard, which is the full-tensor plan's slice."""
+    from helpers import plan_shard_digests
+
     learner, broker = w["learner"], w["broker"]
     ray.get([r.__ray_call__.remote(_perturb, version, mode) for r in learner.ranks])
     broker.publish(version)
@@ -302,7 +292,9 @@ def _synced(ray, w, version: int, model_dir, mode: str = "full") -> dict[str, fl
     loaded = ray.get(w["actor"].loaded_digests.remote())
     by_rank = ray.get([r.shard_digests.remote(TP) for r in learner.ranks])
     assert [x["digests"] for x in loaded] == [x["digests"] for x in by_rank]
-    assert [x["digests"] for x in loaded] == _plan_shards(model_dir, learner.full_state_dict())
+    assert [x["digests"] for x in loaded] == plan_shard_digests(
+        model_dir, learner.full_state_dict(), TP
+    )
     assert all(x["version"] == version for x in loaded) and by_rank[0]["gathered"] == []
     return m
 

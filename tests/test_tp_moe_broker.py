@@ -72,19 +72,6 @@ def moe_ep_world(ray_local, moe_model, task):
         yield w
 
 
-def plan_shards(model_dir, full: dict) -> list[dict[str, str]]:
-    """Per engine TP rank, the digests of the full-tensor plan's slice of ``full``."""
-    import json
-    from pathlib import Path
-
-    from asyncrl.transport.endpoint import digests
-    from asyncrl.transport.reshard import plan_for
-
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    plan = plan_for(config, [(k, tuple(v.shape)) for k, v in full.items()], TP)
-    return [digests(plan.shard(r, full)) for r in range(TP)]
-
-
 def synced(ray, w, version: int, model_dir, mode: str) -> dict[str, float]:
     """Perturb every learner rank, publish ``version``: every worker loaded exactly its
     learner TP rank's shard, which is the full-tensor plan's slice; the experts were
@@ -98,7 +85,9 @@ def synced(ray, w, version: int, model_dir, mode: str) -> dict[str, float]:
     by_rank = ray.get([r.shard_digests.remote(TP) for r in learner.ranks])
     assert [x["digests"] for x in loaded] == [x["digests"] for x in by_rank[:TP]]
     assert [x["digests"] for x in by_rank[TP:]] == [x["digests"] for x in by_rank[:TP]]
-    assert [x["digests"] for x in loaded] == plan_shards(model_dir, learner.full_state_dict())
+    assert [x["digests"] for x in loaded] == helpers.plan_shard_digests(
+        model_dir, learner.full_state_dict(), TP
+    )
     assert all(x["version"] == version for x in loaded)
     assert all(x["gathered"] == [] and len(x["exchanged"]) == 4 for x in by_rank)
     return m
