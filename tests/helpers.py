@@ -300,3 +300,21 @@ def plan_shard_digests(model_dir, full: dict, tp: int) -> list[dict[str, str]]:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     plan = plan_for(config, [(k, tuple(v.shape)) for k, v in full.items()], tp)
     return [digests(plan.shard(r, full)) for r in range(tp)]
+
+
+def publish_tp_sync(ray, w, version: int, mode: str, perturb, tp: int, model_dir):
+    """Perturb every learner rank (``perturb(rank, version, mode)`` on each), publish
+    ``version`` through the broker and wait: no broker error, every engine worker loaded
+    ``version`` and exactly the full-tensor plan's slice for its TP rank. Returns the
+    sync's metrics, the workers' loaded digests and each learner rank's shard digests."""
+    learner, broker = w["learner"], w["broker"]
+    ray.get([r.__ray_call__.remote(perturb, version, mode) for r in learner.ranks])
+    broker.publish(version)
+    m = broker.wait()
+    assert m["broker/errors"] == 0, broker.errors
+    loaded = ray.get(w["actor"].loaded_digests.remote())
+    by_rank = ray.get([r.shard_digests.remote(tp) for r in learner.ranks])
+    full = learner.full_state_dict()
+    assert [x["digests"] for x in loaded] == plan_shard_digests(model_dir, full, tp)
+    assert all(x["version"] == version for x in loaded)
+    return m, loaded, by_rank

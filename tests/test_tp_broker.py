@@ -282,20 +282,11 @@ def tp_learner_world(ray_local, tiny_model, task):
 def _synced(ray, w, version: int, model_dir, mode: str = "full") -> dict[str, float]:
     """Perturb every learner rank, publish ``version``; every worker loaded exactly its
     learner TP rank's shard, which is the full-tensor plan's slice."""
-    from helpers import plan_shard_digests
+    from helpers import publish_tp_sync
 
-    learner, broker = w["learner"], w["broker"]
-    ray.get([r.__ray_call__.remote(_perturb, version, mode) for r in learner.ranks])
-    broker.publish(version)
-    m = broker.wait()
-    assert m["broker/errors"] == 0, broker.errors
-    loaded = ray.get(w["actor"].loaded_digests.remote())
-    by_rank = ray.get([r.shard_digests.remote(TP) for r in learner.ranks])
+    m, loaded, by_rank = publish_tp_sync(ray, w, version, mode, _perturb, TP, model_dir)
     assert [x["digests"] for x in loaded] == [x["digests"] for x in by_rank]
-    assert [x["digests"] for x in loaded] == plan_shard_digests(
-        model_dir, learner.full_state_dict(), TP
-    )
-    assert all(x["version"] == version for x in loaded) and by_rank[0]["gathered"] == []
+    assert by_rank[0]["gathered"] == []
     return m
 
 

@@ -76,19 +76,9 @@ def synced(ray, w, version: int, model_dir, mode: str) -> dict[str, float]:
     """Perturb every learner rank, publish ``version``: every worker loaded exactly its
     learner TP rank's shard, which is the full-tensor plan's slice; the experts were
     exchanged, nothing gathered."""
-    learner, broker = w["learner"], w["broker"]
-    ray.get([r.__ray_call__.remote(perturb, version, mode) for r in learner.ranks])
-    broker.publish(version)
-    m = broker.wait()
-    assert m["broker/errors"] == 0, broker.errors
-    loaded = ray.get(w["actor"].loaded_digests.remote())
-    by_rank = ray.get([r.shard_digests.remote(TP) for r in learner.ranks])
+    m, loaded, by_rank = helpers.publish_tp_sync(ray, w, version, mode, perturb, TP, model_dir)
     assert [x["digests"] for x in loaded] == [x["digests"] for x in by_rank[:TP]]
     assert [x["digests"] for x in by_rank[TP:]] == [x["digests"] for x in by_rank[:TP]]
-    assert [x["digests"] for x in loaded] == helpers.plan_shard_digests(
-        model_dir, learner.full_state_dict(), TP
-    )
-    assert all(x["version"] == version for x in loaded)
     assert all(x["gathered"] == [] and len(x["exchanged"]) == 4 for x in by_rank)
     return m
 
