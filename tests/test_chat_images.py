@@ -128,7 +128,7 @@ def test_a_tool_image_episode_is_the_incremental_render_expanded_exactly(process
         assert t.prompt_ids.tolist() + t.response_ids.tolist() == expanded(processor, full, pngs)
         assert t.prompt_ids.tolist() == expanded(processor, "<image>", pngs[:1])
         tool = expanded(processor, "=<image>", pngs[1:])  # the tool message: not trained
-        assert len(tool) == 1 + 19  # "=" and the image's tokens
+        assert len(tool) == 1 + 3 + TinyVLMSpec.defaults().image_seq_len  # "=" and the image's
         assert t.response_ids.tolist() == call + tool + answer
         trained = [True] * len(call) + [False] * len(tool) + [True] * len(answer)
         assert t.loss_mask.tolist() == trained

@@ -25,6 +25,8 @@ from asyncrl.tasks.visual import prompt_images
 from asyncrl.trajectory import Image, Trajectory, from_bytes, to_bytes
 
 FP32_LOGP_TOL = 1e-4  # one fp32 model, packed vs alone: only kernel order differs
+IMAGE_TOKENS = TinyVLMSpec.defaults().image_seq_len  # <image> tokens per image
+IMAGE_IDS = 3 + IMAGE_TOKENS  # one image's ids: <fake><global-img>, its tokens, <fake>
 
 
 @pytest.fixture(scope="module")
@@ -197,8 +199,9 @@ def test_an_observation_image_is_appended_as_the_processors_tokens_exactly(vlm_d
         text = "<image>" + "99" + tok.eos_token + "<image>" + "99" + tok.eos_token
         want = proc(text=text, images=[pil], add_special_tokens=False)["input_ids"][0]
         assert t.prompt_ids.tolist() + t.response_ids.tolist() == want
-        assert t.prompt_ids.size == 19 and t.response_ids.size == 2 * len(answer) + 19
-        assert t.loss_mask.tolist() == [True] * 3 + [False] * 19 + [True] * 3
+        assert t.prompt_ids.size == IMAGE_IDS
+        assert t.response_ids.size == 2 * len(answer) + IMAGE_IDS
+        assert t.loss_mask.tolist() == [True] * 3 + [False] * IMAGE_IDS + [True] * 3
         assert (t.behaviour_logprobs[~t.loss_mask] == 0).all()
         assert t.reward == 0.0 and t.reward_breakdown["retries"] == 1.0
     # turn 1: the prompt's text and image; turn 2: one placeholder per image, both images
@@ -268,11 +271,11 @@ def test_the_packed_forward_puts_observation_images_in_their_tokens(vlm_dir):
         enc = proc(text=text, images=[[PIL_of(b) for b in pngs]], add_special_tokens=False,
                    return_tensors="pt")  # fmt: skip
         ids = enc["input_ids"][0].tolist()
-        p = 19
+        p = IMAGE_IDS
         resp = ids[p:]
         mask = np.ones(len(resp), bool)
         if obs:
-            mask[3 : 3 + 19] = False  # "12", EOS, then the observation's image
+            mask[3 : 3 + IMAGE_IDS] = False  # "12", EOS, then the observation's image
         n = len(resp)
         trajs.append(Trajectory(f"{g}", str(g), ids[:p], resp, np.zeros(n), np.zeros(n), mask,
                                 0.0, images=images))  # fmt: skip
@@ -288,6 +291,7 @@ def test_the_packed_forward_puts_observation_images_in_their_tokens(vlm_dir):
         px = policy.pixel_inputs(pk, torch.device("cpu"))
         logits, _ = policy_forward(lm, None, pk.input_ids, pk.position_ids, pk.flat_pos, px)
     got = token_logprobs(logits, pk.targets, 1.0, 0, 1.0)
-    assert int(px["image_tokens"].sum()) == 5 * 16  # 5 images: 3 prompts', 2 observations'
+    # 5 images: 3 prompts', 2 observations'
+    assert int(px["image_tokens"].sum()) == 5 * IMAGE_TOKENS
     diff = (got - torch.cat([want[i] for i in pk.seqs])).abs().max().item()
     assert diff < FP32_LOGP_TOL

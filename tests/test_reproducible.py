@@ -5,6 +5,7 @@ batch, the model build) come out the same twice. docs/reproducibility.md."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -92,7 +93,7 @@ def test_a_damaged_package_is_refused(tmp_path, monkeypatch):
     with open(bad / "model.safetensors", "r+b") as f:
         f.seek(-1, os.SEEK_END)
         f.write(b"\x00")
-    monkeypatch.setattr(shipped, "SHIPPED_DIR", bad)
+    monkeypatch.setattr(shipped, "TINY", dataclasses.replace(shipped.TINY, dir=bad))
     with pytest.raises(shipped.ShippedModelError, match="sha256"):
         ensure_tiny_model(default_task(), default_spec(), tmp_path / "cache")
 

@@ -64,6 +64,27 @@ def test_the_text_is_drawn_whole_at_varied_places_and_sizes():
     assert len(set(heights)) >= 3  # so do the font sizes
 
 
+def test_the_cells_layout_puts_each_character_in_its_cell_of_the_bottom_row():
+    from asyncrl.tasks.visual import CELL_JITTER
+
+    task = VisualAdditionTask(layout="cells", noise=0.0)
+    rng, lefts = random.Random(4), set()
+    for _ in range(40):
+        a, b = rng.randint(0, 19), rng.randint(0, 19)
+        text = f"{a}+{b}="
+        img, centres = task.draw(text, rng)
+        cells = [(int(x // task.cell), int(y // task.cell)) for x, y in centres]
+        assert cells == [(c, 7) for c in range(8 - len(text), 8)]  # the last in the last cell
+        for (x, _), (c, _) in zip(centres, cells):
+            assert abs(x - (c + 0.5) * task.cell) <= CELL_JITTER
+        x0, y0, x1, y1 = _ink_box(img)
+        assert 64 - task.cell <= y1 <= 62  # whole, ending in the bottom row
+        assert y0 >= 64 - 2 * task.cell
+        assert x0 >= (8 - len(text)) * task.cell - 2  # nothing left of its first cell
+        lefts.add(x0 - (8 - len(text)) * task.cell)
+    assert len(lefts) >= 3  # the glyphs move within their cells
+
+
 def test_noise_moves_pixels_but_keeps_the_drawing():
     rng_a, rng_b = random.Random(5), random.Random(5)
     clean = np.asarray(render("13+7=", 64, (12,), 0.0, rng_a), dtype=np.float32)
@@ -93,6 +114,9 @@ def test_reward_is_the_exact_sum():
         ({"noise": -1.0}, "task.noise"),
         ({"font_sizes": []}, "task.font_sizes"),
         ({"image_size": 32, "font_sizes": [30]}, "task.image_size"),  # the text cannot fit
+        ({"layout": "grid"}, "task.layout"),
+        ({"layout": "cells", "cell": 12}, "task.image_size"),  # 6 cells of 12 px > 64
+        ({"cell": 2}, "task.cell"),
     ],
 )
 def test_bad_settings_are_refused_by_name(kw, key):

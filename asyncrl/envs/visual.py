@@ -23,7 +23,7 @@ from asyncrl.config import settings_from
 from asyncrl.envs.base import StepResult
 from asyncrl.envs.settings import VisualRetrySettings
 from asyncrl.tasks.base import Prompt, Task
-from asyncrl.tasks.visual import IMAGE_PLACEHOLDER, VisualAdditionTask, png_bytes, render
+from asyncrl.tasks.visual import IMAGE_PLACEHOLDER, VisualAdditionTask, png_bytes
 
 
 class VisualRetryEnv:
@@ -64,5 +64,4 @@ class VisualRetryEnv:
         t, first = self.task, self.sample.meta["images"][0]
         key = hashlib.blake2b(first + self.retries.to_bytes(2, "big"), digest_size=8)
         rng = random.Random(int.from_bytes(key.digest(), "big"))
-        image = render(self.sample.meta["shown"], t.image_size, t.font_sizes, t.noise, rng)
-        return png_bytes(image)
+        return png_bytes(t.draw(self.sample.meta["shown"], rng)[0])

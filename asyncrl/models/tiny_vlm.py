@@ -475,6 +475,7 @@ def build_tiny_vlm(
         "lm_spec": asdict(lm_spec),
         "lm_weights_sha256": weights_sha256(lm_dir),
         "task": task_key(task),
+        "cache_key": cache_key(task, spec, lm_spec),
         "params": sum(p.numel() for p in model.parameters()),
         "warm_start_read_loss_first": reads[0] if reads else None,
         "warm_start_read_loss_last": reads[-1] if reads else None,
@@ -518,21 +519,33 @@ def ensure_tiny_vlm(
     task: VisualAdditionTask, spec: TinyVLMSpec, lm_spec: TinyModelSpec,
     cache_dir: Path | None = None,
 ) -> Path:  # fmt: skip
-    """Path to the cached tiny VLM for (task, spec, lm_spec), built once if missing
-    (two processes asking at once build it once: file lock)."""
+    """Path to the cached tiny VLM for (task, spec, lm_spec). The default one is copied
+    from the package (:data:`asyncrl.models.shipped.TINY_VLM`, its weights' sha256
+    checked on every call); any other is built once if missing (two processes asking at
+    once build it once: file lock)."""
+    from asyncrl.models.shipped import TINY_VLM
+
     cache_dir = Path(cache_dir or default_cache_dir())
     key = cache_key(task, spec, lm_spec)
     out = cache_dir / f"tiny_vlm-{key}"
-    if (out / "config.json").exists():
+    is_shipped = key == TINY_VLM.cache_key
+
+    def ready() -> bool:
+        return TINY_VLM.is_current(out) if is_shipped else (out / "config.json").exists()
+
+    if ready():
         return out
     cache_dir.mkdir(parents=True, exist_ok=True)
     lock_path = cache_dir / f".tiny_vlm-{key}.lock"
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if the holder dies
         try:
-            if not (out / "config.json").exists():
-                torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-                build_tiny_vlm(out, task, spec, lm_spec, cache_dir)
+            if ready():
+                return out
+            if is_shipped:
+                return TINY_VLM.install(out)
+            torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+            build_tiny_vlm(out, task, spec, lm_spec, cache_dir)
         finally:
             lock_path.unlink(missing_ok=True)
     return out
