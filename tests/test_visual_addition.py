@@ -142,5 +142,11 @@ def test_the_vlm_resolves_for_its_task_and_is_refused_for_another():
     cfg = compose_config(["model=tiny_vlm", "task=visual_addition"])
     with pytest.raises(ConfigError, match="model=tiny_vlm"):
         resolve_model(cfg, AdditionTask())
-    got = resolve_model(cfg, VisualAdditionTask())  # built once into the cache
+    short = compose_config(["model=tiny_vlm", "actor.engine.max_model_len=64"])
+    with pytest.raises(ConfigError, match="actor.engine.max_model_len=64: .* at least 70"):
+        resolve_model(short, VisualAdditionTask())  # before any build or engine
+    long = compose_config(["model=tiny_vlm", "actor.engine.max_model_len=512"])
+    with pytest.raises(ConfigError, match="model.vlm.max_positions=160"):
+        resolve_model(long, VisualAdditionTask())
+    got = resolve_model(cfg, VisualAdditionTask())  # the shipped model, copied
     assert json.loads(open(f"{got}/config.json").read())["model_type"] == "idefics3"

@@ -94,7 +94,26 @@ def _tiny_vlm_dir(cfg: Any, task: Any) -> Path:
         spec = settings_from(TinyVLMSpec, cfg.model.vlm, "model.vlm")
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    check_vlm_lengths(spec, task, cfg.actor.engine.max_model_len)
     return ensure_tiny_vlm(task, spec, lm_spec, cfg.model.cache_dir)
+
+
+def check_vlm_lengths(spec: Any, task: Any, max_model_len: int) -> None:
+    """An image prompt (``<fake><global-img>``, the image's tokens, ``<fake>``) and its
+    longest answer with EOS must fit the engine's ``max_model_len``, and that the
+    language model's ``max_positions``: else one line naming the key."""
+    need = 3 + spec.image_seq_len + task.max_response_chars + 1
+    if max_model_len < need:
+        raise ConfigError(
+            f"actor.engine.max_model_len={max_model_len}: model=tiny_vlm's image prompt is "
+            f"{3 + spec.image_seq_len} tokens and an answer up to {task.max_response_chars + 1} "
+            f"more; set it to at least {need}"
+        )
+    if max_model_len > spec.max_positions:
+        raise ConfigError(
+            f"actor.engine.max_model_len={max_model_len}: more than the language model's "
+            f"model.vlm.max_positions={spec.max_positions}"
+        )
 
 
 def is_hub_id(path: str) -> bool:

@@ -98,7 +98,7 @@ SHIPPED_DIR = TINY.dir
 TINY_VLM = ShippedModel(
     PACKAGE_DIR / "tiny_vlm_default",
     weights_sha256="6e2fe05f0018df4e2342cd20ad3706e734c185506a0eaa33105cefc9d5262313",
-    cache_key="9efa5d7958ec",
+    cache_key="662d4f11043c",
     files=(*FILES, "processor_config.json"),
 )
 
