@@ -31,7 +31,7 @@ from asyncrl.fault.actors import fault_summary
 from asyncrl.fault.learner import RestartLedger, close_dead_learner, learner_death
 from asyncrl.learner.resume import save_checkpoint
 from asyncrl.loop import LoopHooks, LoopResult, RunError, run_loop
-from asyncrl.models.shipped import WEIGHTS_SHA256
+from asyncrl.models.shipped import TINY_VLM, WEIGHTS_SHA256
 from asyncrl.monitor import HealthMonitor, MonitorSettings
 from asyncrl.parts import Parts
 from asyncrl.runtime import GracefulStop, Interrupted, check_local_cpus, check_resources, init_ray
@@ -132,7 +132,8 @@ def _run(cfg: DictConfig, out_dir: Path, stop: GracefulStop) -> dict[str, Any]:
     setup: Setup = prepare(cfg)  # every config error surfaces here, before Ray starts
     startup_mark("prepared")  # the config checked, the model resolved (built if need be)
     monitor = _before_ray(cfg, setup, out_dir)
-    fp = fingerprint(cfg, setup.model_path, setup.run.seed, WEIGHTS_SHA256)  # what it ran
+    shipped = TINY_VLM.weights_sha256 if "vlm" in cfg.model else WEIGHTS_SHA256
+    fp = fingerprint(cfg, setup.model_path, setup.run.seed, shipped)  # what it ran
     started = init_ray(setup.ray)
     startup_mark("ray_up")
     stop.install()  # over any handler ray.init set

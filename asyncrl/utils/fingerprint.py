@@ -135,7 +135,8 @@ def fingerprint(
 ) -> dict[str, Any]:
     """The run's fingerprint: ``model`` (path, ``weights_sha256``, ``shipped``: the
     weights' sha256 is ``shipped_sha256``, the one recorded for the repository's default
-    model, ``asyncrl.models.shipped.WEIGHTS_SHA256``), ``config_sha256``, ``seed``,
+    model of the run's kind, ``asyncrl.models.shipped.WEIGHTS_SHA256`` or
+    ``TINY_VLM.weights_sha256``), ``config_sha256``, ``seed``,
     ``git`` (commit, dirty), ``versions`` and ``hardware``. JSON-serialisable."""
     sha = weights_sha256(model_path) if model_path else None
     return {
