@@ -75,11 +75,11 @@ def sum_engine(processor, prompt) -> FakeEngine:
 
 def runner(engine, env_cls: str = "SumPictureEnv", n: int = 2, task=None) -> MultiTurnEpisodes:
     env = EnvSettings.from_config(
-        {"_target_": f"{ENVS}.{env_cls}", "max_turns": 3, "max_tokens": 60,
+        {"_target_": f"{ENVS}.{env_cls}", "max_turns": 3, "max_tokens": 90,
          "timeout_s": 60}
     )  # fmt: skip
     settings = ActorSettings.defaults(sampling=SamplingSettings.defaults(n=n, max_tokens=8),
-                                      engine=EngineSettings.defaults(max_model_len=128))  # fmt: skip
+                                      engine=EngineSettings.defaults(max_model_len=160))  # fmt: skip
     return MultiTurnEpisodes(engine, task or default_task(), settings, env, lambda: 0)
 
 

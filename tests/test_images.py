@@ -176,11 +176,14 @@ def _visual_runner(engine, n: int = 2, max_turns: int = 2):
     from asyncrl.actor.settings import ActorSettings
     from asyncrl.envs.settings import EnvSettings
 
+    # max_tokens: 2 answers and a 67-token image (conf/env/visual_addition_mt.yaml)
     env = EnvSettings.from_config(
         {"_target_": "asyncrl.envs.visual.VisualRetryEnv", "max_turns": max_turns,
-         "max_tokens": 40, "timeout_s": 60, "retries": 1, "retry_credit": 0.5}
+         "max_tokens": 80, "timeout_s": 60, "retries": 1, "retry_credit": 0.5}
     )  # fmt: skip
-    settings = ActorSettings.defaults(sampling={"n": n, "max_tokens": 6})
+    settings = ActorSettings.defaults(
+        sampling={"n": n, "max_tokens": 6}, engine={"max_model_len": 160}
+    )
     return MultiTurnEpisodes(engine, default_task(), settings, env, lambda: 0)
 
 
