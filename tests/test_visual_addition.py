@@ -52,7 +52,7 @@ def _ink_box(img) -> tuple[int, int, int, int]:
 
 def test_the_text_is_drawn_whole_at_varied_places_and_sizes():
     boxes = []
-    for p in _draws(1, 40, noise=0.0):
+    for p in _draws(1, 40, noise=0.0, layout="free"):
         (img,) = prompt_images(p)
         a = np.asarray(img.convert("L"))
         assert a.min() <= 96 and a.max() >= 159  # ink on paper, legible
@@ -137,6 +137,7 @@ def test_the_vlm_resolves_for_its_task_and_is_refused_for_another():
     import json
 
     from asyncrl.models.resolve import resolve_model
+    from asyncrl.models.shipped import TINY_VLM
     from asyncrl.tasks.arithmetic import AdditionTask
 
     cfg = compose_config(["model=tiny_vlm", "task=visual_addition"])
@@ -149,4 +150,5 @@ def test_the_vlm_resolves_for_its_task_and_is_refused_for_another():
     with pytest.raises(ConfigError, match="model.vlm.max_positions=160"):
         resolve_model(long, VisualAdditionTask())
     got = resolve_model(cfg, VisualAdditionTask())  # the shipped model, copied
+    assert TINY_VLM.is_current(got)  # the default config asks for the shipped one
     assert json.loads(open(f"{got}/config.json").read())["model_type"] == "idefics3"

@@ -41,11 +41,11 @@ class ShippedModel:
     cache_key: str
     files: tuple[str, ...]
 
-    def is_current(self, model_dir: Path) -> bool:
+    def is_current(self, model_dir: Path | str) -> bool:
         """``model_dir`` holds this model (its weights' sha256 is the recorded one)."""
-        weights = model_dir / "model.safetensors"
+        weights = Path(model_dir) / "model.safetensors"
         return (
-            (model_dir / "config.json").exists()
+            (Path(model_dir) / "config.json").exists()
             and weights.exists()
             and (file_sha256(weights) == self.weights_sha256)
         )

@@ -47,7 +47,7 @@ class VisualAdditionTask:
         font_sizes: tuple[int, ...] | list[int] = (0, 10, 12, 14),
         noise: float = 8.0,
         partial_credit: float = 0.0,
-        layout: str = "free",
+        layout: str = "cells",
         cell: int = 8,
     ):
         if max_operand < 1:
