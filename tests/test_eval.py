@@ -17,6 +17,7 @@ from asyncrl.eval.driver import Evaluator
 from asyncrl.eval.settings import EvalSettings
 from asyncrl.eval.split import TrainSplit, heldout_prompts, is_heldout
 from asyncrl.tasks.arithmetic import AdditionTask
+from asyncrl.tasks.base import Prompt
 
 CONF = Path(__file__).parents[1] / "conf"
 
@@ -77,6 +78,26 @@ def test_the_held_out_problems_never_reach_training():
     assert train.alphabet == task.alphabet and train.reward(*_scored(task)) == task.reward(
         *_scored(task)
     )
+
+
+def test_image_prompts_are_split_by_the_problem_in_the_image():
+    """task=visual_addition's prompts all read ``<image>``: the split goes by the sum
+    drawn (``meta["shown"]``), so about a tenth of the 400 sums are held out, training
+    never draws one of them, and a held-out set holds distinct sums."""
+    from asyncrl.eval.split import problem_key
+    from asyncrl.tasks.visual import VisualAdditionTask
+
+    task = VisualAdditionTask()
+    train = TrainSplit(task, 0.1)
+    rng = random.Random(0)
+    seen = {train.sample(rng).meta["shown"] for _ in range(3000)}
+    held = [p.meta["shown"] for p in heldout_prompts(task, 0.1, seed=1, n=100)]
+    assert len(set(held)) == len(held) and 20 <= len(held) <= 60, len(held)
+    assert not seen & set(held) and len(seen | set(held)) == 400
+    p = task.sample(random.Random(2))
+    assert problem_key(p) == f"<image>\0{p.meta['shown']}"  # not the drawing
+    unnamed = Prompt(text="<image>", answer="", meta={"images": [b"a"]})
+    assert problem_key(unnamed) != problem_key(Prompt("<image>", "", meta={"images": [b"b"]}))
 
 
 def _scored(task):

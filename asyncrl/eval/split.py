@@ -1,6 +1,8 @@
 """The held-out split of a task: which prompts training never sees.
 
-A prompt is held out when a hash of its text falls below ``eval.heldout_frac``: a fixed
+A prompt is held out when a hash of its problem (:func:`problem_key`: its text, and for
+an image prompt, whose text is the placeholder alone, the problem drawn into the image)
+falls below ``eval.heldout_frac``: a fixed
 property of the problem itself, not of the order it was drawn in, so the split is the
 same in every actor, every run and every resume. The addition task draws operands
 uniformly from a finite space (asyncrl/tasks/arithmetic.py: 20 x 20 = 400 problems at
@@ -24,8 +26,22 @@ from asyncrl.tasks.base import Prompt, Task
 MAX_DRAWS = 1000
 
 
+def problem_key(prompt: Prompt) -> str:
+    """What the split hashes: the prompt's text; for a prompt with images, whose text
+    need not say the problem (``task=visual_addition``'s is ``<image>`` alone), the text
+    and the problem the task drew (``meta["shown"]``), or else the images' bytes: each
+    rendering of one problem is then a problem of its own."""
+    images = prompt.meta.get("images")
+    if not images:
+        return prompt.text
+    if "shown" in prompt.meta:
+        return f"{prompt.text}\0{prompt.meta['shown']}"
+    return f"{prompt.text}\0{hashlib.sha256(b''.join(images)).hexdigest()}"
+
+
 def is_heldout(text: str, frac: float) -> bool:
-    """Whether a prompt (by its text) belongs to the held-out split."""
+    """Whether a prompt belongs to the held-out split, by its :func:`problem_key` (for a
+    text prompt, its text)."""
     h = hashlib.sha256(text.encode()).digest()
     return int.from_bytes(h[:8], "big") / 2**64 < frac
 
@@ -41,7 +57,7 @@ class TrainSplit:
     def sample(self, rng: random.Random) -> Prompt:
         for _ in range(MAX_DRAWS):
             p = self.inner.sample(rng)
-            if not is_heldout(p.text, self.frac):
+            if not is_heldout(problem_key(p), self.frac):
                 return p
         raise RuntimeError(
             f"{MAX_DRAWS} draws in a row were held out (eval.heldout_frac={self.frac})"
@@ -65,8 +81,9 @@ def heldout_prompts(task: Task, frac: float, seed: int, n: int) -> list[Prompt]:
     misses = 0
     while len(out) < n and misses < MAX_DRAWS * max(n, 1):
         p = task.sample(rng)
-        if is_heldout(p.text, frac) and p.text not in out:
-            out[p.text] = p
+        key = problem_key(p)
+        if is_heldout(key, frac) and key not in out:
+            out[key] = p
             misses = 0
         else:
             misses += 1
