@@ -86,6 +86,22 @@ def _image_trajectories(vlm_dir, groups: int, seed: int = 0):
     return trajs, want
 
 
+def test_evaluation_gives_the_engine_each_prompts_images(task):
+    """The evaluator's single-turn scoring sends an image prompt's images with it, greedy
+    and sampled alike (without them the engine reads the bare placeholder)."""
+    from asyncrl.eval.actor import SetScorer
+    from asyncrl.eval.settings import EvalSettings
+    from asyncrl.models.tiny import build_tokenizer
+
+    engine = FakeEngine(build_tokenizer(task.alphabet), policy=lambda ids: "7")
+    vis = default_task()
+    prompts = [vis.sample(random.Random(seed)) for seed in range(3)]
+    scorer = SetScorer(engine, EvalSettings.defaults(k=2), 4, 0)
+    asyncio.run(scorer.score(vis, prompts))
+    want = [p.meta["images"] for p in prompts]
+    assert engine.images == want + want  # the greedy requests, then the sampled ones
+
+
 def test_the_packed_forward_with_images_is_each_sequence_alone(vlm_dir):
     trajs, want = _image_trajectories(vlm_dir, groups=3)
     lm = load_lm(str(vlm_dir)).eval()

@@ -121,7 +121,9 @@ class SetScorer:
         )
 
     async def _generate(self, prompt: Prompt, sampling: Sampling) -> list[str]:
-        out = await self.engine.generate(prompt.text, sampling, "eval-" + uuid.uuid4().hex[:12])
+        rid = "eval-" + uuid.uuid4().hex[:12]
+        images = list(prompt.meta.get("images", ()))  # an image prompt's PNGs, as the actor's
+        out = await self.engine.generate(prompt.text, sampling, rid, images=images)
         return [c.text for c in out.completions]
 
 
