@@ -9,7 +9,12 @@ import pytest
 
 from asyncrl.config import ConfigError, compose_config
 from asyncrl.tasks.base import Prompt, TaskSampler
-from asyncrl.tasks.visual import IMAGE_PLACEHOLDER, VisualAdditionTask, prompt_images, render
+from asyncrl.tasks.visual import (
+    IMAGE_PLACEHOLDER,
+    VisualAdditionTask,
+    prompt_images,
+    render_with_centres,
+)
 
 
 def _draws(seed: int, n: int, **kw) -> list:
@@ -87,8 +92,8 @@ def test_the_cells_layout_puts_each_character_in_its_cell_of_the_bottom_row():
 
 def test_noise_moves_pixels_but_keeps_the_drawing():
     rng_a, rng_b = random.Random(5), random.Random(5)
-    clean = np.asarray(render("13+7=", 64, (12,), 0.0, rng_a), dtype=np.float32)
-    noisy = np.asarray(render("13+7=", 64, (12,), 8.0, rng_b), dtype=np.float32)
+    clean = np.asarray(render_with_centres("13+7=", 64, (12,), 0.0, rng_a)[0], dtype=np.float32)
+    noisy = np.asarray(render_with_centres("13+7=", 64, (12,), 8.0, rng_b)[0], dtype=np.float32)
     diff = noisy - clean
     assert 4.0 < diff.std() < 12.0  # ~ the noise's sd, clipped at 0 and 255
     assert abs(diff.mean()) < 4.0  # clipping at white paper shifts it a little

@@ -138,21 +138,14 @@ def text_size(text: str, size: int) -> tuple[int, int]:
     return right - left, bottom - top
 
 
-def render(
-    text: str, image_size: int, font_sizes: tuple[int, ...], noise: float, rng: random.Random
-):
-    """An RGB PIL image of ``text`` at a random font size and position (the whole text
-    inside the image), ink and paper gray levels, and Gaussian pixel noise; every draw
-    from ``rng``."""
-    return render_with_centres(text, image_size, font_sizes, noise, rng)[0]
-
-
 def render_with_centres(
     text: str, image_size: int, font_sizes: tuple[int, ...], noise: float, rng: random.Random
 ) -> tuple[Any, list[tuple[float, float]]]:
-    """:func:`render`'s image (the same draws from ``rng``, the same pixels) and the
-    (x, y) pixel centre of each of ``text``'s characters in it: where the drawing put
-    them, what a warm start supervises the vision tower's tokens with."""
+    """Layout ``"free"``: an RGB PIL image of ``text`` at a random font size and position
+    (the whole text inside the image), ink and paper gray levels, and Gaussian pixel
+    noise, every draw from ``rng``; and the (x, y) pixel centre of each of ``text``'s
+    characters in it: where the drawing put them, what a warm start supervises the
+    vision tower's tokens with."""
 
     from PIL import ImageDraw
 
