@@ -30,6 +30,7 @@ def cfg(*overrides: str):
 BAD = [
     ("eval.every=-1", "eval.every=-1"),
     ("eval.k=0", "eval.k=0"),
+    ("eval.max_inflight_groups=0", "eval.max_inflight_groups=0"),
     ("eval.num_prompts=abc", "eval.num_prompts='abc': expected an integer"),
     ("eval.heldout_frac=1.5", "eval.heldout_frac=1.5"),
     ("+eval.bogus=1", "eval: unknown key(s) ['bogus']"),

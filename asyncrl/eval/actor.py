@@ -4,7 +4,8 @@ the held-out sets, while training goes on.
     evaluate([ref], V):  load the published weights of V (the object-store path the
                          rollout actors' update_weights takes: actor/weights.py)
                          ─▶ per set (SetScorer): every prompt greedy (pass@1) and k
-                            samples at eval.temperature (pass@k), all at once
+                            samples at eval.temperature (pass@k), all requests at once
+                            (episodes: at most eval.max_inflight_groups groups at once)
                          ─▶ {set: {"pass@1", "pass@k", "reward_mean", ...}}, "version": V
 
 A single-turn run scores each completion with the task's reward. A run whose env takes
@@ -69,6 +70,8 @@ class SetScorer:
         sampled = self._params(s.k, s.temperature)
         jobs = [self._generate(p, greedy) for p in prompts]
         jobs += [self._generate(p, sampled) for p in prompts]
+        # every request at once: the engine queues and batches them, and no clock runs per
+        # request (unlike an episode's env.timeout_s)
         texts = await asyncio.gather(*jobs)
         n = len(prompts)
         passed1, passedk, rewards = 0, 0, []
@@ -87,12 +90,20 @@ class SetScorer:
 
     async def score_episodes(self, task: Task, prompts: list[Prompt]) -> dict[str, float]:
         """One greedy episode and a group of k sampled ones per prompt, through the
-        actor's runner; the trajectories' reward is the env's (no reward workers)."""
+        actor's runner; the trajectories' reward is the env's (no reward workers). At
+        most ``eval.max_inflight_groups`` groups run at once (the rest wait to start), so
+        an episode's ``env.timeout_s`` counts from its own start."""
         s = self.settings
         greedy = self._runner(task, self._episode_params(1, 0.0))
         sampled = self._runner(task, self._episode_params(s.k, s.temperature))
+        slots = asyncio.Semaphore(s.max_inflight_groups)
+
+        async def run(runner: MultiTurnEpisodes, prompt: Prompt) -> TrajectoryGroup:
+            async with slots:
+                return await runner.run_group(prompt)
+
         groups: list[TrajectoryGroup] = await asyncio.gather(
-            *[greedy.run_group(p) for p in prompts], *[sampled.run_group(p) for p in prompts]
+            *[run(greedy, p) for p in prompts], *[run(sampled, p) for p in prompts]
         )
         n = len(prompts)
         ones = [g.trajectories[0] for g in groups[:n]]

@@ -40,6 +40,9 @@ class EvalSettings(Settings):
     heldout_frac: float = setting("(0, 1)")
     num_cpus: float = setting(">= 0")  # Ray CPUs reserved (0: it shares the cores)
     timeout_s: float = setting(TIMEOUT_S)  # an evaluation running at the end is waited this long
+    # episode groups at once of an env that takes turns (each episode's env.timeout_s
+    # counts from its own start, not from when the whole set was queued)
+    max_inflight_groups: int = setting(">= 1")
     # name -> EvalSetSettings (a mapping in config: each entry checked in ``check``)
     sets: dict[str, Any] = setting()
 
