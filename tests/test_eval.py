@@ -83,18 +83,22 @@ def test_the_held_out_problems_never_reach_training():
 
 def test_image_prompts_are_split_by_the_problem_in_the_image():
     """task=visual_addition's prompts all read ``<image>``: the split goes by the sum
-    drawn (``meta["shown"]``), so about a tenth of the 400 sums are held out, training
-    never draws one of them, and a held-out set holds distinct sums."""
+    drawn (``meta["shown"]``): training draws exactly the problems whose key is not held
+    out, and a held-out set holds distinct held-out problems (operands up to 9: a
+    100-problem space, each prompt a rendered PNG)."""
     from asyncrl.eval.split import problem_key
     from asyncrl.tasks.visual import VisualAdditionTask
 
-    task = VisualAdditionTask()
+    task = VisualAdditionTask(max_operand=9)
+    shown = {f"{a}+{b}=" for a in range(10) for b in range(10)}
+    held_out = {t for t in shown if is_heldout(f"<image>\0{t}", 0.1)}
+    assert 3 <= len(held_out) <= 20, held_out
     train = TrainSplit(task, 0.1)
     rng = random.Random(0)
-    seen = {train.sample(rng).meta["shown"] for _ in range(3000)}
-    held = [p.meta["shown"] for p in heldout_prompts(task, 0.1, seed=1, n=100)]
-    assert len(set(held)) == len(held) and 20 <= len(held) <= 60, len(held)
-    assert not seen & set(held) and len(seen | set(held)) == 400
+    seen = {train.sample(rng).meta["shown"] for _ in range(1000)}
+    assert seen == shown - held_out
+    held = [p.meta["shown"] for p in heldout_prompts(task, 0.1, seed=1, n=3)]
+    assert len(set(held)) == 3 and set(held) <= held_out, held
     p = task.sample(random.Random(2))
     assert problem_key(p) == f"<image>\0{p.meta['shown']}"  # not the drawing
     unnamed = Prompt(text="<image>", answer="", meta={"images": [b"a"]})
