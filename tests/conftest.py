@@ -42,8 +42,9 @@ def uses_vllm_actor(item) -> bool:
 
 
 # Session fixtures worth building once per worker: the test files that name one run on
-# the same pytest-xdist worker, so the fixture is built once there.
-SHARED_FIXTURES = ("vllm_actor", "short_cli_run", "moe_model")
+# the same pytest-xdist worker, so the fixture is built once there (``tool_run``: the
+# 12-step run that tests/test_inspect.py makes once per worker's basetemp).
+SHARED_FIXTURES = ("vllm_actor", "short_cli_run", "moe_model", "tool_run")
 TESTS = Path(__file__).parent
 
 
