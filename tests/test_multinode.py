@@ -70,6 +70,11 @@ USER_MODULE = textwrap.dedent("""
 """)
 
 
+# A node's graceful stop waits ~30 s on its raylet and GCS; nothing of a test cluster
+# needs to be kept, so the stop kills what is left after this.
+STOP_GRACE_S = 5
+
+
 def _can_bind(ip: str) -> bool:
     try:
         with socket.socket() as s:
@@ -153,14 +158,15 @@ class Cluster:
         )  # fmt: skip
 
     def stop(self) -> None:
-        """SIGTERM to the two ``ray start --block`` (they stop their node's processes),
-        then SIGKILL to whatever of this cluster is left; its temp dir removed."""
+        """SIGTERM to the two ``ray start --block`` process groups, STOP_GRACE_S for them
+        to go, then SIGKILL to whatever of this cluster is left; its temp dir removed."""
         for p in self.procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
+        grace = time.time() + STOP_GRACE_S
         for p in self.procs:
             try:
-                p.wait(timeout=30)
+                p.wait(timeout=max(0.0, grace - time.time()))
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=10)
