@@ -152,10 +152,10 @@ ROOT = Path(__file__).parents[1]
 # the length and evaluation settings of the suite's shared short run (conftest.short_cli_run)
 SHORT_RUN_STEPS, SHORT_RUN_EVAL = 8, ("eval.every=4", "eval.k=3", "eval.num_prompts=16")
 # the shared short run steers its staleness bound (tests/test_steer_run.py)
+SHORT_RUN_AUTO_BOUND = ("replay.max_staleness=auto", "replay.auto_widen_after=2")
 MOE_WARM_START_STEPS = (
     20  # tiny_moe's preset takes 250 (minutes on 2 cores); 20 make a model to compare
 )
-SHORT_RUN_AUTO_BOUND = ("replay.max_staleness=auto", "replay.auto_widen_after=2")
 
 
 def run_cli(
