@@ -1,5 +1,5 @@
-"""Shared fixtures: the tiny model (built once, cached), a local Ray on loopback, and one
-short real CLI run that several feature tests read."""
+"""Shared fixtures: the tiny model (built once, cached), a local Ray on loopback, and the
+real CLI runs that several test files read."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from helpers import (
+    DEFAULT_RUN_STEPS,
     MOE_WARM_START_STEPS,
     SHORT_RUN_AUTO_BOUND,
     SHORT_RUN_EVAL,
     SHORT_RUN_STEPS,
+    WITH_STRICT_AT_0,
     composed,
     engine_actor,
     run_cli,
@@ -44,7 +46,7 @@ def uses_vllm_actor(item) -> bool:
 # Session fixtures worth building once per worker: the test files that name one run on
 # the same pytest-xdist worker, so the fixture is built once there (``tool_run``: the
 # 12-step run that tests/test_inspect.py makes once per worker's basetemp).
-SHARED_FIXTURES = ("vllm_actor", "short_cli_run", "moe_model", "tool_run")
+SHARED_FIXTURES = ("vllm_actor", "short_cli_run", "default_run", "moe_model", "tool_run")
 TESTS = Path(__file__).parent
 
 
@@ -194,5 +196,18 @@ def short_cli_run(tmp_path_factory, tiny_model) -> Path:
     out = base / "run"
     r = run_cli(out, f"max_steps={SHORT_RUN_STEPS}", *SHORT_RUN_EVAL, *SHORT_RUN_AUTO_BOUND,
                 "loss._target_=my_losses.scaled.ScaledPG", "+loss.alpha=0.3", env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory, tiny_model) -> Path:
+    """The default job through ``python -m asyncrl.train`` for DEFAULT_RUN_STEPS steps,
+    with the strict answer verifier scored at weight 0 beside the task's reward (the
+    same training reward; every hacking rule live): what the README promises of the
+    default run (tests/test_e2e.py) and an honest run the hacking monitors leave quiet
+    (tests/test_hacking_run.py)."""
+    out = tmp_path_factory.mktemp("default_run") / "run"
+    r = run_cli(out, f"max_steps={DEFAULT_RUN_STEPS}", WITH_STRICT_AT_0)
     assert r.returncode == 0, r.stderr[-4000:]
     return out

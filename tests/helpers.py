@@ -153,6 +153,13 @@ ROOT = Path(__file__).parents[1]
 SHORT_RUN_STEPS, SHORT_RUN_EVAL = 8, ("eval.every=4", "eval.k=3", "eval.num_prompts=16")
 # the shared short run steers its staleness bound (tests/test_steer_run.py)
 SHORT_RUN_AUTO_BOUND = ("replay.max_staleness=auto", "replay.auto_widen_after=2")
+# the default job with the strict answer verifier scored at weight 0 (every hacking rule
+# live, the training reward the task's alone): conftest.default_run
+DEFAULT_RUN_STEPS = 120
+WITH_STRICT_AT_0 = (
+    "reward.components=[{_target_: asyncrl.rewards.task.TaskReward, weight: 1.0}, "
+    "{_target_: asyncrl.rewards.shaping.StrictAnswer, weight: 0.0}]"
+)
 MOE_WARM_START_STEPS = (
     20  # tiny_moe's preset takes 250 (minutes on 2 cores); 20 make a model to compare
 )

@@ -16,6 +16,7 @@ def test_files_sharing_a_session_engine_or_run_are_one_group():
     assert group_of("test_eval.py") == group_of("test_user_loss.py") == "short_cli_run"
     assert group_of("test_steer_run.py") == "short_cli_run"
     assert group_of("test_inspect.py") == group_of("test_replay_tool.py") == "tool_run"
+    assert group_of("test_e2e.py") == group_of("test_hacking_run.py") == "default_run"
     assert group_of("test_config.py") == "test_config.py"
     assert group_of("test_not_there.py") == "test_not_there.py"
 

