@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from asyncrl.learner.model import LM_PREFIX, VALUE_PREFIX, PolicyModel
-from asyncrl.models.arch import decoder_layers
+from asyncrl.models.arch import decoder_layers, tower_layers
 from asyncrl.transport.reshard import EXPERTS_EP, OTHER, Piece
 
 LOOPBACK = "127.0.0.1"
@@ -74,8 +74,9 @@ def shard(
     (learner/expert_parallel.py), FSDP-sharded over the ``dp`` ranks that hold the same
     share (their own FSDP units, as torchtitan shards experts over its ``dp_mod_ep``
     mesh; with ``ep == world_size`` FSDP leaves them alone; with ``tp > 1`` too, each
-    ``tp`` rank routes its share of the tokens); then ``fully_shard`` each decoder layer
-    and the root over ``dp`` (``tp``) or every rank; sum-reduce gradients."""
+    ``tp`` rank routes its share of the tokens); then ``fully_shard`` each block of a
+    vision tower (whole on every ``tp`` rank), each decoder layer and the root over
+    ``dp`` (``tp``) or every rank; sum-reduce gradients."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -102,6 +103,8 @@ def shard(
         if world_size > ep:  # replicated over dp: shard them there, gradients summed
             for m in expert_modules(policy.lm):
                 fully_shard(m, mesh=dp_ep["dp"], mp_policy=mp)
+    for block in tower_layers(policy.lm) or ():
+        fully_shard(block, mesh=mesh, mp_policy=mp)
     for layer in decoder_layers(policy.lm):
         fully_shard(layer, mesh=mesh, mp_policy=mp, ignored_params=experts)
     fully_shard(policy, mesh=mesh, mp_policy=mp, ignored_params=experts)
@@ -114,14 +117,16 @@ def shard(
 
 def fsdp_units(policy: PolicyModel) -> list[tuple[nn.Module, list[str]]]:
     """``(module, names of the parameters it owns)`` per FSDP unit: the root first, then
-    each decoder layer followed by the units inside it (a MoE layer's experts with
-    ``ep < world_size``); a parameter belongs to the innermost unit holding it. Names are
-    :class:`PolicyModel` FQNs (``named_parameters`` drops the tied LM head)."""
+    each block of a vision tower, then each decoder layer followed by the units inside
+    it (a MoE layer's experts with ``ep < world_size``); a parameter belongs to the
+    innermost unit holding it. Names are :class:`PolicyModel` FQNs (``named_parameters``
+    drops the tied LM head)."""
     from torch.distributed.fsdp import FSDPModule
 
     module_names = {id(m): n for n, m in policy.named_modules()}
+    blocks = [*(tower_layers(policy.lm) or ()), *decoder_layers(policy.lm)]
     mods = [policy] + [
-        m for layer in decoder_layers(policy.lm) for m in layer.modules()
+        m for layer in blocks for m in layer.modules()
         if m is layer or isinstance(m, FSDPModule)
     ]  # fmt: skip
     prefix = [module_names[id(m)] + "." if m is not policy else "" for m in mods]

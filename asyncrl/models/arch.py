@@ -29,3 +29,28 @@ def decoder_layers(lm: nn.Module) -> nn.ModuleList:
             "which the learner's FSDP wrapping shards; this architecture is not supported"
         )
     return max(found, key=len)
+
+
+# What HF vision-language models call their image encoder: Idefics3 / SmolVLM / Mllama,
+# LLaVA / Gemma 3, Qwen2-VL / Qwen2.5-VL.
+VISION_TOWERS = ("vision_model", "vision_tower", "visual")
+
+
+def tower_layers(lm: nn.Module) -> nn.ModuleList | None:
+    """The vision tower's blocks (FSDP shards one unit per block, as it does the decoder
+    layers): the longest ModuleList of blocks of one class inside the model's image
+    encoder, found by its name in :data:`VISION_TOWERS` on the model or on its
+    ``model``; None for a text model or a tower without such a list."""
+    for holder in (lm, getattr(lm, "model", None)):
+        tower = next(
+            (t for n in VISION_TOWERS if isinstance(t := getattr(holder, n, None), nn.Module)),
+            None,
+        )
+        if tower is not None:
+            found = [
+                m
+                for m in tower.modules()
+                if isinstance(m, nn.ModuleList) and len(m) and len({type(b) for b in m}) == 1
+            ]
+            return max(found, key=len) if found else None
+    return None
