@@ -30,7 +30,8 @@ Figures (last stdout line, JSON):
                         code (env=code, graded in the sandbox); longtail (answers of
                         heavy-tailed lengths, :data:`JOBS`)
     sync_*_seconds_per_step / asyncrl_*_seconds_per_step, *_env_step_seconds_per_episode
-                        where each side's time went (:data:`TIME_SPLIT`)
+                        where each side's time went (:data:`TIME_SPLIT`; the sync
+                        loop's over the steps its seconds_per_step counts: not the first)
 
 With several seeds the figures are medians over the pairs and ``*_reward_last_spread``
 (max - min over seeds) says how far rewards move from seed to seed. The CSV has one row
@@ -181,16 +182,17 @@ def sync_loop(overrides: list[str], out: Path, threads: int = 0) -> dict[str, An
 
         learner.step_on_batch(collate(trajs, learner.pad_id), version)
         t2 = time.perf_counter()
-        gen_s, env_s, train_s = gen_s + t1 - t0 - e, env_s + e, train_s + t2 - t1
+        if version > 0 or setup.run.max_steps == 1:  # the steps seconds_per_step counts
+            gen_s, env_s, train_s = gen_s + t1 - t0 - e, env_s + e, train_s + t2 - t1
         times.append(t2)
         rewards.append(sum(t.reward for t in trajs) / len(trajs))
     k = max(1, len(rewards) // LAST_FRACTION)
     figures = {
         "steps": len(times),
         "seconds_per_step": (times[-1] - times[0]) / max(len(times) - 1, 1),
-        "generate_seconds_per_step": gen_s / len(times),
-        "env_wait_seconds_per_step": env_s / len(times),
-        "train_seconds_per_step": train_s / len(times),
+        "generate_seconds_per_step": gen_s / max(len(times) - 1, 1),
+        "env_wait_seconds_per_step": env_s / max(len(times) - 1, 1),
+        "train_seconds_per_step": train_s / max(len(times) - 1, 1),
         "env_step_seconds_per_episode": sum(env_ep) / len(env_ep) if env_ep else 0.0,
         "reward_first": sum(rewards[:k]) / k,
         "reward_last": sum(rewards[-k:]) / k,

@@ -77,9 +77,10 @@ def test_new_hostile_class_is_contained(name):
     assert c.contained, (c.reasons, g)
     assert g.reward == 0
     if name == "hash_collision":  # a wrong value, read in linear time: quadratic reading
-        # held the GIL for ~13 s per case; here about 0.1 s of CPU and a 0.01-0.2 s gap
+        # held the GIL for ~13 s per case; here about 0.1 s of CPU alone (1.15 s once on
+        # the AMD host in the suite) and a 0.01-0.2 s gap (0.95 s there)
         assert g.cases[0].got.startswith("set(") and g.cases[1].got.startswith("dict(")
-        assert cpu_s < 1.0 and longest_gap < 2.0 and g.wall_s < 3.0, (cpu_s, longest_gap)
+        assert cpu_s < 3.0 and longest_gap < 2.0 and g.wall_s < 5.0, (cpu_s, longest_gap)
     else:
         assert ERRORS[name] in g.error, g
     assert shm_segments() == segments  # `ipcs -m` unchanged
