@@ -260,9 +260,19 @@ async def test_a_chat_episode_on_vllm_is_the_engines_ids_and_the_rendered_histor
             requests.append((list(prompt), out.completions[0].token_ids.tolist()))
             return out
 
+    arrived, both = [], asyncio.Event()
+
     async def update():
+        """Once both episodes of the group have finished turn 1 (neither starts turn 2
+        before the update; an update while one still generated would label the rest of
+        its turn 1 with 7, as it should)."""
+        arrived.append(1)
+        if len(arrived) < 2:
+            await both.wait()
+            return
         label["v"] = 7
         await engine.label(7)
+        both.set()
 
     settings = ActorSettings.defaults(sampling=SamplingSettings.defaults(n=2, max_tokens=6))
     env = EnvSettings.defaults(target=f"{__name__}.EchoChatEnv", max_turns=4, max_tokens=56)
