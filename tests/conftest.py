@@ -15,6 +15,7 @@ from helpers import (
     MOE_WARM_START_STEPS,
     SHORT_RUN_AUTO_BOUND,
     SHORT_RUN_EVAL,
+    SHORT_RUN_REWARD,
     SHORT_RUN_STEPS,
     WITH_STRICT_AT_0,
     composed,
@@ -186,8 +187,9 @@ def short_cli_run(tmp_path_factory, tiny_model) -> Path:
     """One short real ``python -m asyncrl.train`` (an engine start and SHORT_RUN_STEPS
     steps) shared by the tests that each check one feature through the CLI: evaluation
     on (tests/test_eval.py), a researcher's loss class from their own module, found
-    through PYTHONPATH, with ``+loss.alpha=0.3`` (tests/test_user_loss.py), and a
-    staleness bound that steers itself (tests/test_steer_run.py)."""
+    through PYTHONPATH, with ``+loss.alpha=0.3`` (tests/test_user_loss.py), a
+    staleness bound that steers itself (tests/test_steer_run.py), and a reward of the
+    task's, the tiny reward model's and the tiny judge's (tests/test_reward_model_run.py)."""
     base = tmp_path_factory.mktemp("short_cli_run")
     userlib = write_user_loss(base)
     env = dict(
@@ -195,7 +197,8 @@ def short_cli_run(tmp_path_factory, tiny_model) -> Path:
     )
     out = base / "run"
     r = run_cli(out, f"max_steps={SHORT_RUN_STEPS}", *SHORT_RUN_EVAL, *SHORT_RUN_AUTO_BOUND,
-                "loss._target_=my_losses.scaled.ScaledPG", "+loss.alpha=0.3", env=env)  # fmt: skip
+                *SHORT_RUN_REWARD, "loss._target_=my_losses.scaled.ScaledPG", "+loss.alpha=0.3",
+                env=env)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     return out
 

@@ -153,6 +153,14 @@ ROOT = Path(__file__).parents[1]
 SHORT_RUN_STEPS, SHORT_RUN_EVAL = 8, ("eval.every=4", "eval.k=3", "eval.num_prompts=16")
 # the shared short run steers its staleness bound (tests/test_steer_run.py)
 SHORT_RUN_AUTO_BOUND = ("replay.max_staleness=auto", "replay.auto_widen_after=2")
+# the shared short run is scored by the task's reward, the tiny reward model and the tiny
+# judge at once (tests/test_reward_model_run.py); held-out evaluation scores the task's
+SHORT_RUN_REWARD = (
+    "reward=judge",
+    "reward.components=[{_target_: asyncrl.rewards.task.TaskReward, weight: 1.0}, "
+    "{_target_: asyncrl.rewards.rm.RewardModel, weight: 0.5, model: tiny}, "
+    "{_target_: asyncrl.rewards.judge.Judge, weight: 0.25, model: tiny, timeout_s: 600}]",
+)
 # the default job with the strict answer verifier scored at weight 0 (every hacking rule
 # live, the training reward the task's alone): conftest.default_run
 DEFAULT_RUN_STEPS = 120
