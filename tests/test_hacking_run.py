@@ -23,7 +23,7 @@ import pytest
 from helpers import DEFAULT_RUN_STEPS
 
 ROOT = Path(__file__).parents[1]
-STEPS = 25  # the hack showed at steps 11-16 of a 40-step run (docs/rewards.md)
+STEPS = 40  # the hack showed at steps 11-16 of a 40-step run (docs/rewards.md)
 RUN = [f"max_steps={STEPS}", "progress=false"]
 FAST = ["learner.optim.lr=5e-3", "learner.optim.schedule=constant",
         "learner.optim.mismatch_kl_target=null"]  # fmt: skip
