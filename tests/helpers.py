@@ -255,18 +255,41 @@ def perturb_mlp0(rank, seed: int, scale: float) -> None:
 
 
 @contextlib.contextmanager
-def sync_world(
-    ray, cfg, model: str, task, sampling, engine, timeout_s: float, join_timeout_s: float
-):
-    """One ``ControlledRolloutActor`` on ``model`` with its engine started, a one-rank
-    learner from ``cfg.learner``, and a full-mode, verifying weight broker between them,
-    on a fresh queue: what the fidelity tests (SmolLM2, VLM, LoRA) sync through. Yields
-    ``{"actor", "learner", "broker", "queue"}``; all of it is stopped afterwards."""
+def halted_actor(ray, model: str, task, sampling, engine):
+    """One ``ControlledRolloutActor`` ("actor0") on ``model`` with its engine started
+    and its loop halted, bound to a parking queue that grants no slot: what
+    :func:`learner_world` attaches a learner and a broker to, once or module after
+    module (a TP-2 engine start costs ~20-45 s). Killed afterwards."""
     import time
 
     from controlled_actor import ControlledRolloutActor
 
     from asyncrl.actor.settings import ActorSettings
+    from asyncrl.replay.queue import remote_queue
+
+    parking = remote_queue(max_staleness=0, batch_groups=0)
+    settings = ActorSettings.defaults(max_inflight_groups=2, sampling=sampling, engine=engine)
+    cls = ray.remote(ControlledRolloutActor).options(num_cpus=0, max_concurrency=1000)
+    actor = cls.remote("actor0", model, task, parking, settings, 0)
+    try:
+        t0 = time.monotonic()
+        ray.get(actor.start.remote())
+        print(f"engine start {time.monotonic() - t0:.0f} s")
+        ray.get(actor.halt.remote())
+        yield actor
+    finally:
+        ray.kill(actor)
+        ray.kill(parking)
+
+
+@contextlib.contextmanager
+def learner_world(ray, cfg, model: str, sampling, actor, timeout_s: float, join_timeout_s: float):
+    """For a started, halted ``actor`` (:func:`halted_actor`): a fresh queue it
+    generates into, a learner from ``cfg.learner``, and a full-mode, verifying weight
+    broker between them, which primes version 0 (the learner's initial weights, whatever
+    the engine held before) before the actor's loop resumes. Yields ``{"actor",
+    "learner", "broker", "queue"}``; afterwards the actor is halted again and the rest
+    stopped."""
     from asyncrl.broker.client import start_weight_broker
     from asyncrl.broker.settings import BrokerSettings
     from asyncrl.learner.config import LearnerSettings
@@ -276,32 +299,44 @@ def sync_world(
     from asyncrl.replay.queue import remote_queue
 
     queue = remote_queue(max_staleness=1000, batch_groups=1, policy="drop", capacity_groups=4)
-    settings = ActorSettings.defaults(max_inflight_groups=2, sampling=sampling, engine=engine)
-    cls = ray.remote(ControlledRolloutActor).options(num_cpus=0, max_concurrency=1000)
-    actor = cls.remote("actor0", model, task, queue, settings, 0)
     loss = ClippedISLoss()
     learner = start_learner(
         LearnerSettings.from_config(cfg.learner, loss, 10), model, loss, GroupNormalized(),
         sampling, 0, 10, None,
     )  # fmt: skip
-    learner.ping()
-    t0 = time.monotonic()
-    ray.get(actor.start.remote())
-    print(f"engine start {time.monotonic() - t0:.0f} s")
-    broker = start_weight_broker(
-        BrokerSettings.defaults(mode="full", timeout_s=timeout_s, join_timeout_s=join_timeout_s,
-                                verify=True),
-        {"actor0": actor}, learner.ranks,
-    )  # fmt: skip
     try:
-        yield {"actor": actor, "learner": learner, "broker": broker, "queue": queue}
-    finally:
+        learner.ping()
+        ray.get(actor.rebind.remote(queue, 0))
+        broker = start_weight_broker(
+            BrokerSettings.defaults(mode="full", timeout_s=timeout_s,
+                                    join_timeout_s=join_timeout_s, verify=True),
+            {"actor0": actor}, learner.ranks,
+        )  # fmt: skip
         try:
-            broker.close()
+            ray.get(actor.resume.remote())
+            yield {"actor": actor, "learner": learner, "broker": broker, "queue": queue}
         finally:
-            ray.kill(actor)
-            learner.close()
-            ray.kill(queue)
+            try:
+                broker.close()
+            finally:
+                ray.get(actor.halt.remote())
+    finally:
+        learner.close()
+        ray.kill(queue)
+
+
+@contextlib.contextmanager
+def sync_world(
+    ray, cfg, model: str, task, sampling, engine, timeout_s: float, join_timeout_s: float
+):
+    """:func:`halted_actor` and :func:`learner_world` together, for one module: what
+    the fidelity tests (SmolLM2, VLM, LoRA) sync through. Yields ``{"actor",
+    "learner", "broker", "queue"}``; all of it is stopped afterwards."""
+    with (
+        halted_actor(ray, model, task, sampling, engine) as actor,
+        learner_world(ray, cfg, model, sampling, actor, timeout_s, join_timeout_s) as world,
+    ):
+        yield world
 
 
 def plan_shard_digests(model_dir, full: dict, tp: int) -> list[dict[str, str]]:

