@@ -27,13 +27,14 @@ def preset(**overrides):
 
 
 @pytest.fixture(scope="module")
-def task():
+def rg_task():
     return preset(
         dataset="basic_arithmetic", config={"max_terms": 3, "max_digits": 2}, size=200, seed=3
     )
 
 
-def test_builds_from_config_and_draws_the_datasets_problems(task):
+def test_builds_from_config_and_draws_the_datasets_problems(rg_task):
+    task = rg_task
     import reasoning_gym
 
     assert isinstance(task, ReasoningGymTask)
@@ -49,7 +50,8 @@ def test_builds_from_config_and_draws_the_datasets_problems(task):
     assert len(texts) > 10  # many problems, not one
 
 
-def test_a_right_answer_scores_1_and_a_wrong_one_0(task):
+def test_a_right_answer_scores_1_and_a_wrong_one_0(rg_task):
+    task = rg_task
     p = task.sample(random.Random(1))
     right = f"Adding up step by step.\n<answer>{p.answer}</answer>"
     assert score(task, p, right) == (1.0, {"tagged": 1.0}, "")
@@ -70,7 +72,8 @@ def test_the_datasets_own_scorer_decides():
     assert score(t, p, f"<answer>{', '.join(reversed(words))}</answer>")[0] < 1.0
 
 
-def test_the_heldout_split_is_disjoint_from_training(task):
+def test_the_heldout_split_is_disjoint_from_training(rg_task):
+    task = rg_task
     held = heldout_prompts(task, 0.2, seed=1, n=30)
     train = TrainSplit(task, 0.2)
     rng = random.Random(0)
@@ -101,3 +104,53 @@ def test_without_reasoning_gym_one_line_says_how_to_install(monkeypatch):
     with pytest.raises(ConfigError) as e:
         ReasoningGymTask("chain_sum")
     assert "pip install" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.fixture
+def chat_model(tiny_model, tmp_path):
+    """The tiny model's files with SmolLM2's ChatML template (tests/test_smollm2_chat.py)."""
+    import shutil
+
+    from test_smollm2_chat import CHATML
+
+    out = tmp_path / "chat"
+    shutil.copytree(tiny_model, out)
+    (out / "chat_template.jinja").write_text(CHATML)
+    return out
+
+
+def test_worked_examples_come_before_every_question_and_are_never_drawn(chat_model):
+    """``task.shots``: the dataset's last entries, each a user turn and the bare answer,
+    rendered by the template before the question; their questions are never drawn
+    (products of 1-digit numbers repeat within 60 entries)."""
+    t = preset(dataset="products", config={"min_terms": 2, "max_terms": 2, "min_digits": 1,
+               "max_digits": 1}, size=60, shots=2, system="Reply with the answer only.")  # fmt: skip
+    t.bind_model(chat_model)
+    shown = [t.entry(58), t.entry(59)]
+    turns = "".join(
+        f"<|im_start|>user\n{e['question']}<|im_end|>\n<|im_start|>assistant\n{e['answer']}"
+        "<|im_end|>\n"
+        for e in shown
+    )
+    p = t.sample(random.Random(0))
+    assert p.text == (
+        "<|im_start|>system\nReply with the answer only.<|im_end|>\n" + turns
+        + f"<|im_start|>user\n{t.entry(p.meta['index'])['question']}<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )  # fmt: skip
+    questions = {e["question"] for e in shown}
+    repeats = [i for i in range(58) if t.entry(i)["question"] in questions]
+    assert repeats  # the check below has teeth: the examples' problems recur in the data
+    drawn = [t.sample(random.Random(s)).meta["index"] for s in range(300)]
+    assert not set(drawn) & {*repeats, 58, 59}
+    assert score(t, p, str(p.answer))[0] == 1.0  # answered bare, as the examples are
+
+
+def test_worked_examples_need_a_chat_template_and_a_count_in_range(tiny_model):
+    t = preset(dataset="chain_sum", size=50, shots=1)
+    with pytest.raises(ValueError, match="task.shots=1: worked examples are chat turns"):
+        t.bind_model(tiny_model)  # no chat template
+    for bad in (-1, 50, True, 1.5):
+        with pytest.raises(ConfigError, match=f"task.shots={bad!r}: expected an integer"):
+            ReasoningGymTask("chain_sum", size=50, shots=bad)
+    assert preset(dataset="chain_sum", size=50).chat_form.examples == ()  # the default: none

@@ -39,9 +39,12 @@ class ChatFrame:
         return self.prefix + user + self.suffix
 
     @classmethod
-    def from_model(cls, model_path: str | Path, system: str) -> ChatFrame | None:
+    def from_model(
+        cls, model_path: str | Path, system: str, examples: tuple[tuple[str, str], ...] = ()
+    ) -> ChatFrame | None:
         """The frame of ``model_path``'s tokenizer, None when it has no chat template.
-        Raises ValueError when the template does not keep the user text verbatim."""
+        ``examples``: (user, assistant) turns rendered before the user message, in the
+        prefix. Raises ValueError when the template does not keep the user text verbatim."""
         if without_template(Path(model_path)):
             return None
         from transformers import AutoTokenizer
@@ -52,6 +55,9 @@ class ChatFrame:
 
         def text(user: str) -> str:
             messages = [{"role": "system", "content": system}] if system else []
+            for question, answer in examples:
+                messages.append({"role": "user", "content": question})
+                messages.append({"role": "assistant", "content": answer})
             messages.append({"role": "user", "content": user})
             return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
@@ -88,22 +94,34 @@ class ChatForm:
     (the task's scalar attributes) does not change with them.
 
     ``chat``: None uses the model's chat template when it has one; True requires one;
-    False sends the task's plain prompt."""
+    False sends the task's plain prompt. ``examples``: worked (question, answer) turns
+    before every question (``task.shots``); they need a chat template."""
 
-    def __init__(self, chat: bool | None = None, system: str = ""):
+    def __init__(
+        self, chat: bool | None = None, system: str = "",
+        examples: tuple[tuple[str, str], ...] = (),
+    ):  # fmt: skip
         if chat not in (None, True, False):
             raise ValueError(f"task.chat must be true, false or null, got {chat!r}")
         self.chat = chat
         self.system = system
+        self.examples = tuple(examples)
         self.frame: ChatFrame | None = None
 
     def bind(self, model_path: str | Path) -> None:
-        if self.chat is False:
+        if self.chat is False and not self.examples:
             return
         try:
-            self.frame = ChatFrame.from_model(model_path, self.system)
+            self.frame = None if self.chat is False else ChatFrame.from_model(
+                model_path, self.system, self.examples
+            )  # fmt: skip
         except ValueError as e:
             raise ValueError(f"task.chat: {e}") from e
+        if self.frame is None and self.examples:
+            raise ValueError(
+                f"task.shots={len(self.examples)}: worked examples are chat turns, but "
+                f"{model_path} has no chat template (or task.chat=false)"
+            )
         if self.frame is None and self.chat:
             raise ValueError(f"task.chat=true but {model_path} has no chat template")
 

@@ -12,6 +12,11 @@ so every actor, the evaluator and a resumed run see the same problems with no do
 The held-out split is the usual one (asyncrl/eval/split.py): a hash of the prompt's
 text, so a problem is on one side only, whatever index or seed drew it.
 
+``shots`` worked examples (a chat model's few-shot prompt) are the dataset's last
+``shots`` entries, each a user turn (its question) and an assistant turn (its answer,
+bare) before every question; a problem whose question is one of theirs is never drawn,
+so no prompt carries its own answer.
+
 The answer is read the way reasoning-gym's own system prompts ask a chat model to
 write it: inside ``<answer>`` tags (the last pair wins; ``reward/tagged`` is 1 when the
 completion has one). A completion without tags is read by its last non-empty line, which
@@ -34,6 +39,7 @@ from asyncrl.tasks.chat import ChatForm
 
 INSTALL = "pip install 'asyncrl[reasoning_gym]' (or: pip install reasoning-gym)"
 DEFAULT_SYSTEM = "default"  # reasoning-gym's SYSTEM_PROMPTS key: asks for <answer> tags
+MAX_REDRAWS = 10_000  # draws that may hit a worked example's question before giving up
 _TAGGED = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
 
 
@@ -51,11 +57,11 @@ class ReasoningGymTask:
     """``dataset``: a reasoning-gym dataset name; ``config``: its config's fields (its
     ``seed`` and ``size`` are this task's ``seed`` and ``size``); ``system``: the system
     message in chat form (None: reasoning-gym's ``default`` system prompt, "" : the
-    chat template's own)."""
+    chat template's own); ``shots``: worked examples before each question (chat form)."""
 
     def __init__(
         self, dataset: str, config: dict[str, Any] | None = None, size: int = 1000,
-        seed: int = 0, chat: bool | None = None, system: str | None = None,
+        seed: int = 0, chat: bool | None = None, system: str | None = None, shots: int = 0,
     ):  # fmt: skip
         rg = _import()
         config = dict(config or {})
@@ -64,6 +70,8 @@ class ReasoningGymTask:
                 raise ConfigError(f"task.config.{key}: set task.{key} instead")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ConfigError(f"task.size={size!r}: expected an integer >= 1")
+        if isinstance(shots, bool) or not isinstance(shots, int) or not 0 <= shots < size:
+            raise ConfigError(f"task.shots={shots!r}: expected an integer in [0, task.size)")
         self.dataset_name = dataset
         self.size = size
         self.seed = seed
@@ -71,8 +79,11 @@ class ReasoningGymTask:
         self.data = _create(rg, dataset, config, seed, size)
         if system is None:
             system = rg.utils.SYSTEM_PROMPTS[DEFAULT_SYSTEM]
-        self.chat_form = ChatForm(chat, system)
         self._entries: dict[int, dict[str, Any]] = {}
+        shown = [self.entry(i) for i in range(size - shots, size)]
+        examples = tuple((e["question"], str(e.get("answer") or "")) for e in shown)
+        self._shown = frozenset(q for q, _ in examples)  # never drawn as a problem
+        self.chat_form = ChatForm(chat, system, examples)
 
     def bind_model(self, model_path: str | Path) -> None:
         """The driver, once the model is resolved: chat form if the model has a template."""
@@ -85,8 +96,16 @@ class ReasoningGymTask:
         return self._entries[index]
 
     def sample(self, rng: random.Random) -> Prompt:
-        index = rng.randrange(self.size)
-        e = self.entry(index)
+        for _ in range(MAX_REDRAWS):
+            index = rng.randrange(self.size)
+            e = self.entry(index)
+            if e["question"] not in self._shown:
+                break
+        else:
+            raise ConfigError(
+                f"task.shots={len(self._shown)}: {MAX_REDRAWS} draws in a row found only the "
+                f"worked examples' questions; {self.dataset_name} has too few distinct problems"
+            )
         text = self.chat_form.render(e["question"]) if self.chat_form.on else e["question"]
         answer = "" if e.get("answer") is None else str(e["answer"])
         meta = {"task": f"reasoning_gym/{self.dataset_name}", "index": index}
