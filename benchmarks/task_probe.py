@@ -49,6 +49,9 @@ DATASETS: dict[str, str] = {
     "leg_counting": "{min_animals: 1, max_animals: 2}",
     "count_bits": "{max_n: 64}",
 }
+# the worked examples and the system text make prompts of up to ~300 tokens (model=smollm2
+# sizes its engine for ~40)
+PROBE_OVERRIDES = ["actor.engine.max_model_len=512", "actor.engine.kv_cache_memory_mb=512"]
 HELDOUT_FRAC = 0.3  # benchmarks/learn.py's split
 SET_SEED = 1  # its first set
 
@@ -62,7 +65,7 @@ def task_of(args: Any, dataset: str, shots: int):
     cfg = compose(
         f"model={args.model}", "task=reasoning_gym", f"task.dataset={dataset}",
         f"+task.config={DATASETS[dataset]}", f"task.system='{SYSTEM}'", f"task.shots={shots}",
-        f"actor.engine.dtype={args.dtype}", *args.overrides,
+        f"actor.engine.dtype={args.dtype}", *PROBE_OVERRIDES, *args.overrides,
     )  # fmt: skip
     task = build_task(cfg)
     path = resolve_model(cfg, task)
