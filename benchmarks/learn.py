@@ -88,6 +88,20 @@ TASKS: dict[str, list[str]] = {
         "actor.sampling.max_tokens=32",
         "+actor.engine.extra.max_num_batched_tokens=10240",  # 32 prompts of a step at once
     ],
+    # reasoning-gym's basic_arithmetic: two 1-digit terms with +, -, *, / (exact quotients),
+    # negation and brackets ("Calculate ( -9 / 9 )."), 77 distinct answers, the commonest
+    # 6% of the dataset; three worked examples before each question (task.shots), so that
+    # SmolLM2 answers bare (benchmarks/task_probe.py: greedy 0 of 48 exact without them, 8
+    # of 48 with them).
+    "basic_arithmetic": [
+        "task=reasoning_gym",
+        "task.dataset=basic_arithmetic",
+        "+task.config={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}",
+        "task.system='Reply with the answer only.'",
+        "task.shots=3",
+        "actor.engine.max_model_len=256",  # the examples and the question: ~130 tokens
+        "actor.sampling.max_tokens=8",  # "-12" and its end are 3 tokens
+    ],
 }
 # calculator_tool: env=calculator_chat with SmolLM2's template and hermes `<tool_call>` JSON
 # (the format a ChatML model's tool calls take; SmolLM2's template has no tool section, so

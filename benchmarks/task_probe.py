@@ -49,9 +49,9 @@ DATASETS: dict[str, str] = {
     "leg_counting": "{min_animals: 1, max_animals: 2}",
     "count_bits": "{max_n: 64}",
 }
-# the worked examples and the system text make prompts of up to ~300 tokens (model=smollm2
-# sizes its engine for ~40)
-PROBE_OVERRIDES = ["actor.engine.max_model_len=512", "actor.engine.kv_cache_memory_mb=512"]
+# the worked examples and the system text make prompts of up to ~600 tokens (number_sorting's
+# questions with three examples; model=smollm2 sizes its engine for ~40)
+PROBE_OVERRIDES = ["actor.engine.max_model_len=1024", "actor.engine.kv_cache_memory_mb=512"]
 HELDOUT_FRAC = 0.3  # benchmarks/learn.py's split
 SET_SEED = 1  # its first set
 
@@ -117,13 +117,27 @@ async def run(args: Any) -> dict[str, dict[str, dict[str, Any]]]:
                 if engine is None:  # one engine: every probe differs in text only
                     engine = make_engine(path, ActorSettings.from_config(cfg.actor).engine, 0)
                     await engine.label(0)
-                row = await probe(engine, task, prompts, args)
+                try:
+                    row = await probe(engine, task, prompts, args)
+                except Exception as e:  # noqa: BLE001 - one probe's failure, the rest go on
+                    row = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
                 out.setdefault(dataset, {})[str(shots)] = row
                 print(f"{dataset} shots={shots}: {row}", file=sys.stderr, flush=True)
         return out
     finally:
         if engine is not None:
             engine.shutdown()
+
+
+COLUMNS = ("greedy_exact", "greedy_score", "sampled_exact", "sampled_score",
+           "groups_with_signal", "constant", "seconds")  # fmt: skip
+
+
+def row_cells(r: dict[str, Any]) -> list[Any]:
+    """A probe's table cells; a failed probe's error in the first."""
+    if "error" in r:
+        return [r["error"], *[""] * (len(COLUMNS) - 1)]
+    return [r[c] for c in COLUMNS]
 
 
 def main() -> None:
@@ -147,9 +161,7 @@ def main() -> None:
         f"and {args.samples} samples at T {args.temperature}, {args.max_tokens} tokens",
         ["dataset", "shots", "greedy exact", "greedy score", "sampled exact",
          "sampled score", "groups with signal", "constant", "s"],
-        [[d, k, r["greedy_exact"], r["greedy_score"], r["sampled_exact"], r["sampled_score"],
-          r["groups_with_signal"], r["constant"], r["seconds"]]
-         for d, by in rows.items() for k, r in by.items()],
+        [[d, k, *row_cells(r)] for d, by in rows.items() for k, r in by.items()],
     )  # fmt: skip
     emit_json({"by_dataset": rows, "datasets": {d: DATASETS[d] for d in rows},
                "system": SYSTEM, "model": args.model, "dtype": args.dtype,
