@@ -40,6 +40,22 @@ def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     return p
 
 
+def probe_args(p: argparse.ArgumentParser, max_tokens: int, what: str) -> argparse.Namespace:
+    """The flags the probes (benchmarks/tool_probe.py, task_probe.py) share, added to ``p``
+    after its own, parsed; ``--quick``: 8 prompts of 4 samples. ``what``: one sample."""
+    p.add_argument("--model", default="smollm2", help="a conf/model preset")
+    p.add_argument("--prompts", type=int, default=48, help="held-out prompts")
+    p.add_argument("--samples", type=int, default=8, help=f"sampled {what}s per prompt")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens per {what}")
+    p.add_argument("--dtype", default="bfloat16", help="actor.engine.dtype")
+    p.add_argument("overrides", nargs="*", help="config overrides")
+    args = p.parse_args()
+    if args.quick:
+        args.prompts, args.samples = 8, 4
+    return args
+
+
 def print_table(title: str, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
     """A plain aligned text table on stdout."""
     cells = [[_fmt(c) for c in r] for r in rows]

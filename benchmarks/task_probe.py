@@ -33,7 +33,7 @@ import time  # noqa: E402
 from collections import Counter  # noqa: E402
 from typing import Any  # noqa: E402
 
-from benchmarks.common import compose, emit_json, host, parser, print_table  # noqa: E402
+from benchmarks.common import compose, emit_json, host, parser, print_table, probe_args  # noqa: E402
 
 SYSTEM = "Reply with the answer only."
 # --datasets: name -> task.config (small instances, so that a 135M model can get some right)
@@ -142,18 +142,9 @@ def row_cells(r: dict[str, Any]) -> list[Any]:
 
 def main() -> None:
     p = parser("task_probe", __doc__)
-    p.add_argument("--model", default="smollm2", help="a conf/model preset")
     p.add_argument("--datasets", nargs="+", choices=list(DATASETS), default=list(DATASETS))
     p.add_argument("--shots", nargs="+", type=int, default=[0, 3], help="task.shots values")
-    p.add_argument("--prompts", type=int, default=48, help="held-out prompts")
-    p.add_argument("--samples", type=int, default=8, help="sampled answers per prompt")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
-    p.add_argument("--dtype", default="bfloat16", help="actor.engine.dtype")
-    p.add_argument("overrides", nargs="*", help="config overrides")
-    args = p.parse_args()
-    if args.quick:
-        args.prompts, args.samples = 8, 4
+    args = probe_args(p, 32, "answer")
     t0 = time.time()
     rows = asyncio.run(run(args))
     print_table(

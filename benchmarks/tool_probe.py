@@ -34,7 +34,7 @@ from typing import Any  # noqa: E402
 import yaml  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from benchmarks.common import compose, emit_json, host, parser, print_table  # noqa: E402
+from benchmarks.common import compose, emit_json, host, parser, print_table, probe_args  # noqa: E402
 
 HERMES_CALL = '<tool_call>{"name": "calc", "arguments": {"expression": "12*34"}}</tool_call>'
 INSTRUCT = (
@@ -168,18 +168,9 @@ async def run(args: Any) -> dict[str, dict[str, Any]]:
 
 def main() -> None:
     p = parser("tool_probe", __doc__)
-    p.add_argument("--model", default="smollm2", help="a conf/model preset")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    p.add_argument("--prompts", type=int, default=48, help="held-out prompts")
-    p.add_argument("--samples", type=int, default=8, help="sampled episodes per prompt")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-tokens", type=int, default=48, help="tokens per turn")
-    p.add_argument("--dtype", default="bfloat16", help="actor.engine.dtype")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("overrides", nargs="*", help="config overrides")
-    args = p.parse_args()
-    if args.quick:
-        args.prompts, args.samples = 8, 4
+    args = probe_args(p, 48, "episode")
     t0 = time.time()
     rows = asyncio.run(run(args))
     print_table(

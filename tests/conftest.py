@@ -165,6 +165,26 @@ def tiny_model(task) -> Path:
     return ensure_tiny_model(task, default_spec())
 
 
+# SmolLM2's chat template (ChatML), for tests of the chat form without a 135M model
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture
+def chat_model(tiny_model, tmp_path):
+    """The tiny model's files with a ChatML template (:data:`CHATML`) added."""
+    import shutil
+
+    out = tmp_path / "chat"
+    shutil.copytree(tiny_model, out)
+    (out / "chat_template.jinja").write_text(CHATML)
+    return out
+
+
 @pytest.fixture(scope="session")
 def moe_model(tmp_path_factory, task) -> Path:
     """``model=tiny_moe`` with a short warm start (``MOE_WARM_START_STEPS``), built once

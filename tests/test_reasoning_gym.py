@@ -106,19 +106,6 @@ def test_without_reasoning_gym_one_line_says_how_to_install(monkeypatch):
     assert "pip install" in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.fixture
-def chat_model(tiny_model, tmp_path):
-    """The tiny model's files with SmolLM2's ChatML template (tests/test_smollm2_chat.py)."""
-    import shutil
-
-    from test_smollm2_chat import CHATML
-
-    out = tmp_path / "chat"
-    shutil.copytree(tiny_model, out)
-    (out / "chat_template.jinja").write_text(CHATML)
-    return out
-
-
 def test_worked_examples_come_before_every_question_and_are_never_drawn(chat_model):
     """``task.shots``: the dataset's last entries, each a user turn and the bare answer,
     rendered by the template before the question; their questions are never drawn

@@ -9,27 +9,12 @@ import random
 import shutil
 
 import pytest
+from conftest import CHATML
 
 from asyncrl.config import ConfigError
 from asyncrl.tasks.arithmetic import AdditionTask
 from asyncrl.tasks.chat import final_answer
 from asyncrl.tasks.jsonl import JsonlTask
-
-CHATML = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful AI assistant<|im_end|>\\n' }}{% endif %}"
-    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-
-@pytest.fixture
-def chat_model(tiny_model, tmp_path):
-    """The tiny model's files with a ChatML template added."""
-    out = tmp_path / "chat"
-    shutil.copytree(tiny_model, out)
-    (out / "chat_template.jinja").write_text(CHATML)
-    return out
 
 
 @pytest.mark.parametrize(
