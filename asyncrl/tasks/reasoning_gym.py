@@ -53,6 +53,11 @@ def answer_of(completion: str) -> tuple[str, bool]:
     return (lines[-1] if lines else ""), False
 
 
+def answer_text(entry: dict[str, Any]) -> str:
+    """An entry's reference answer as text ("" when it has none)."""
+    return "" if entry.get("answer") is None else str(entry["answer"])
+
+
 class ReasoningGymTask:
     """``dataset``: a reasoning-gym dataset name; ``config``: its config's fields (its
     ``seed`` and ``size`` are this task's ``seed`` and ``size``); ``system``: the system
@@ -81,7 +86,7 @@ class ReasoningGymTask:
             system = rg.utils.SYSTEM_PROMPTS[DEFAULT_SYSTEM]
         self._entries: dict[int, dict[str, Any]] = {}
         shown = [self.entry(i) for i in range(size - shots, size)]
-        examples = tuple((e["question"], str(e.get("answer") or "")) for e in shown)
+        examples = tuple((e["question"], answer_text(e)) for e in shown)
         self._shown = frozenset(q for q, _ in examples)  # never drawn as a problem
         self.chat_form = ChatForm(chat, system, examples)
 
@@ -107,7 +112,7 @@ class ReasoningGymTask:
                 f"worked examples' questions; {self.dataset_name} has too few distinct problems"
             )
         text = self.chat_form.render(e["question"]) if self.chat_form.on else e["question"]
-        answer = "" if e.get("answer") is None else str(e["answer"])
+        answer = answer_text(e)
         meta = {"task": f"reasoning_gym/{self.dataset_name}", "index": index}
         return Prompt(text, answer, meta)
 
