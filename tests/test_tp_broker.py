@@ -61,13 +61,13 @@ def test_the_tp_ranks_reports_combine_into_one_sync():
     assert combine_sends([r0, SendDone("g", True)]).shard_digests is None  # one not asked
     assert combine_sends([r0]) is r0
 
-    late = SendDone("g", False, error="learner TP rank(s) [1] did not post plan for sync 3",
+    late = SendDone("g", False, error="the sender(s) of engine shard(s) [1] did not post plan for sync 3",
                     peer_ranks=(1,), bucket=-1)  # fmt: skip
     dead = SendDone("g", False, error="no broker is attached to learner rank 1")
     bad = combine_sends([late, dead])
     assert not bad.ok and bad.peer_ranks == (1,) and bad.bucket == -1
-    assert "\n" not in bad.error and bad.error.startswith("learner TP rank 0: ")
-    assert "learner TP rank 1: no broker is attached" in bad.error
+    assert "\n" not in bad.error and bad.error.startswith("sender of engine shard 0: ")
+    assert "sender of engine shard 1: no broker is attached" in bad.error
     assert combine_sends([r0, dead]).peer_ranks == (1,)  # named even without a peer list
 
 
@@ -179,7 +179,7 @@ def test_every_tp_rank_is_ordered_and_the_members_rank_after_them():
 
 def test_a_failing_tp_rank_is_named_in_one_line_and_its_group_closed():
     def late(order: SendOrder) -> SendDone:
-        return SendDone(order.key, False, error="learner TP rank(s) [1] did not post plan",
+        return SendDone(order.key, False, error="the sender(s) of engine shard(s) [1] did not post plan",
                         peer_ranks=(1,), bucket=-1)  # fmt: skip
 
     def failed(order: SendOrder) -> SendDone:
@@ -189,8 +189,8 @@ def test_a_failing_tp_rank_is_named_in_one_line_and_its_group_closed():
     acc = asyncio.run(run.run(1, Snapshot(1, 10, digests={"0/w": "d0"}, tp=TP)))
     assert acc.updated == 0 and acc.errors, acc
     first = acc.errors[0]
-    assert "\n" not in first and "learner TP rank(s) [1] failed at header" in first
-    assert "learner TP rank 1: RuntimeError: its shadows are gone" in first
+    assert "\n" not in first and "sender(s) of engine shard(s) [1] failed at header" in first
+    assert "sender of engine shard 1: RuntimeError: its shadows are gone" in first
     assert any(isinstance(o, CloseGroups) for o in r1.orders)  # both ranks drop the group
     assert run.roster.views["a"].loaded == 0 and "a" in run.roster.views  # live, retried
     assert sum(isinstance(o, SendOrder) for o in r1.orders) == 2  # once, then a fresh group
@@ -339,7 +339,7 @@ def test_a_failing_learner_tp_rank_is_named_and_the_next_sync_is_whole(
     m = broker.wait()
     took = time.monotonic() - t0
     ray.get(learner.ranks[1].__ray_call__.remote(_mend_send))
-    named = [e for e in broker.errors if "learner TP rank(s) [1]" in e]
+    named = [e for e in broker.errors if "sender(s) of engine shard(s) [1]" in e]
     print(f"failed sync in {took:.1f} s: {named[0] if named else broker.errors}")
     assert m["broker/errors"] >= 1 and named and "\n" not in named[0]
     assert "injected: learner rank 1 lost its shard" in named[0]

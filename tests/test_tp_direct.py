@@ -20,7 +20,14 @@ import torch
 from test_reshard import LLAMA, MOE, TINY, hf_tensors, moe_tensors
 
 from asyncrl.transport.endpoint import digests
-from asyncrl.transport.reshard import EXPERTS_EP, OTHER, direct_plan, plan_for
+from asyncrl.transport.reshard import (
+    EXPERTS_EP,
+    OTHER,
+    UnsupportedLayout,
+    direct_plan,
+    direct_senders,
+    plan_for,
+)
 
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # the learner splits rows
 ROWWISE = ("o_proj.weight", "down_proj.weight")  # the learner splits columns
@@ -60,6 +67,44 @@ def test_each_learner_rank_cuts_exactly_the_engine_shard(config, tp, gathered):
         got = dict(direct.shard(r, held_by(full, tp, r, direct.gather)))
         assert list(got) == list(want)  # the same names in the same order: the same pack
         assert all(torch.equal(got[n], want[n]) for n in want), r
+
+
+@pytest.mark.parametrize(("config", "tp", "learner_tp"), [
+    (json.loads(TINY.read_text()), 2, 1),  # plain FSDP: every tensor whole once unsharded
+    (LLAMA, 6, 1),
+    (LLAMA, 6, 3),  # each learner part: two engine ranks' heads and their key/value head
+])  # fmt: skip
+def test_a_learner_at_a_smaller_tp_cuts_the_engine_shards_its_part_holds(config, tp, learner_tp):
+    full = hf_tensors(config, layers=1, seed=tp + learner_tp)
+    layout = [(n, tuple(t.shape), learner_split(n) if learner_tp > 1 else None)
+              for n, t in full.items()]  # fmt: skip
+    direct = direct_plan(config, layout, tp, learner_tp)
+    assert direct.gather == set() and direct.exchange == {}
+    plan = plan_for(config, [(n, s) for n, s, _ in layout], tp)
+    for t in range(tp):
+        assert direct.part(t) == t // (tp // learner_tp)
+        held = held_by(full, learner_tp, direct.part(t))
+        assert digests(direct.shard(t, held)) == digests(plan.shard(t, full)), t
+
+
+def test_the_senders_are_ranks_whose_part_holds_their_engine_shard():
+    """``direct_senders``: engine rank t's sender is a rank of the TP rank whose part holds
+    t's slices, each rank sends at most one shard, and too few ranks (or engine ranks
+    straddling learner parts) leave the gather path."""
+    cases = {(2, 1, 2): (0, 1), (4, 1, 2): (0, 1), (4, 2, 2): (0, 1), (4, 2, 4): (0, 2, 1, 3),
+             (8, 2, 4): (0, 2, 1, 3), (6, 3, 6): (0, 3, 1, 4, 2, 5)}  # fmt: skip
+    for (world, ltp, etp), want in cases.items():
+        got = direct_senders(world, ltp, etp)
+        assert got == want and len(set(got)) == etp
+        assert all(r % ltp == t // (etp // ltp) for t, r in enumerate(got))  # its part
+    for (world, ltp, etp), why in {
+        (1, 1, 2): "1 learner rank",
+        (2, 2, 4): "cannot send 4 engine shards",
+        (4, 4, 2): "not a multiple of learner.tp=4",
+        (2, 1, 1): "the engines hold whole tensors",
+    }.items():
+        with pytest.raises(UnsupportedLayout, match=why):
+            direct_senders(world, ltp, etp)
 
 
 def test_tensors_split_otherwise_are_gathered():
@@ -111,13 +156,28 @@ def test_experts_split_over_ep_are_exchanged_not_gathered(ep):
         assert digests(direct.shard(r, held)) == digests(plan.shard(r, full)), r
 
 
+def test_experts_over_ep_at_another_learner_tp_are_gathered():
+    """An ``ep`` learner without TP (``learner.tp`` 1) under a TP-2 engine: the swap
+    assumes ``ep`` groups of whole TP groups of the engine's size, so its expert tensors
+    are gathered whole, and every shard is still the full-tensor plan's."""
+    full = moe_tensors(MOE)
+    experts = {n for n in full if ".mlp.experts." in n}
+    layout = [(n, tuple(t.shape), EXPERTS_EP if n in experts else None) for n, t in full.items()]
+    direct = direct_plan(MOE, layout, 2, learner_tp=1)
+    assert direct.gather == experts and direct.exchange == {}
+    plan = plan_for(MOE, [(n, s) for n, s, _ in layout], 2)
+    for t in range(2):
+        assert digests(direct.shard(t, full)) == digests(plan.shard(t, full)), t
+
+
 # ----------------------------------------------------------------- a real TP2 learner
 @pytest.mark.slow
 def test_each_tp_rank_of_a_learner_cuts_its_engine_shard_bit_exact(ray_local, tmp_path):
     """TP2 x FSDP2 learner (world 4, gloo): rank r's engine shard (TP rank r % 2), cut
     from its own TP shards after FSDP's unshard, equals the full-tensor plan's slice of
     the gathered weights bit for bit; no tensor gathered, and no rank holds more than
-    about half the model."""
+    about half the model. The same under an engine at TP 4: rank r cuts the engine
+    shard ``direct_senders`` gives it, from its own TP part."""
     import ray
     from helpers import plain_optim
 
@@ -129,28 +189,34 @@ def test_each_tp_rank_of_a_learner_cuts_its_engine_shard_bit_exact(ray_local, tm
     from asyncrl.models.tiny import random_qwen2
 
     torch.set_num_threads(1)
-    random_qwen2(130, 64, 2, 2, 2, 96, tie=True, out_dir=tmp_path, pad_token_id=0)
+    random_qwen2(130, 64, 2, 4, 4, 96, tie=True, out_dir=tmp_path, pad_token_id=0)
     config = json.loads((tmp_path / "config.json").read_text())
     s = LearnerSettings.defaults(optim=plain_optim(lr=1e-3), num_threads=1, world_size=4, tp=2)
     group = LearnerGroup(str(tmp_path), ClippedISLoss(), GroupNormalized(), s)
+    senders = direct_senders(4, 2, 4)  # an engine at TP 4: two engine shards per TP part
     try:
         full = group.full_state_dict()  # what rank 0 gathers for the full-tensor plan
         got = ray.get([r.shard_digests.remote(2) for r in group.ranks], timeout=300)
+        got4 = ray.get([r.shard_digests.remote(4, senders.index(rank))
+                        for rank, r in enumerate(group.ranks)], timeout=300)  # fmt: skip
     finally:
         group.close()
-    plan = plan_for(config, [(n, tuple(t.shape)) for n, t in full.items()], 2)
     model_bytes = sum(t.numel() * t.element_size() for t in full.values())
-    for rank, g in enumerate(got):
-        r = rank % 2  # rank = dp_rank * tp + tp_rank
-        assert g["tp_rank"] == r and g["gathered"] == []
-        assert g["digests"] == digests(plan.shard(r, full))
-        assert g["nbytes"] == sum(t.numel() * t.element_size() for _, t in plan.shard(r, full))
-        assert g["held_bytes"] < 0.6 * model_bytes, (g["held_bytes"], model_bytes)
+    for tp, answers in ((2, got), (4, got4)):
+        plan = plan_for(config, [(n, tuple(t.shape)) for n, t in full.items()], tp)
+        for rank, g in enumerate(answers):
+            t = rank % 2 if tp == 2 else senders.index(rank)  # rank = dp_rank * 2 + tp_rank
+            assert g["tp_rank"] == rank % 2 and g["index"] == t and g["gathered"] == []
+            assert g["digests"] == digests(plan.shard(t, full)), (tp, rank)
+            assert g["nbytes"] == sum(x.numel() * x.element_size() for _, x in plan.shard(t, full))
+            assert g["held_bytes"] < 0.6 * model_bytes, (g["held_bytes"], model_bytes)
     print(
-        f"model {model_bytes} B; per TP rank: held",
+        f"model {model_bytes} B; per rank at engine TP 2: held",
         [g["held_bytes"] for g in got],
         "shard",
         [g["nbytes"] for g in got],
+        "; at engine TP 4:",
+        [g["nbytes"] for g in got4],
     )
 
 
@@ -338,7 +404,7 @@ def test_a_silent_learner_rank_fails_the_sync_on_every_rank_without_a_hang():
         t.start()
     opened.join(60.0)
     txs[0].snapshot(0, direct.shard(0, held_by(v0, TP, 0)), transient=False)
-    with pytest.raises(TransferError, match=r"learner TP rank\(s\) \[1\]") as e:
+    with pytest.raises(TransferError, match=r"sender\(s\) of engine shard\(s\) \[1\]") as e:
         txs[0].send_own("g", 0, NO_VERSION, "full")
     for t in workers:
         t.join(30.0)

@@ -109,19 +109,22 @@ def check_shards(workers: list[dict], hf: dict, tp: int, kv_heads: int) -> int:
 
 def perturb_layer0(rank, seed: int, scale: float) -> None:
     """Move layer 0's attention and MLP weights (every split kind: q/k/v, o, gate/up,
-    down); run on a learner rank's Ray actor."""
+    down); run on each learner rank's Ray actor (its own FSDP shard, seeded per rank)."""
     import torch
 
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed * 10 + rank.learner.rank)
     with torch.no_grad():
         for name, p in rank.learner.model.named_parameters():
             if "layers.0." in name and ("self_attn" in name or "mlp" in name):
-                p.add_(scale * torch.randn(p.shape, generator=g))
+                local = p.to_local() if hasattr(p, "to_local") else p
+                local.add_(scale * torch.randn(local.shape, generator=g))
 
 
-@pytest.fixture(scope="module")
-def tp_world(ray_local, tp_actor, tiny_model):
-    """A one-rank learner and the gloo broker (resharding) on the session's TP-2 engine."""
+@pytest.fixture(scope="module", params=[1, 2], ids=["gather", "direct"])
+def tp_world(request, ray_local, tp_actor, tiny_model):
+    """A learner and the gloo broker (resharding) on the session's TP-2 engine: one rank
+    (rank 0 cuts every worker's shard from the whole model), or two FSDP ranks (each
+    cuts and sends its own engine shard: the direct path)."""
     from ray import cloudpickle
 
     from asyncrl.config import compose_config
@@ -129,10 +132,10 @@ def tp_world(ray_local, tp_actor, tiny_model):
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cloudpickle.register_pickle_by_value(helpers)
     cloudpickle.register_pickle_by_value(weight_sync_controls)  # set_reshard's function
-    cfg = compose_config([])
+    cfg = compose_config([f"learner.world_size={request.param}", "learner.num_cpus=0.5"])
     with learner_world(ray_local, cfg, str(tiny_model), tp_actor["sampling"], tp_actor["actor"],
                        120.0, 300.0) as world:  # fmt: skip
-        yield world
+        yield {**world, "world": request.param}
 
 
 def shard_digests(model_dir, hf: dict) -> list[dict[str, str]]:
@@ -176,7 +179,7 @@ def test_a_tp2_engine_holds_the_learners_shards_before_and_after_an_in_place_syn
     before = collect_at(ray, w["queue"], 0)
     assert _compare(learner, before) < FP32_LOGP_TOL
 
-    ray.get(learner.ranks[0].__ray_call__.remote(perturb_layer0, 1, 0.05))
+    ray.get([r.__ray_call__.remote(perturb_layer0, 1, 0.05) for r in learner.ranks])
     assert _compare(learner, before) > 0.01  # the learner moved: the check has teeth
     broker.publish(1)
     m = broker.wait()
@@ -189,9 +192,15 @@ def test_a_tp2_engine_holds_the_learners_shards_before_and_after_an_in_place_syn
     n = check_shards(ray.get(actor.worker_params.remote()), full(), TP, kv_heads)
     after = collect_at(ray, w["queue"], 1)
     diff = _compare(learner, after)
-    print(f"TP{TP}: {n} worker parameters bit-exact; after the sync max |dlogp| {diff:.2e}, "
-          f"sync {m.get('broker/sync_seconds', float('nan')):.3f} s")  # fmt: skip
+    sent, per_learner = m["broker/bytes_sent"], m["broker/bytes_per_learner_rank"]
+    print(f"TP{TP}, learner world {w['world']}: {n} worker parameters bit-exact; after the "
+          f"sync max |dlogp| {diff:.2e}, sync {m.get('broker/sync_seconds', float('nan')):.3f} "
+          f"s; {per_learner:.0f} of {sent:.0f} B from one learner rank")  # fmt: skip
     assert diff < FP32_LOGP_TOL
+    if w["world"] == 2:  # direct: each FSDP rank sent its own half, nothing from a gather
+        assert 0.45 < per_learner / sent < 0.55, m
+    else:
+        assert per_learner == sent, m
 
 
 @pytest.mark.slow
@@ -200,7 +209,7 @@ def test_a_resharded_sync_leaves_the_workers_as_a_full_tensor_sync_does(ray_loca
     ray = ray_local
     w = tp_world
     actor, learner, broker = w["actor"], w["learner"], w["broker"]
-    ray.get(learner.ranks[0].__ray_call__.remote(perturb_layer0, 2, 0.05))
+    ray.get([r.__ray_call__.remote(perturb_layer0, 2, 0.05) for r in learner.ranks])
     broker.publish(2)  # resharded: each worker receives its shard
     resharded = broker.wait()
     after_shards = ray.get(actor.worker_params.remote())

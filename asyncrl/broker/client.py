@@ -43,8 +43,8 @@ class BrokerClient:
 
     def start(self) -> BrokerClient:
         """Attach to learner rank 0 and every actor, prime version 0; returns self. Logs
-        the weights' path: rank 0 gathers and sends, or each learner TP rank sends its
-        own engine shard (direct)."""
+        the weights' path: rank 0 gathers and sends, or each of T learner ranks sends
+        its own engine shard (direct)."""
         info = self._get(self.handle.start.remote())
         log.info("weight broker: %s", info["path"])
         return self

@@ -1,6 +1,6 @@
 """The learner's end of the process-group broker: the sender endpoint held by learner
 rank 0 while a broker is attached (asyncrl/learner/weights.py calls it), and by the
-other TP ranks of ``dp_rank`` 0 where they send their own engine shards (direct).
+other learner ranks that send their own engine shards (direct).
 
     WeightBroker (Ray actor)                     learner rank 0
     start ── attach_broker ─────────────────▶ SenderSide.start: the endpoint ─▶ Attached
@@ -8,7 +8,7 @@ other TP ranks of ``dp_rank`` 0 where they send their own engine shards (direct)
                                                  the learner may train on at once)
     per sync set ── send_weights(SendOrder) ─▶ [new group: open, ── Listening ──▶ broker,
                                                  members join] send ─▶ SendDone
-      direct (order.tp > 1), TP rank r > 0 ──▶ [new group: join_tp at rank 0's port]
+      direct (order.tp > 1), shard t > 0 ────▶ [new group: join_tp at rank 0's port]
                                                  send_own ─▶ SendDone (rank 0 too)
 
 ``attach_broker`` and ``snapshot_weights`` run in the learner's own call queue (the
@@ -62,27 +62,27 @@ def object_store_bytes() -> int:
 
 class SenderSide:
     """A sending rank's endpoint for one broker (``broker``: its Ray handle, told where
-    a new group listens; ``tp_rank``: the rank's place among the learner's TP ranks).
-    Every call is bounded by the endpoint's timeouts."""
+    a new group listens; ``shard``: the engine shard the rank sends on the direct path,
+    its rank in the group). Every call is bounded by the endpoint's timeouts."""
 
     def __init__(
-        self, broker_id: str, broker: Any, endpoint: SenderEndpoint, host: str, tp_rank: int = 0
+        self, broker_id: str, broker: Any, endpoint: SenderEndpoint, host: str, shard: int = 0
     ):
         self.broker_id = broker_id
         self.broker = broker
         self.endpoint = endpoint
         self.host = host
-        self.tp_rank = tp_rank
+        self.shard = shard
 
     @classmethod
     def start(
         cls, broker_id: str, broker: Any, s: BrokerSettings, model_config: dict | None = None,
-        tp_rank: int = 0,
+        shard: int = 0,
     ) -> SenderSide:  # fmt: skip
-        """Rank 0's endpoint, or (``tp_rank`` > 0) a TP rank's: shared memory is for
-        rank 0's whole-model sends only."""
+        """Rank 0's endpoint, or (``shard`` > 0) the sender of that engine shard's:
+        shared memory is for rank 0's whole-model sends only."""
         host = s.host or default_host()
-        shm = s.shm if tp_rank == 0 else "off"
+        shm = s.shm if shard == 0 else "off"
         endpoint = SenderEndpoint(
             host=host,
             backend=s.backend,
@@ -95,10 +95,10 @@ class SenderSide:
             shm=shm,
             shm_reserve_bytes=object_store_bytes() if shm != "off" else 0,
         )
-        return cls(broker_id, broker, endpoint, host, tp_rank)
+        return cls(broker_id, broker, endpoint, host, shard)
 
-    def attached(self, pid: int, tp: int = 1) -> Attached:
-        return Attached(self.host, self.endpoint.backend, pid, tp)
+    def attached(self, pid: int, tp: int = 1, cuts: bool = False) -> Attached:
+        return Attached(self.host, self.endpoint.backend, pid, tp, cuts)
 
     def snapshot(
         self, order: SnapshotOrder, stream: NamedTensors, transient: bool = True
@@ -112,8 +112,8 @@ class SenderSide:
         )  # fmt: skip
 
     def send(self, order: SendOrder) -> SendDone:
-        """Open (or, a TP rank > 0, join) the group first when asked, then send; never
-        raises."""
+        """Open (or, the sender of a shard > 0, join) the group first when asked, then
+        send; never raises."""
         key = order.key
         try:
             stats = self._send_own(order) if order.tp > 1 else self._send(order)
@@ -147,13 +147,13 @@ class SenderSide:
         )  # fmt: skip
 
     def _send_own(self, order: SendOrder) -> SendStats:
-        """Direct: this TP rank sends its own engine shard (rank 0 hosts a new group, the
+        """Direct: this rank sends its own engine shard (rank 0 hosts a new group, the
         others join it)."""
         if order.open_world:
             self._listen(order, order.tp)
         elif order.join_world:
             self.endpoint.join_tp(
-                order.key, order.host, order.port, self.tp_rank, order.join_world, order.tp
+                order.key, order.host, order.port, self.shard, order.join_world, order.tp
             )
         return self.endpoint.send_own(
             order.key, order.version, order.base, order.mode, order.arrive_timeout_s,

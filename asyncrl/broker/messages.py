@@ -4,8 +4,8 @@ each sent straight to the party that acts on it (a Ray call's argument or its an
     WeightBroker ── SnapshotOrder ──▶ every learner rank (its call queue)  ─▶ Snapshot
     WeightBroker ── SendOrder ──────▶ learner rank 0 (its weights thread) ─▶ SendDone
                     (a new group first: rank 0 ── Listening ──▶ WeightBroker)
-        direct (``tp`` > 1): also to learner ranks 1..tp-1 (dp_rank 0's TP ranks),
-                    each sending its own engine shard; they join once rank 0 listens
+        direct (``tp`` > 1): also to the senders of engine shards 1..tp-1 (learner
+                    ranks), each sending its own; they join once rank 0 listens
     WeightBroker ── ReceiveOrder ───▶ each actor of the set ─▶ Reloaded
     WeightBroker ── CloseGroups ────▶ rank 0 and the actors (a group left the cache)
     (object store) ── update_weights([ref], V) ──▶ each actor ─▶ Loaded
@@ -30,21 +30,24 @@ CONCURRENCY_GROUPS = {WEIGHTS_GROUP: 1}
 class SnapshotOrder:
     """Pack the learner's weights as ``version`` (a copy: it may train on at once);
     drop shadows other than ``retain`` first; digest them with ``with_digests``.
-    ``tp`` > 1: each TP rank of ``dp_rank`` 0 packs only its own engine shard
-    (``WeightsOut.engine_shard``), not rank 0 the whole model."""
+    ``tp`` > 1 (direct): learner rank ``senders[t]`` packs only engine rank ``t``'s shard
+    of ``tp`` (``WeightsOut.engine_shard``; asyncrl/transport/reshard.py
+    ``direct_senders``), not rank 0 the whole model; the other ranks take part in the
+    collective unshard."""
 
     broker_id: str
     version: int
     retain: tuple[int, ...] = ()
     with_digests: bool = False
     tp: int = 0
+    senders: tuple[int, ...] = ()
     kind: str = "snapshot"
 
 
 @dataclass(frozen=True)
 class Snapshot:
     """What a snapshot holds: ``nbytes`` in ``buckets``; per-tensor ``digests`` if asked.
-    ``tp`` > 1: the learner's TP ranks each hold their own engine shard (the broker's
+    ``tp`` > 1: the sending learner ranks each hold their own engine shard (the broker's
     sum of their snapshots: every shard's bytes, the most buckets, the slowest pack)."""
 
     version: int
@@ -59,13 +62,14 @@ class Snapshot:
 @dataclass(frozen=True)
 class Attached:
     """A learner rank's answer to ``attach_broker``: where workers connect, and how.
-    ``tp`` > 1: the rank can send its own engine shard at engine TP size ``tp`` (a
-    tensor-parallel learner without LoRA); 1: only the whole model."""
+    ``cuts``: the learner's ranks can cut engine shards themselves (a sharded learner
+    without LoRA: the direct path); ``tp``: its ``learner.tp``."""
 
     host: str
     backend: str
     pid: int
     tp: int = 1
+    cuts: bool = False
     kind: str = "attached"
 
 
@@ -84,8 +88,9 @@ class SendOrder:
     open_world: int = 0
     shards: int = 0  # > 1: the members' engines have this many TP workers; each gets its shard
     with_digests: bool = False  # resharded: the shards' digests come back (broker.verify)
-    # > 1: the learner's TP ranks 0..tp-1 each send their own engine shard; a rank > 0
-    # of a new group (``join_world`` > 0) first joins it at rank 0's ``host``:``port``
+    # > 1: the learner ranks sending engine shards 0..tp-1 (group ranks 0..tp-1) each send
+    # their own; a rank > 0 of a new group (``join_world`` > 0) first joins it at rank 0's
+    # ``host``:``port``
     tp: int = 0
     host: str = ""
     port: int = 0
@@ -107,7 +112,7 @@ class SendDone:
     """A sending rank's end of one set's transfer: its stats, or the error naming the
     failing peer ranks and the bucket (``HEADER_BUCKET``: before the payload; None:
     setup). Direct (``SendOrder.tp`` > 1): rank 0's bytes are the whole sync's, the
-    other TP ranks' their own; ``bytes_per_learner_rank`` is the most one rank sent."""
+    other senders' their own; ``bytes_per_learner_rank`` is the most one rank sent."""
 
     key: str
     ok: bool

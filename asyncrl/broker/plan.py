@@ -62,7 +62,7 @@ def ranks_of(
     members: tuple[str, ...], actors: dict[str, ActorView], senders: int = 1
 ) -> tuple[dict[str, int], int]:
     """First rank of each member's workers and the world size. Ranks ``0..senders-1``
-    are the learner's: rank 0 alone, or its TP ranks each sending its own shard."""
+    are the learner's: rank 0 alone, or the ranks each sending their own engine shard."""
     ranks, nxt = {}, senders
     for n in members:
         ranks[n] = nxt

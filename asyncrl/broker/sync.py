@@ -14,8 +14,8 @@ from asyncrl.transport.spec import HEADER_BUCKET
 
 @dataclass
 class Group:
-    """One cached process group: the learner's sending ranks (rank 0, or its ``senders``
-    TP ranks) and the members' workers."""
+    """One cached process group: the learner's sending ranks (rank 0, or the ``senders``
+    ranks each sending their own engine shard) and the members' workers."""
 
     key: str
     ranks: dict[str, int]  # first rank of each member's workers
@@ -107,8 +107,8 @@ class SyncTally:
 
 
 def combine_snapshots(snaps: list[Snapshot]) -> Snapshot:
-    """The learner TP ranks' snapshots of their own engine shards (``snaps[r]``: rank
-    ``r``'s) as one: every shard's bytes, the most buckets (a transfer's deadline), the
+    """The sending learner ranks' snapshots of their own engine shards (``snaps[r]``:
+    engine shard ``r``'s) as one: every shard's bytes, the most buckets (a transfer's deadline), the
     slowest pack; the digests keyed ``<rank>/<name>`` (with ``verify``)."""
     digests = None
     if all(s.digests is not None for s in snaps):
@@ -120,7 +120,7 @@ def combine_snapshots(snaps: list[Snapshot]) -> Snapshot:
 
 
 def combine_sends(dones: list[SendDone]) -> SendDone:
-    """One set's transfer from its learner TP ranks' reports (``dones[r]``: rank ``r``'s).
+    """One set's transfer from its senders' reports (``dones[r]``: engine shard ``r``'s).
     Rank 0's counts every rank's bytes; bucket counts add up; the slowest rank's
     seconds; each rank's shard digests in rank order. Failed: every failing rank named
     in one line, its peers and the first failing bucket."""
@@ -131,7 +131,7 @@ def combine_sends(dones: list[SendDone]) -> SendDone:
     if bad:
         return SendDone(
             head.key, False,
-            error=" | ".join(f"learner TP rank {r}: {d.error}" for r, d in bad),
+            error=" | ".join(f"sender of engine shard {r}: {d.error}" for r, d in bad),
             peer_ranks=tuple(sorted({p for r, d in bad for p in d.peer_ranks or (r,)})),
             bucket=bad[0][1].bucket,
         )  # fmt: skip

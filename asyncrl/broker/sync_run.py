@@ -4,8 +4,8 @@
       per set, one after another (rank 0 sends to one group at a time):
         [new group] rank 0 ◀── SendOrder(open_world) ... Listening(port) ──▶ here
         rank 0 ◀── SendOrder ─┐ at once
-        direct (a snapshot of engine shards, ``Snapshot.tp`` = T): learner ranks
-          1..T-1 ◀── SendOrder(tp, port) too, once rank 0 listens; their SendDones
+        direct (a snapshot of engine shards, ``Snapshot.tp`` = T): the senders of
+          shards 1..T-1 ◀── SendOrder(tp, port) too, once rank 0 listens; their SendDones
           are combined (sync.py ``combine_sends``); the members' ranks start at T
         each member ◀── ReceiveOrder: pause, receive + reload in place, resume
         ◀── SendDone (deadline)
@@ -117,7 +117,7 @@ class SyncRun:
     """Brings every actor of ``roster`` to a version (``run``), one set at a time."""
 
     def __init__(self, s: BrokerSettings, roster: Roster, groups: GroupCache, senders: Any):
-        # senders: the learner ranks' handles, rank 0 first (direct: TP ranks 0..T-1)
+        # senders: the learner ranks' handles, rank 0 first (direct: engine shard t's at t)
         self.s, self.roster, self.groups, self.senders = s, roster, groups, senders
         self.host, self.backend = "", ""  # where rank 0 listens, once attached
         self.n_buckets = 1  # of the last snapshot: bounds a transfer's deadline
@@ -149,7 +149,7 @@ class SyncRun:
         return retry
 
     async def _transfer(self, version: int, sset: SyncSet, acc: SyncTally, tp: int) -> Launched:
-        """Order rank 0 (direct, ``tp`` > 1: each learner TP rank) to send and the members
+        """Order rank 0 (direct, ``tp`` > 1: each sender of an engine shard) to send and the members
         to receive; returns once the senders are done (the members' answers come after
         their reloads)."""
         group, new = self.groups.get(sset.members, self.roster, max(tp, 1))
@@ -207,7 +207,8 @@ class SyncRun:
         learners = sorted(p for p in sender.peer_ranks if p < group.senders)
         if not sender.ok and group.senders > 1 and learners:
             self._error(
-                acc, f"weight sync of version {version}: learner TP rank(s) {learners} failed "
+                acc, f"weight sync of version {version}: the learner's sender(s) of engine shard(s) "
+                f"{learners} failed "
                 f"at {where(sender.bucket)}: {sender.error}",
             )  # fmt: skip
         bad_ranks = culprits(group, sender, self.roster.views)

@@ -4,7 +4,7 @@ receives what, and drives process-group transfers (learner rank 0 → vLLM worke
     driver              WeightBroker (async Ray actor)              learner rank 0 / actors
     publish(V) ───────▶ wait for sync V-1 (bounded)
                         SnapshotOrder(V) ──── snapshot_weights ───▶ every rank: pack a copy
-                          (direct: each learner TP rank packs its own engine shard)
+                          (direct: each sending learner rank packs its own engine shard)
                ◀─────── metrics of sync V-1 (and errors not returned before)
                         sync V in the background (sync_run.py): per sync set
                           SendOrder ──── send_weights ──────────▶ rank 0 (weights thread)
@@ -19,13 +19,15 @@ at a time, so an actor never sees versions out of order. Actors leave
 snapshot the last publish packed, never from the learner's live weights, which may have
 moved on) while the run goes on (asyncrl/fault/actors.py).
 
-Direct sends: when the learner is tensor-parallel at ``learner.tp`` = T (no LoRA: rank
-0's ``Attached.tp``), ``broker.reshard`` is on, the group backend is gloo and every
-actor's engine runs T workers, each TP rank of the learner's ``dp_rank`` 0 packs and
-sends its own engine shard (``SnapshotOrder.tp``, ``SendOrder.tp``); nothing is gathered
-on rank 0. Otherwise rank 0 gathers the model and sends it (each worker its shard
-under ``broker.reshard``). Decided at start (``start()`` returns it as ``path``) and
-checked again at each snapshot.
+Direct sends: when the learner is sharded without LoRA (rank 0's ``Attached.cuts``),
+``broker.reshard`` is on, the group backend is gloo, every actor's engine runs the same
+T > 1 workers, T is a multiple of ``learner.tp`` and the learner has enough ranks
+(asyncrl/transport/reshard.py ``direct_senders``: a plain FSDP learner's ranks 0..T-1,
+a TP learner's TP ranks of ``dp_rank`` 0 at ``learner.tp`` = T), each of those T learner
+ranks packs and sends its own engine shard (``SnapshotOrder.tp`` and ``senders``,
+``SendOrder.tp``); nothing is gathered on rank 0. Otherwise rank 0 gathers the model and
+sends it (each worker its shard under ``broker.reshard``). Decided at start (``start()``
+returns it as ``path``) and checked again at each snapshot.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from asyncrl.broker.messages import CloseGroups, Listening, Snapshot, SnapshotOr
 from asyncrl.broker.settings import BrokerSettings
 from asyncrl.broker.sync import SyncTally, combine_snapshots
 from asyncrl.broker.sync_run import GroupCache, SyncRun
+from asyncrl.transport.reshard import UnsupportedLayout, direct_senders
 from asyncrl.transport.spec import NO_VERSION
 
 log = logging.getLogger(__name__)
@@ -62,10 +65,14 @@ class WeightBroker:
         self.id = uuid.uuid4().hex[:8]
         self.version = 0
         self.roster = Roster(actors)
-        self.groups = GroupCache(self.id, self.roster, self.ranks, settings.max_groups)
+        # the learner ranks that send, rank 0 first; direct: the sender of engine shard t
+        # at t (the list is shared with the group cache and the sync run)
+        self.senders = list(self.ranks)
+        self.groups = GroupCache(self.id, self.roster, self.senders, settings.max_groups)
         self.roster.on_drop = self.groups.forget_actor
-        self.run = SyncRun(settings, self.roster, self.groups, self.ranks)
-        self.tp = 1  # > 1: learner TP ranks 0..tp-1 are attached and send their own shards
+        self.run = SyncRun(settings, self.roster, self.groups, self.senders)
+        self.tp = 1  # > 1: the learner ranks in ``direct`` send engine shards 0..tp-1
+        self.direct: tuple[int, ...] = ()  # their learner ranks, in engine rank order
         self.totals = {"broker/syncs": 0, "broker/bytes_sent": 0.0, "broker/sync_seconds": 0.0}
         self._sync: asyncio.Task | None = None
         self._last_snap: Snapshot | None = None
@@ -107,26 +114,37 @@ class WeightBroker:
         }
 
     async def _attach_tp(self, attached: Any, me: Any) -> str:
-        """Attach learner ranks 1..T-1 when they can send their own shards (see the
-        module's docstring); returns the path in words."""
-        t = attached.tp
+        """Attach the learner ranks that send engine shards 1..T-1 when the learner's
+        ranks can cut them (see the module's docstring); returns the path in words."""
         workers = sorted({v.workers for v in self.roster.views.values()})
         why = (
             "broker.reshard=false" if not self.s.reshard
-            else f"learner.tp={t} (a LoRA or 1-way learner sends whole tensors)" if t < 2
+            else "a LoRA or unsharded learner sends whole tensors" if not attached.cuts
             else f"backend {attached.backend}" if attached.backend != "gloo"
-            else f"engine TP sizes {workers} != learner.tp={t}" if workers != [t]
+            else f"engine TP sizes {workers} differ" if len(workers) != 1
             else ""
         )  # fmt: skip
+        if not why:
+            try:
+                senders = direct_senders(len(self.ranks), attached.tp, workers[0])
+            except UnsupportedLayout as e:
+                why = str(e)
         if why:
             return f"gather: learner rank 0 sends the model ({why})"
         await self._bounded(
-            asyncio.gather(*[r.attach_broker.remote(self.id, me, self.s) for r in self.ranks[1:t]]),
+            asyncio.gather(*[
+                self.ranks[r].attach_broker.remote(self.id, me, self.s, t)
+                for t, r in enumerate(senders) if t > 0
+            ]),
             self.s.join_timeout_s,
-            f"attaching to learner TP ranks 1..{t - 1}",
+            f"attaching to learner ranks {list(senders[1:])}",
+        )  # fmt: skip
+        self.tp, self.direct = len(senders), senders
+        self.senders[:] = [self.ranks[r] for r in senders]
+        return (
+            f"direct: learner ranks {list(senders)} each send their own engine shard "
+            f"(learner.tp={attached.tp}, engine TP size {len(senders)})"
         )
-        self.tp = t
-        return f"direct: learner TP ranks 0..{t - 1} each send their own engine shard"
 
     async def close(self) -> None:
         try:
@@ -134,7 +152,7 @@ class WeightBroker:
         finally:
             everything = CloseGroups(None)
             await asyncio.gather(
-                *[self._quiet(r.detach_broker.remote()) for r in self.ranks[: self.tp]],
+                *[self._quiet(r.detach_broker.remote()) for r in self.senders[: self.tp]],
                 *[
                     self._quiet(self.roster.actors[n].close_weight_groups.remote(everything))
                     for n in self.roster.views
@@ -218,17 +236,17 @@ class WeightBroker:
     # ---- one sync ---------------------------------------------------------------------------
     async def _snapshot(self, version: int) -> Snapshot:
         views = self.roster.views.values()
-        direct = self.tp > 1 and all(v.workers == self.tp for v in views)
+        direct = self.s.reshard and self.tp > 1 and all(v.workers == self.tp for v in views)
         order = SnapshotOrder(
             self.id, version, tuple(sorted({v.held for v in views if v.held != NO_VERSION})),
-            self.s.verify, tp=self.tp if direct else 0,
+            self.s.verify, tp=self.tp if direct else 0, senders=self.direct if direct else (),
         )  # fmt: skip
         snaps = await self._bounded(
             asyncio.gather(*[r.snapshot_weights.remote(order) for r in self.ranks]),
             SNAPSHOT_TIMEOUTS * self.s.timeout_s,
             f"snapshot of version {version} on the learner",
         )
-        snap = combine_snapshots(snaps[: self.tp]) if direct else snaps[0]
+        snap = combine_snapshots([snaps[r] for r in self.direct]) if direct else snaps[0]
         self._last_snap = snap
         self.run.n_buckets = snap.buckets
         return snap

@@ -179,7 +179,8 @@ def tp_split(t: torch.Tensor) -> int | None:
     mesh = getattr(t, "device_mesh", None)
     if mesh is None:
         return None
-    for i, (name, p) in enumerate(zip(mesh.mesh_dim_names or (), t.placements, strict=True)):
+    names = mesh.mesh_dim_names or ("dp",) * mesh.ndim  # unnamed: plain FSDP's mesh
+    for i, (name, p) in enumerate(zip(names, t.placements, strict=True)):
         if name == "tp" and p.is_shard():
             return p.dim if t.shape[p.dim] % mesh.size(i) == 0 else OTHER
         if name == "ep" and p.is_shard(0) and t.shape[0] % mesh.size(i) == 0:

@@ -168,9 +168,9 @@ class Learner:
         self.checkpoints = Checkpointer(self.policy, self.opt, self.sched, model_path, s, rank)
 
     def _weights_out(self) -> WeightsOut:
-        """What sends this rank's weights; a TP rank (LoRA off) can cut its own engine shard."""
+        """What sends this rank's weights; a sharded rank (LoRA off) can cut engine shards."""
         tp = None
-        if self.tp > 1 and not self.lora.on:
+        if self.sharded and not self.lora.on:
             tp = (
                 self.tp_rank, self.tp, functools.partial(tp_layout, self.policy),
                 functools.partial(stream_local, self.policy),

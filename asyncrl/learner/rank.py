@@ -78,8 +78,10 @@ class LearnerRank:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return self.learner.full_state_dict()
 
-    def attach_broker(self, broker_id: str, broker: Any, settings: BrokerSettings) -> Attached:
-        return self.learner.attach_broker(broker_id, broker, settings)
+    def attach_broker(
+        self, broker_id: str, broker: Any, settings: BrokerSettings, shard: int = 0
+    ) -> Attached:
+        return self.learner.attach_broker(broker_id, broker, settings, shard)
 
     def snapshot_weights(self, order: SnapshotOrder) -> Snapshot | None:
         return self.learner.snapshot_weights(order)
@@ -98,8 +100,8 @@ class LearnerRank:
     def weight_digests(self) -> dict[str, str]:
         return self.learner.weight_digests()
 
-    def shard_digests(self, tp: int) -> dict[str, Any]:
-        return self.learner.shard_digests(tp)
+    def shard_digests(self, tp: int, index: int | None = None) -> dict[str, Any]:
+        return self.learner.shard_digests(tp, index)
 
     def weights_ref(self) -> dict[str, Any] | None:
         return self.learner.weights_ref()

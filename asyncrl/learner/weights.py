@@ -5,11 +5,11 @@
                                            part in the collective unshard of a sharded
                                            learner)
     start ── attach_broker ──────────────▶ rank 0's SenderSide (self._sender) ─▶ Attached
-                                           (direct: dp_rank 0's other TP ranks too)
+                                           (direct: the other senders' too)
     publish(V) ── snapshot_weights ───────▶ pack a copy of the weights as V (every rank);
-                                           direct (order.tp > 1): each TP rank of
-                                           dp_rank 0 packs its own engine shard
-    per sync set ── send_weights(SendOrder) ▶ rank 0 (direct: every TP rank of dp_rank 0),
+                                           direct (order.tp > 1): each rank of
+                                           order.senders packs its own engine shard
+    per sync set ── send_weights(SendOrder) ▶ rank 0 (direct: every sender),
                                            in the ``weights`` concurrency group
                                            (overlaps a train step) ─▶ SendDone
     close ── detach_broker ───────────────▶ the groups close
@@ -93,8 +93,9 @@ class WeightsOut:
         model_config: dict[str, Any] | None = None,
         tp: tuple[int, int, Callable[[], Layout], LocalStream] | None = None,
     ):
-        """``tp``: a tensor-parallel learner's ``(tp_rank, learner.tp, layout, local
-        stream)`` (asyncrl/learner/dist.py ``tp_layout``, ``stream_local``)."""
+        """``tp``: a sharded learner's ``(tp_rank, learner.tp, layout, local stream)``
+        (asyncrl/learner/dist.py ``tp_layout``, ``stream_local``): its ranks can cut
+        engine shards themselves."""
         self.rank, self.sharded, self._stream = rank, sharded, stream
         self.model_config = model_config
         if tp is not None:
@@ -120,58 +121,99 @@ class WeightsOut:
                 sd[name] = t.detach().to("cpu", copy=True)
         return sd
 
-    def engine_shard(self, tp: int) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
-        """This rank's engine TP shard, cut from what it holds: ``(engine name, tensor)``
-        for engine rank ``tp_rank`` of ``tp`` (= ``learner.tp``), as the full-tensor plan
-        cuts it (asyncrl/transport/reshard.py ``direct_plan``), and what it took:
-        ``held_bytes`` (what this rank held to cut it), ``gathered`` (the tensors gathered
-        whole), ``exchanged`` (the expert tensors swapped within the ``ep`` group).
-        Collective: every rank calls it; a rank of ``dp_rank > 0`` cuts the same shard as
-        its group's first. ValueError when the layouts differ."""
-        from asyncrl.transport.reshard import direct_plan
+    def engine_shard(
+        self, tp: int, index: int | None
+    ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+        """Engine rank ``index``'s shard of ``tp``, cut from what this rank holds:
+        ``(engine name, tensor)`` as the full-tensor plan cuts it
+        (asyncrl/transport/reshard.py ``direct_plan``), cut as the stream comes (a
+        target once its sources are in, each source dropped after its last target), and
+        what it took: ``held_bytes`` (the most this rank held at once to cut it: a few
+        tensors of one layer), ``gathered`` (the tensors gathered whole),
+        ``exchanged`` (the expert tensors swapped within the ``ep`` group). Collective:
+        every rank calls it; ``index`` None takes part without cutting (an empty shard).
+        ValueError when this rank's TP part does not hold ``index``'s slices (``tp`` not
+        a multiple of ``learner.tp``, or another TP rank's engine shard)."""
+        from asyncrl.transport.reshard import direct_plan, part_of
 
-        if self._local is None or self._layout is None or tp != self.tp or tp < 2:
-            raise ValueError(f"engine TP size {tp}: this learner rank runs learner.tp={self.tp}")
+        if self._local is None or self._layout is None or tp < 2 or tp % self.tp:
+            raise ValueError(
+                f"engine TP size {tp}: this learner rank (learner.tp={self.tp}) cannot cut "
+                "engine shards"
+            )
+        if index is not None and part_of(index, tp, self.tp) != self.tp_rank:
+            raise ValueError(
+                f"engine rank {index} of {tp}: not in learner TP rank {self.tp_rank}'s part"
+            )
         if self.model_config is None:
             raise ValueError("resharding needs the model's config")
-        direct = direct_plan(self.model_config, self._layout(), tp)
-        held = {n: t.clone() for n, t in self._local(direct.gather, direct.exchange)}
-        held_bytes = sum(t.numel() * t.element_size() for t in held.values())
-        shard = [(n, t.clone()) for n, t in direct.shard(self.tp_rank, held)]
+        direct = direct_plan(self.model_config, self._layout(), tp, self.tp)
+        targets = direct.plan.ranks[index] if index is not None else ()
+        last = {p.source: i for i, t in enumerate(targets) for p in t.pieces}
+        held: dict[str, torch.Tensor] = {}  # sources of the targets not yet cut
+        shard: list[tuple[str, torch.Tensor]] = []
+        peak = 0
+        for name, t in self._local(direct.gather, direct.exchange):  # collective
+            if name not in last:
+                continue
+            held[name] = t.clone()  # the stream's tensor lives until its next item
+            peak = max(peak, sum(x.numel() * x.element_size() for x in held.values()))
+            while len(shard) < len(targets) and all(
+                p.source in held for p in targets[len(shard)].pieces
+            ):
+                target = targets[len(shard)]
+                cut = target.cut(held)  # a view of one source, or a new concatenation
+                shard.append((target.name, cut.clone() if len(target.pieces) == 1 else cut))
+                for p in target.pieces:
+                    if last[p.source] == len(shard) - 1:
+                        held.pop(p.source, None)
+        if len(shard) < len(targets):
+            raise ValueError(
+                f"engine rank {index}: {targets[len(shard)].name}'s sources never came"
+            )
         took = {"gathered": sorted(direct.gather), "exchanged": sorted(direct.exchange)}
-        return shard, {"held_bytes": held_bytes, **took}
+        return shard, {"held_bytes": peak, **took}
 
-    def shard_digests(self, tp: int) -> dict[str, Any]:
-        """Every rank: the digests of :meth:`engine_shard` with its bytes (``nbytes``) and
-        what it took (bit-exactness checks against the full-tensor plan)."""
+    def shard_digests(self, tp: int, index: int | None = None) -> dict[str, Any]:
+        """Every rank: the digests of :meth:`engine_shard` of engine rank ``index``
+        (default: the first of this rank's TP part) with its bytes (``nbytes``) and what
+        it took (bit-exactness checks against the full-tensor plan)."""
         from asyncrl.transport.endpoint import digests
 
-        shard, took = self.engine_shard(tp)
+        if index is None:
+            index = self.tp_rank * (tp // self.tp)
+        shard, took = self.engine_shard(tp, index)
         nbytes = sum(t.numel() * t.element_size() for _, t in shard)
-        return {"tp_rank": self.tp_rank, "digests": digests(shard), "nbytes": nbytes, **took}
+        return {
+            "tp_rank": self.tp_rank, "index": index, "digests": digests(shard),
+            "nbytes": nbytes, **took,
+        }  # fmt: skip
 
     # ---- the process-group broker -----------------------------------------------------
-    def attach_broker(self, broker_id: str, broker: Any, settings: BrokerSettings) -> Attached:
-        """Rank 0, or a TP rank of ``dp_rank`` 0 that sends its own shard: the sender
-        endpoint for ``broker`` (a Ray handle). Attaching again replaces the previous
-        broker's. ``Attached.tp``: the engine TP size this rank can send its own shard
-        at (``learner.tp`` for a tensor-parallel learner without LoRA, else 1)."""
+    def attach_broker(
+        self, broker_id: str, broker: Any, settings: BrokerSettings, shard: int = 0
+    ) -> Attached:
+        """Rank 0, or the rank that sends engine shard ``shard`` itself (direct): the
+        sender endpoint for ``broker`` (a Ray handle). Attaching again replaces the
+        previous broker's. ``Attached.cuts``: this learner's ranks can cut engine shards
+        (sharded, without LoRA); ``Attached.tp``: its ``learner.tp``."""
         self.detach_broker()
         config = self.model_config
         if config is None and hasattr(getattr(self, "model", None), "config"):
             config = self.model.config.to_dict()  # a plain model's
-        self._sender = SenderSide.start(broker_id, broker, settings, config, self.tp_rank)
-        direct = self.tp > 1 and self._local is not None and config is not None
-        return self._sender.attached(os.getpid(), self.tp if direct else 1)
+        self._sender = SenderSide.start(broker_id, broker, settings, config, shard)
+        cuts = self._local is not None and config is not None
+        return self._sender.attached(os.getpid(), self.tp, cuts)
 
     def snapshot_weights(self, order: SnapshotOrder) -> Snapshot | None:
         """Rank 0: pack the weights as ``order.version`` for the attached broker (a copy:
         the learner may train on once this returns). Other ranks take part in the
-        stream and return None. ``order.tp`` > 1: every rank cuts its engine shard
-        (collective), and each TP rank of ``dp_rank`` 0 packs its own."""
+        stream and return None. ``order.tp`` > 1: rank ``order.senders[t]`` cuts and packs
+        engine shard ``t``; every rank takes part in the collective unshard."""
         if order.tp > 1:
-            shard, _ = self.engine_shard(order.tp)
-            if self.rank >= order.tp:  # dp_rank > 0: the same shard as its group's first
+            index = order.senders.index(self.rank) if self.rank in order.senders else None
+            shard, _ = self.engine_shard(order.tp, index)
+            if index is None:
                 return None
             return self._attached(order.broker_id).snapshot(order, shard, transient=False)
         stream = self.named_parameters_stream()
@@ -183,7 +225,7 @@ class WeightsOut:
 
     @ray_method(concurrency_group=WEIGHTS_GROUP)
     def send_weights(self, order: SendOrder) -> SendDone:
-        """Rank 0 (direct: each TP rank of ``dp_rank`` 0): one set's transfer (beside a
+        """Rank 0 (direct: each sender of an engine shard): one set's transfer (beside a
         train step, in its own thread)."""
         if self._sender is None:
             return SendDone(

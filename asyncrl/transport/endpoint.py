@@ -163,8 +163,8 @@ class SenderEndpoint:
         self, key: str, world_size: int, on_listening: Callable[[int], None], tp: int = 1
     ) -> None:
         """Host group ``key``: bind a free port, report it, block until all joined.
-        ``tp`` > 1: ranks ``1..tp-1`` are the other TP ranks of this learner, each
-        sending its own shard (:meth:`join_tp`, :meth:`send_own`)."""
+        ``tp`` > 1: ranks ``1..tp-1`` are this learner's other senders, each sending
+        its own engine shard (:meth:`join_tp`, :meth:`send_own`)."""
         self.close(key)
         group = make_group(
             self.host,
@@ -186,7 +186,7 @@ class SenderEndpoint:
         )
 
     def join_tp(self, key: str, host: str, port: int, rank: int, world_size: int, tp: int):
-        """Learner TP rank ``rank`` (> 0) joins group ``key``, hosted by TP rank 0."""
+        """The sender of engine shard ``rank`` (> 0) joins group ``key``, hosted by rank 0."""
         self.close(key)
         group = make_group(
             host, port, rank, world_size, self.timeout_s, self.backend,

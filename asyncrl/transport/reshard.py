@@ -98,6 +98,17 @@ class Target:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def cut(self, tensors: Mapping[str, Any]) -> Any:
+        """This parameter from the learner tensors its pieces come from (torch tensors or
+        anything with ``narrow``; fused parts concatenated with ``torch.cat``): a new
+        tensor or a view of the learner's."""
+        parts = [tensors[p.source].narrow(p.dim, p.start, p.length) for p in self.pieces]
+        if len(parts) == 1:
+            return parts[0]
+        import torch
+
+        return torch.cat(parts, dim=self.cat)
+
 
 @dataclass(frozen=True)
 class ReshardPlan:
@@ -116,13 +127,7 @@ class ReshardPlan:
         (torch tensors or anything with ``narrow``; fused parts are concatenated with
         ``torch.cat``). Each is a new tensor or a view of the learner's."""
         for t in self.ranks[rank]:
-            parts = [tensors[p.source].narrow(p.dim, p.start, p.length) for p in t.pieces]
-            if len(parts) == 1:
-                yield t.name, parts[0]
-            else:
-                import torch
-
-                yield t.name, torch.cat(parts, dim=t.cat)
+            yield t.name, t.cut(tensors)
 
 
 @dataclass(frozen=True)
@@ -302,44 +307,86 @@ OTHER = -1  # a learner tensor held in some other layout (expert parallel, uneve
 EXPERTS_EP = -2
 
 
+def direct_senders(world: int, learner_tp: int, engine_tp: int) -> tuple[int, ...]:
+    """The learner ranks that cut and send engine shards ``0..engine_tp-1`` themselves, in
+    engine rank order. Engine rank ``t`` takes its slice of every tensor split like the
+    engine's from learner TP rank ``t // (engine_tp / learner_tp)``, whose ``1/learner_tp``
+    part holds it, of ``dp`` rank ``t % (engine_tp / learner_tp)``: learner rank
+    ``dp_rank * learner_tp + tp_rank`` (the mesh's order). A plain FSDP learner
+    (``learner_tp`` 1) sends engine rank ``t`` from rank ``t``; ``learner_tp`` =
+    ``engine_tp`` from the TP ranks of ``dp_rank`` 0. Raises :class:`UnsupportedLayout`
+    naming why when no set of ranks can (the engines hold whole tensors, a learner TP
+    part holding pieces of more than one engine shard's slice, too few ranks)."""
+    if engine_tp < 2:
+        raise UnsupportedLayout(f"engine TP size {engine_tp}: the engines hold whole tensors")
+    if learner_tp < 1 or world % learner_tp:
+        raise UnsupportedLayout(f"learner.tp={learner_tp} does not divide {world} learner ranks")
+    if engine_tp % learner_tp:
+        raise UnsupportedLayout(
+            f"engine TP size {engine_tp} is not a multiple of learner.tp={learner_tp}"
+        )
+    per = engine_tp // learner_tp  # engine shards inside one learner TP part
+    if world // learner_tp < per:
+        raise UnsupportedLayout(
+            f"{world} learner rank(s) at learner.tp={learner_tp} cannot send {engine_tp} "
+            f"engine shards ({per} per learner TP rank, {world // learner_tp} rank(s) each)"
+        )
+    return tuple(
+        (t % per) * learner_tp + part_of(t, engine_tp, learner_tp) for t in range(engine_tp)
+    )
+
+
+def part_of(rank: int, engine_tp: int, learner_tp: int) -> int:
+    """The learner TP rank whose ``1/learner_tp`` part of a tensor split like the engine's
+    holds engine rank ``rank``'s slice (``engine_tp`` a multiple of ``learner_tp``)."""
+    return rank // (engine_tp // learner_tp)
+
+
 @dataclass(frozen=True)
 class DirectPlan:
-    """The engine shards as a tensor-parallel learner's own ranks cut them: learner TP
-    rank ``r`` (the same TP size as the engine) builds engine rank ``r``'s shard from
-    what it holds. ``plan.ranks[r]``' pieces are in the coordinates of the tensor rank
-    ``r`` holds: its own TP shard of a split tensor, the whole tensor otherwise, the
-    exchanged tensor of an expert tensor in ``exchange``.
-    ``exchange``: per learner tensor held :data:`EXPERTS_EP` (experts split over
-    ``ep``), per TP rank ``t``, the pieces (full-tensor coordinates, none on the expert
-    dimension) engine rank ``t`` needs. The ranks of each ``ep`` group swap them (one
-    all-to-all per tensor): each rank sends every peer ``e`` its own experts' pieces for
-    TP rank ``e % tp`` and holds, for its own TP rank, those pieces of every expert
-    concatenated along their dimension (experts in order), which is what its targets
-    then cut from.
-    ``gather``: the learner tensors whose shard is not the engine's (another split
-    dimension, an engine slice crossing the learner's shard boundary, or held in
+    """The engine shards as the learner's own ranks cut them: engine rank ``t``'s shard
+    built by a learner rank of TP rank ``part(t)`` (:func:`direct_senders`) from what it
+    holds. ``plan.ranks[t]``' pieces are in the coordinates of the tensor that TP rank
+    holds: its own TP part of a split tensor, the whole tensor otherwise (every tensor of
+    a plain FSDP learner, which unshards whole), the exchanged tensor of an expert
+    tensor in ``exchange``.
+    ``exchange`` (only where the learner's TP size is the engine's): per learner tensor
+    held :data:`EXPERTS_EP` (experts split over ``ep``), per TP rank ``t``, the pieces
+    (full-tensor coordinates, none on the expert dimension) engine rank ``t`` needs. The
+    ranks of each ``ep`` group swap them (one all-to-all per tensor): each rank sends
+    every peer ``e`` its own experts' pieces for TP rank ``e % tp`` and holds, for its
+    own TP rank, those pieces of every expert concatenated along their dimension
+    (experts in order), which is what its targets then cut from.
+    ``gather``: the learner tensors whose part is not the engine's (another split
+    dimension, an engine slice crossing the learner's part boundary, or held in
     another layout); every rank gathers each of these whole, one at a time, and slices
     it as the full-tensor plan does."""
 
     plan: ReshardPlan
     gather: frozenset[str]
     exchange: Mapping[str, tuple[tuple[Piece, ...], ...]] = dataclasses.field(default_factory=dict)
+    learner_tp: int = 0  # the learner's TP size (0: the engine's)
+
+    def part(self, rank: int) -> int:
+        """The learner TP rank whose part holds engine rank ``rank``'s slices."""
+        return part_of(rank, self.plan.tp, self.learner_tp or self.plan.tp)
 
     def shard(self, rank: int, tensors: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
-        """``(engine name, tensor)`` of rank ``rank`` from what that learner rank holds."""
+        """``(engine name, tensor)`` of engine rank ``rank`` from what a learner rank of TP
+        rank :meth:`part` holds."""
         return self.plan.shard(rank, tensors)
 
 
-def own_piece(p: Piece, shape: tuple[int, ...], split: int | None, rank: int, tp: int):
-    """``p`` in the coordinates of learner TP rank ``rank``'s tensor (whole when
-    ``split`` is None, else its ``1/tp`` part of dimension ``split`` of ``shape``), or
+def own_piece(p: Piece, shape: tuple[int, ...], split: int | None, part: int, parts: int):
+    """``p`` in the coordinates of learner TP rank ``part``'s tensor (whole when
+    ``split`` is None, else its ``1/parts`` part of dimension ``split`` of ``shape``), or
     None when that rank does not hold all of ``p``."""
     if split is None:
         return p
-    if split == OTHER or p.dim != split or shape[split] % tp:
+    if split < 0 or p.dim != split or shape[split] % parts:
         return None
-    per = shape[split] // tp
-    lo = rank * per
+    per = shape[split] // parts
+    lo = part * per
     if p.length == 0:  # a vocabulary shard past the real rows: nothing to cut
         return Piece(p.source, p.dim, 0, 0)
     if not (lo <= p.start and p.start + p.length <= lo + per):
@@ -364,14 +411,19 @@ def exchanged(plan: ReshardPlan, name: str) -> tuple[tuple[Piece, ...], ...] | N
 
 @functools.lru_cache(maxsize=8)
 def cached_direct(
-    plan: ReshardPlan, layout: tuple[tuple[str, tuple[int, ...], int | None], ...]
+    plan: ReshardPlan,
+    layout: tuple[tuple[str, tuple[int, ...], int | None], ...],
+    learner_tp: int,
 ) -> DirectPlan:
     held = {n: (shape, split) for n, shape, split in layout}
-    swaps = {n: exchanged(plan, n) for n, (_, split) in held.items() if split == EXPERTS_EP}
+    swaps = {
+        n: exchanged(plan, n) for n, (_, split) in held.items()
+        if split == EXPERTS_EP and learner_tp == plan.tp
+    }  # fmt: skip
     exchange = {n: pieces for n, pieces in swaps.items() if pieces is not None}
 
     def mine(p: Piece, rank: int) -> Piece | None:
-        return own_piece(p, *held[p.source], rank, plan.tp)
+        return own_piece(p, *held[p.source], part_of(rank, plan.tp, learner_tp), learner_tp)
 
     gather = frozenset(
         p.source for r, ts in enumerate(plan.ranks) for t in ts for p in t.pieces
@@ -395,23 +447,29 @@ def cached_direct(
         )
 
     ranks = tuple(of_rank(r) for r in range(plan.tp))
-    return DirectPlan(ReshardPlan(plan.tp, plan.family, ranks), gather, exchange)
+    return DirectPlan(ReshardPlan(plan.tp, plan.family, ranks), gather, exchange, learner_tp)
 
 
 def direct_plan(
     config: Mapping[str, Any],
     layout: Iterable[tuple[str, tuple[int, ...], int | None]],
     tp: int,
+    learner_tp: int | None = None,
 ) -> DirectPlan:
-    """The engine shards for ``tp`` engine ranks, cut by the ``tp`` ranks of a learner
-    whose ``layout`` is, per learner tensor in stream order, ``(HF name, full shape,
-    split)``: ``split`` the dimension its TP ranks hold ``1/tp`` each of (rank ``r`` the
-    ``r``-th part), None for a tensor every TP rank holds whole, :data:`EXPERTS_EP` for
-    fused experts split by expert over ``ep`` groups of whole TP groups, :data:`OTHER`
-    for one held otherwise. Each tensor is checked once per pair of layouts (cached):
-    sent from the rank's own shard where that shard holds the engine's slice, exchanged
-    within the ``ep`` group (:attr:`DirectPlan.exchange`), gathered otherwise.
-    Raises :class:`UnsupportedLayout` as :func:`plan_for` does."""
+    """The engine shards for ``tp`` engine ranks, cut by ranks of a learner at
+    ``learner_tp`` (default ``tp``; ``tp`` a multiple of it) whose ``layout`` is, per
+    learner tensor in stream order, ``(HF name, full shape, split)``: ``split`` the
+    dimension its TP ranks hold ``1/learner_tp`` each of (rank ``r`` the ``r``-th part),
+    None for a tensor every TP rank holds whole, :data:`EXPERTS_EP` for fused experts
+    split by expert over ``ep`` groups of whole TP groups, :data:`OTHER` for one held
+    otherwise. Each tensor is checked once per pair of layouts (cached): sent from the
+    rank's own part where that part holds the engine's slice, exchanged within the
+    ``ep`` group (:attr:`DirectPlan.exchange`; only at ``learner_tp`` = ``tp``),
+    gathered otherwise. Raises :class:`UnsupportedLayout` as :func:`plan_for` does, and
+    when ``learner_tp`` does not divide ``tp``."""
+    learner_tp = tp if learner_tp is None else learner_tp
+    if learner_tp < 1 or tp % learner_tp:
+        raise UnsupportedLayout(f"engine TP size {tp} is not a multiple of learner.tp={learner_tp}")
     layout = tuple((n, tuple(s), split) for n, s, split in layout)
     plan = plan_for(config, [(n, s) for n, s, _ in layout], tp)
-    return cached_direct(plan, layout)
+    return cached_direct(plan, layout, learner_tp)

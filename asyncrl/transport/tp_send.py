@@ -1,10 +1,10 @@
-"""A tensor-parallel learner's ranks each send their own engine shard: no rank gathers
-the model. Group ranks ``0..T-1`` are the learner's TP ranks (rank ``r`` holds engine
-rank ``r``'s shard, cut from its own TP shards: asyncrl/transport/reshard.py
-``direct_plan``), ranks ``T..`` the engines' workers in TP order (worker ``g`` holds
-engine rank ``(g - T) % T``). The engine TP size equals the learner's.
+"""A sharded learner's ranks each send their own engine shard: no rank gathers the
+model. Group ranks ``0..T-1`` are the learner ranks that send (rank ``r`` holds engine
+rank ``r``'s shard, cut from what it holds: asyncrl/transport/reshard.py
+``direct_plan``, ``direct_senders``), ranks ``T..`` the engines' workers in TP order
+(worker ``g`` holds engine rank ``(g - T) % T``).
 
-    learner TP rank r (each)                   rank 0, besides          each worker g
+    sender r (each)                            rank 0, besides          each worker g
     wait arrive/<seq>/* ◀──────────────────────────────────────────── post arrive: held|layout|host
     plan shard r against its base (delta only
       when every worker of r holds that layout)
@@ -191,7 +191,7 @@ class TPShardSender(WeightSender):
                 if kind == "plan":  # the workers wait for a header: tell them
                     self.post_header(seq, abort_header(version, f"learner ranks {late} failed"))
                 raise TransferError(
-                    f"learner TP rank(s) {late} did not post {kind} for sync {seq}",
+                    f"the sender(s) of engine shard(s) {late} did not post {kind} for sync {seq}",
                     late, HEADER_BUCKET, version,
                 )  # fmt: skip
             time.sleep(POLL_S)
