@@ -102,6 +102,18 @@ TASKS: dict[str, list[str]] = {
         "actor.engine.max_model_len=256",  # the examples and the question: ~130 tokens
         "actor.sampling.max_tokens=8",  # "-12" and its end are 3 tokens
     ],
+    # reasoning-gym's word_sorting: three words sorted up or down by ASCII order, the
+    # answer a comma-separated list, scored in part; with three worked examples SmolLM2
+    # answers bare, 7 of 48 exact and a reward spread in 45 of 48 groups (task_probe).
+    "word_sorting": [
+        "task=reasoning_gym",
+        "task.dataset=word_sorting",
+        "+task.config={min_words: 3, max_words: 3}",
+        "task.system='Reply with the answer only.'",
+        "task.shots=3",
+        "actor.engine.max_model_len=512",  # the examples and the question: up to ~400 tokens
+        "actor.sampling.max_tokens=24",  # three words, their commas and the end
+    ],
 }
 # calculator_tool: env=calculator_chat with SmolLM2's template and hermes `<tool_call>` JSON
 # (the format a ChatML model's tool calls take; SmolLM2's template has no tool section, so
