@@ -221,12 +221,14 @@ def test_each_tp_rank_of_a_learner_cuts_its_engine_shard_bit_exact(ray_local, tm
 
 
 @pytest.mark.slow
-def test_each_tp_rank_of_an_ep_learner_cuts_its_engine_shard_bit_exact(ray_local, tmp_path):
-    """TP2 x EP2 learner on tiny_moe's architecture (world 4, gloo; the experts
-    ``Shard(0)`` over each ``tp`` pair, FSDP over ``dp``): rank r's engine shard (TP rank
-    r % 2) equals the full-tensor plan's slice of the gathered weights bit for bit, the
-    experts exchanged within the ``ep`` pair, nothing gathered, and no rank holds more
-    than about half the model."""
+@pytest.mark.parametrize("ep", [2, 4])
+def test_each_tp_rank_of_an_ep_learner_cuts_its_engine_shard_bit_exact(ray_local, tmp_path, ep):
+    """TP2 x EP learner on tiny_moe's architecture (world 4, gloo; ``ep`` 2: the experts
+    ``Shard(0)`` over each ``tp`` pair, FSDP over ``dp``; ``ep`` 4: over all four ranks,
+    two ``tp`` pairs in one ``ep`` group): rank r's engine shard (TP rank r % 2) equals
+    the full-tensor plan's slice of the gathered weights bit for bit, the experts
+    exchanged within the ``ep`` group, nothing gathered, and no rank holds more than
+    about half the model."""
     import ray
     from helpers import plain_optim
 
@@ -241,7 +243,7 @@ def test_each_tp_rank_of_an_ep_learner_cuts_its_engine_shard_bit_exact(ray_local
     random_qwen3_moe(20, 128, 2, 4, 2, 64, 8, 2, tie=True, out_dir=tmp_path, pad_token_id=0)
     config = json.loads((tmp_path / "config.json").read_text())
     s = LearnerSettings.defaults(optim=plain_optim(lr=1e-3), num_threads=1, world_size=4,
-                                 tp=2, ep=2)  # fmt: skip
+                                 tp=2, ep=ep)  # fmt: skip
     group = LearnerGroup(str(tmp_path), ClippedISLoss(), GroupNormalized(), s)
     try:
         full = group.full_state_dict()
@@ -256,7 +258,7 @@ def test_each_tp_rank_of_an_ep_learner_cuts_its_engine_shard_bit_exact(ray_local
         assert g["tp_rank"] == r and g["gathered"] == [] and g["exchanged"] == experts
         assert g["digests"] == digests(plan.shard(r, full)), rank
         assert g["held_bytes"] < 0.6 * model_bytes, (g["held_bytes"], model_bytes)
-    print(f"model {model_bytes} B; per TP rank: held", [g["held_bytes"] for g in got],
+    print(f"ep {ep}: model {model_bytes} B; per TP rank: held", [g["held_bytes"] for g in got],
           "shard", [g["nbytes"] for g in got])  # fmt: skip
 
 
