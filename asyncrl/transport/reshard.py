@@ -315,8 +315,8 @@ def direct_senders(world: int, learner_tp: int, engine_tp: int) -> tuple[int, ..
     ``dp_rank * learner_tp + tp_rank`` (the mesh's order). A plain FSDP learner
     (``learner_tp`` 1) sends engine rank ``t`` from rank ``t``; ``learner_tp`` =
     ``engine_tp`` from the TP ranks of ``dp_rank`` 0. Raises :class:`UnsupportedLayout`
-    naming why when no set of ranks can (the engines hold whole tensors, a learner TP
-    part holding pieces of more than one engine shard's slice, too few ranks)."""
+    naming why when no set of ranks can (the engines hold whole tensors, an engine
+    shard's slice spanning learner TP parts, too few ranks)."""
     if engine_tp < 2:
         raise UnsupportedLayout(f"engine TP size {engine_tp}: the engines hold whole tensors")
     if learner_tp < 1 or world % learner_tp:
