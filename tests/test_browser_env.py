@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -96,6 +97,46 @@ def test_server_grades_what_it_received(kind):
         _post(server, "t2", goal["page"], wrong)
         assert grade(site, server.final("t2")) == 0.0
         assert server.final("unknown") is None
+    finally:
+        server.close()
+
+
+def _hang_up_mid_request(port: int) -> None:
+    """A client that sends half a request line and resets the connection (SO_LINGER 0):
+    the server's read of the request fails with ConnectionResetError."""
+    import struct
+
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"GET /s/x")
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
+
+
+def test_a_client_hanging_up_is_not_a_server_fault(capfd):
+    """A browser context closed mid-request is an episode ending: the stdlib's server
+    prints a traceback for it (checked first, so the trigger is real), the task server
+    prints nothing and keeps serving."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    plain = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    threading.Thread(target=plain.serve_forever, daemon=True).start()
+    try:
+        _hang_up_mid_request(plain.server_address[1])
+        printed, deadline = "", time.monotonic() + 10
+        while "ConnectionResetError" not in printed and time.monotonic() < deadline:
+            time.sleep(0.05)
+            printed += capfd.readouterr().err
+        assert "ConnectionResetError" in printed
+    finally:
+        plain.shutdown()
+        plain.server_close()
+    server = TaskServer()
+    try:
+        _hang_up_mid_request(server.port)
+        time.sleep(1.0)
+        assert capfd.readouterr().err == ""
+        server.add("t1", make_site("click_button", random.Random(0)))
+        assert urllib.request.urlopen(server.url("t1", "home"), timeout=10).status == 200
     finally:
         server.close()
 

@@ -12,6 +12,7 @@ received, never the policy's text.
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -31,6 +32,17 @@ class Record:
     final: tuple[str, dict[str, str]] | None = None  # the first final submission
 
 
+class QuietServer(ThreadingHTTPServer):
+    """The stdlib's threading server, silent about a client that hung up mid-answer (a
+    browser context closed while its page or favicon was being sent): that is an
+    episode ending, not a server fault. Any other error is printed as the stdlib does."""
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
+
+
 class TaskServer:
     """Sites by token; thread-safe. ``port``: the loopback port it listens on."""
 
@@ -38,7 +50,7 @@ class TaskServer:
         self._sites: dict[str, Record] = {}
         self._lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"server_state": self})
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._httpd = QuietServer(("127.0.0.1", 0), handler)
         self._httpd.daemon_threads = True
         self.port = int(self._httpd.server_address[1])
         self._thread = threading.Thread(
