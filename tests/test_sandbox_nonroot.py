@@ -58,8 +58,22 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def closed_to_others(path: Path) -> Path | None:
+    """The first directory from / down to ``path`` that other users cannot enter (no
+    o+x), or None: the throwaway user needs the worktree on its PYTHONPATH."""
+    for d in [*reversed(path.parents), path]:
+        if not os.stat(d).st_mode & 0o001:
+            return d
+    return None
+
+
 @pytest.fixture(scope="module")
 def user():
+    closed = closed_to_others(ROOT)
+    assert closed is None, (
+        f"{closed} is closed to other users (mode {os.stat(closed).st_mode & 0o777:o}): the "
+        "throwaway user cannot import asyncrl from this worktree; clone it where others can read"
+    )
     name = "asb" + secrets.token_hex(4)
     subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/false", name], check=True)
     try:
