@@ -255,6 +255,36 @@ def test_a_bad_segment_reference_is_refused_before_reading(shm_dir):
     assert os.listdir(shm_dir) == []
 
 
+def _minor_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@pytest.mark.parametrize("private", [True, False])
+def test_mapping_a_segment_maps_no_page_until_it_is_read(shm_dir, private: bool):
+    """``map_segment`` leaves every page to the first read, which maps many pages per fault
+    (the kernel's fault-around): populating the mapping up front walked it page by page
+    and took longer than the read after it (docs/weight_sync.md)."""
+    nbytes = 8 << 20
+    arena = ShmArena(directory=str(shm_dir))
+    flat = arena.alloc(nbytes, torch.uint8)
+    flat.fill_(7)
+    (name,) = arena.names()
+    out = torch.zeros(nbytes, dtype=torch.uint8)  # its own pages faulted in by zeros()
+    pages = nbytes // 4096
+    f0 = _minor_faults()
+    view = map_segment(name, 0, nbytes, str(shm_dir), private=private)
+    f1 = _minor_faults()
+    out.copy_(view)
+    f2 = _minor_faults()
+    assert f1 - f0 < 16, f"mapping faulted {f1 - f0} pages in"
+    assert 0 < f2 - f1 < pages // 4, f"reading {pages} pages took {f2 - f1} faults"
+    assert torch.equal(out, flat)
+    del view, flat
+    arena.release()
+
+
 def test_broker_shm_is_checked_before_ray():
     from asyncrl.broker.settings import SHM_MODES, BrokerSettings
     from asyncrl.config import ConfigError

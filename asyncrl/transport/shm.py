@@ -234,12 +234,6 @@ class SegmentError(ValueError):
     """A header named a segment that cannot be read as announced."""
 
 
-# madvise(MADV_POPULATE_READ), Linux 5.14+: map every page now, read-only, so a private
-# mapping shares the sender's pages (a write fault would copy them) and the first read
-# does not pay a page fault per 4 KiB.
-MADV_POPULATE_READ = 22
-
-
 def map_segment(
     name: Any, offset: Any, nbytes: Any, directory: str = SHM_DIR, *, private: bool = False
 ) -> torch.Tensor:
@@ -270,18 +264,18 @@ def map_segment(
             )
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
+        # No page is mapped here: the first read of each 64 KiB maps its pages (the
+        # kernel's fault-around), read-only, shared with the sender's, and a write to a
+        # private mapping copies only the page it touches. Populating the mapping up
+        # front (MAP_POPULATE, MADV_POPULATE_READ) walks it page by page: on an 18 MB
+        # bucket that took longer than reading every byte through the faults.
         if private:
             flags, prot = mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE
         else:
-            flags, prot = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ
+            flags, prot = mmap.MAP_SHARED, mmap.PROT_READ
         mm = mmap.mmap(fd, st.st_size, flags, prot)
     finally:
         os.close(fd)
-    if private:
-        try:
-            mm.madvise(MADV_POPULATE_READ)
-        except OSError:  # an older kernel: pages fault in on first read
-            pass
     with warnings.catch_warnings():  # a shared mapping is read-only on purpose
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
