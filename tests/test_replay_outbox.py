@@ -199,6 +199,53 @@ def test_outbox_lingers_only_while_the_actor_finds_it_worth_it():
     assert (box.calls, box.sent_groups, box.error) == (2, 3, "")
 
 
+def test_groups_being_scored_do_not_hold_a_hand_off_back():
+    """A group being scored no longer needs the engine: once every in-flight group is
+    only waiting for its rewards, a hand-off stops lingering (a slow reward answers when
+    it answers, and the learner may be waiting for the groups that would linger)."""
+    from asyncrl.actor.handoff import Slots
+
+    slots = Slots("a", max_inflight=8, on_granted=lambda n: None)
+    slots.inflight, slots.asking = 2, 6  # the loop's ask holds every free slot
+    assert slots.free() < slots.refill and slots.worth_lingering()
+    assert slots.scoring_changed(1) is False  # one still generating: worth waiting for
+    assert slots.worth_lingering()
+    assert slots.scoring_changed(1) is True  # none generating: look again, and go
+    assert not slots.worth_lingering()
+    assert slots.scoring_changed(-1) is False and slots.scoring == 1
+
+
+def test_the_reward_client_says_when_a_group_is_being_scored():
+    """RewardClient.on_scoring: +1 when a group's scoring begins, -1 when its rewards
+    are in, also when the reward fails."""
+    from asyncrl.rewards.base import RewardInput
+    from asyncrl.rewards.pool import RewardClient
+
+    seen: list[tuple[int, int]] = []
+
+    class SlowWorker:
+        class score:  # noqa: N801 - a Ray actor method's shape: score.remote(inputs)
+            @staticmethod
+            def remote(inputs):
+                async def answer():
+                    seen.append(("asked", len(inputs)))
+                    await asyncio.sleep(0.05)
+                    raise RuntimeError("worker lost")
+
+                return answer()
+
+    async def main():
+        client = RewardClient(workers=[SlowWorker()])
+        client.on_scoring = lambda d: seen.append(("scoring", d))
+        x = RewardInput("1+1=", "2", [5], "2", {}, 0.0)
+        out = await client.score([x, x])
+        return out
+
+    out = asyncio.run(main())
+    assert seen == [("scoring", 1), ("asked", 2), ("scoring", -1)]
+    assert all(s.error for s in out)
+
+
 class _TakingQueue:
     """A queue actor handle that takes each bundle as ReplayQueueCore.hand_over does:
     the first when its hand-off comes, each next one asked for ahead of it."""

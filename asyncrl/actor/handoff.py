@@ -29,6 +29,7 @@ class Slots:
         self.max_inflight = max_inflight
         self.refill = max(1, max_inflight // REFILL_SHARE)  # the loop asks once this many are free
         self.inflight = 0
+        self.scoring = 0  # of the inflight groups, those generated and being scored
         self.asking = 0
         self.running = False  # the actor's loop runs: slots may be asked for
         self.freed = asyncio.Event()  # a slot was freed or answered: the loop looks again
@@ -51,17 +52,25 @@ class Slots:
             self._on_granted(granted)
         self.freed.set()
 
+    def scoring_changed(self, delta: int) -> bool:
+        """A group's scoring began (+1) or ended (-1); True when a lingering hand-off
+        should look again (the group was the last one generating)."""
+        self.scoring += delta
+        return delta > 0 and not self.worth_lingering()
+
     def outbox_idle(self) -> None:
         """The outbox has nothing in flight: the loop may ask for slots itself again."""
         self.freed.set()
 
     def worth_lingering(self) -> bool:
-        """Whether a hand-off may wait for more groups: some are still generating, and
-        fewer than a quarter of the slots wait to be asked for again. The slots of
-        finished groups are asked for with their hand-off, so each group that lingers
-        is one the engine does not have queued (with 2-3-token answers a fast CPU
-        engine finished about 30 groups in one 100 ms linger)."""
-        return self.inflight > 0 and self.free() < self.refill
+        """Whether a hand-off may wait for more groups: some are still generating (groups
+        being scored do not count: a slow reward answers when it answers, and the learner
+        may be waiting for the groups that would linger), and fewer than a quarter of the
+        slots wait to be asked for again. The slots of finished groups are asked for with
+        their hand-off, so each group that lingers is one the engine does not have queued
+        (with 2-3-token answers a fast CPU engine finished about 30 groups in one 100 ms
+        linger)."""
+        return self.inflight > self.scoring and self.free() < self.refill
 
 
 def group_meta(group: TrajectoryGroup, actor: str) -> GroupMeta:

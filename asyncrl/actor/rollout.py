@@ -118,6 +118,7 @@ class RolloutActor:
         self.engine: Engine | None = None
         self.episodes: EpisodeRunner | None = None  # built with the engine (start())
         self.rewards = RewardClient()  # the task's reward in-process, until set_rewards
+        self.rewards.on_scoring = self._scoring
         self.fatal: str = ""
         self.placement: dict[str, Any] = {}  # where engine and frontend run
         self.core_io_threads: list[int] = []  # placement.move_engine_io's ids ([]: by process)
@@ -242,6 +243,7 @@ class RolloutActor:
     def set_rewards(self, rewards: RewardClient) -> None:
         """Score with ``rewards`` (asyncrl/rewards/pool.py); called before ``start``."""
         self.rewards = rewards
+        self.rewards.on_scoring = self._scoring
 
     def sampler_state(self) -> dict[str, Any]:
         """Where this actor's prompt stream is (saved with a checkpoint)."""
@@ -325,6 +327,12 @@ class RolloutActor:
         self.stats.reward_errors += sum(bool(t.error) for t in ts)
         for k, v in (kv for t in ts for kv in t.episode.items()):
             self.stats.episode[k] = self.stats.episode.get(k, 0.0) + v
+
+    def _scoring(self, delta: int) -> None:
+        """A group's scoring began (+1) or ended (-1): one generating fewer, so a
+        lingering hand-off looks again."""
+        if self.slots.scoring_changed(delta):
+            self._outbox.look_again()
 
     def _group_done(self, queue: Any, task: asyncio.Task) -> None:
         """Bookkeeping of a finished group task, here and not in the task, because a

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from asyncrl.rewards import groupstats
@@ -90,6 +91,9 @@ class RewardClient:
         self._flush_scheduled = False
         self._calls = [0] * len(self.workers)  # calls in flight per worker
         self.stats = {"calls": 0, "episodes": 0, "seconds": 0.0, "errors": 0}
+        # called with +1 when a group's scoring begins and -1 when it ends (the rollout
+        # actor: a group being scored no longer needs the engine)
+        self.on_scoring: Callable[[int], None] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"settings": self._settings, "workers": self.workers}
@@ -114,23 +118,31 @@ class RewardClient:
         if not inputs:
             return []
         t0 = time.perf_counter()
+        if self.on_scoring is not None:
+            self.on_scoring(1)
+        try:
+            out = await self._score(inputs)
+        finally:
+            if self.on_scoring is not None:
+                self.on_scoring(-1)
+        self.stats["episodes"] += len(inputs)
+        self.stats["errors"] += sum(bool(s.error) for s in out)
+        self.stats["seconds"] += time.perf_counter() - t0
+        return out
+
+    async def _score(self, inputs: list[RewardInput]) -> list[Scored]:
         if not self.remote:
             if self._combiner is None:
                 self._combiner = Combiner(
                     build_components(self.settings.specs()), self.settings.on_error
                 )
-            out = await self._combiner.score(inputs)
-        else:
-            fut = asyncio.get_running_loop().create_future()
-            self._pending.append((inputs, fut))
-            if not self._flush_scheduled:  # every group finishing in this loop turn joins
-                self._flush_scheduled = True
-                asyncio.get_running_loop().call_soon(self._flush)
-            out = await fut
-        self.stats["episodes"] += len(inputs)
-        self.stats["errors"] += sum(bool(s.error) for s in out)
-        self.stats["seconds"] += time.perf_counter() - t0
-        return out
+            return await self._combiner.score(inputs)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((inputs, fut))
+        if not self._flush_scheduled:  # every group finishing in this loop turn joins
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+        return await fut
 
     def _flush(self) -> None:
         self._flush_scheduled = False
