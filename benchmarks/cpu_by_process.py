@@ -5,7 +5,9 @@ the per-part CPU costs benchmarks/simulate.py's 2-core host model is calibrated 
         │  utime + stime per process, summed by its name (`VLLM::Worker`,
         │  `ray::RolloutActor`, `ray::LearnerRank`, ...); a process that ended keeps
         ▼  its last reading
-    out/cpu.jsonl: one line per sample {"t": unix seconds, "cpu": {name: seconds}}
+    out/cpu.jsonl: one line per sample {"t": unix seconds, "cpu": {name: seconds},
+                   "host_busy": CPU seconds the host's processes have used (/proc/stat),
+                   "host_steal": CPU seconds the hypervisor took from the host}
 
     python -m benchmarks.cpu_by_process --out DIR -- python -m asyncrl.train max_steps=60
 
@@ -53,6 +55,14 @@ def _module(pid: int) -> str:
     return Path(args[1]).name if len(args) > 1 else ""
 
 
+def host_cpu() -> tuple[float, float]:
+    """CPU seconds since boot that the whole host has been busy (/proc/stat's user, nice,
+    system, irq and softirq), so that a run's own CPU can be set against everyone's, and
+    that the hypervisor took from it (steal: a slower host hour shows there)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (f[0] + f[1] + f[2] + f[5] + f[6]) / TICK, f[7] / TICK
+
+
 def tree(root: int) -> dict[int, tuple[str, float]]:
     """Every live process under ``root`` (itself included): pid -> (name, CPU s)."""
     stats = {}
@@ -83,7 +93,9 @@ def main() -> None:
             by_name: dict[str, float] = {}
             for name, cpu in seen.values():
                 by_name[name] = by_name.get(name, 0.0) + cpu
-            f.write(json.dumps({"t": time.time(), "cpu": by_name}) + "\n")
+            busy, steal = host_cpu()
+            row = {"t": time.time(), "cpu": by_name, "host_busy": busy, "host_steal": steal}
+            f.write(json.dumps(row) + "\n")
             f.flush()
             time.sleep(PERIOD_S)
     raise SystemExit(proc.returncode)

@@ -18,7 +18,9 @@ predicted-against-measured cases.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from benchmarks.simulate import (
     AREAL,
@@ -109,16 +111,18 @@ def case(
             "error": abs(predicted - measured) / measured, "goal": goal, "source": source}  # fmt: skip
 
 
-def host_cases(cases: dict, goal: float | None, quick: bool) -> tuple[list[dict], dict]:
-    """Each case's ``ratio`` and ``total_ratio``, predicted from HOST_I and its job's
+def host_cases(
+    host: HostCosts, jobs: dict, cases: dict, goal: float | None, quick: bool
+) -> tuple[list[dict], dict]:
+    """Each case's ``ratio`` and ``total_ratio``, predicted from ``host`` and its job's
     costs; and the predicted parts of both sides. A case that names the cores other
     users' jobs took during its own run is predicted a second time at that load (an input
     of the run, not a cost: reported beside the prediction, never scored)."""
     out, parts = [], {}
     for name, (job, steps, measured, source, *run_foreign) in cases.items():
-        w, j = HOST_I_JOBS[job]
+        w, j = jobs[job]
         n = min(steps, 12 if quick else 40)
-        r = host_case(HOST_I, j, w, n, steps)
+        r = host_case(host, j, w, n, steps)
         for figure in ("ratio", "total_ratio"):
             out.append(case(name, figure, r[figure], measured[figure], goal, source))
         parts[name] = {
@@ -135,8 +139,8 @@ def host_cases(cases: dict, goal: float | None, quick: bool) -> tuple[list[dict]
         parts[name]["errors"] = {
             k: abs(v - measured[k]) / measured[k] for k, v in parts[name].items() if k in measured
         }
-        if run_foreign:
-            at = dataclasses.replace(HOST_I, foreign_cpu=run_foreign[0])
+        if run_foreign and run_foreign[0] is not None:
+            at = dataclasses.replace(host, foreign_cpu=run_foreign[0])
             r2 = host_case(at, j, w, n, steps)
             parts[name]["at_run_load"] = {
                 "foreign_cpu": run_foreign[0], "ratio": r2["ratio"],
@@ -144,6 +148,47 @@ def host_cases(cases: dict, goal: float | None, quick: bool) -> tuple[list[dict]
                 "asyncrl_seconds_per_step": r2["async"]["seconds_per_step"],
             }  # fmt: skip
     return out, parts
+
+
+# ---- hosts calibrated by benchmarks/simulate_calibrate.py: one JSON file each ------------------
+HOSTS_DIR = Path(__file__).resolve().parent / "hosts"
+
+
+@dataclass(frozen=True)
+class CalibratedHost:
+    """One host's calibration (simulate_calibrate's calibration.json) and the validation
+    pairs measured after it was written down (vs_sync's JSON, per case)."""
+
+    name: str
+    host: HostCosts
+    jobs: dict  # job -> (Workload, JobCosts)
+    cases: dict  # as HOST_I_CASES
+    calibration: dict
+
+
+def workload_of(job: str, runs: dict) -> Workload:
+    """The job's workload, the tool job's calls per episode as its calibration run made them."""
+    if job.startswith("tool"):
+        calls = runs["D"].get("calls_mean")
+        return TOOL_JOB if calls is None else dataclasses.replace(TOOL_JOB, calls_mean=calls)
+    return DEFAULT_JOB
+
+
+def load_host(path: Path) -> CalibratedHost:
+    """A host file: {"name", "calibration": calibration.json, "cases": {name: {"job",
+    "steps", "measured": vs_sync's figures, "source", "foreign_cpu"}}}."""
+    raw = json.loads(path.read_text())
+    cal = raw["calibration"]
+    jobs = {k: (workload_of(k, cal["runs"]), JobCosts(**v)) for k, v in cal["jobs"].items()}
+    cases = {
+        k: (c["job"], c["steps"], c["measured"], c["source"], c.get("foreign_cpu"))
+        for k, c in raw.get("cases", {}).items()
+    }
+    return CalibratedHost(raw["name"], HostCosts(**cal["host"]), jobs, cases, cal)
+
+
+def calibrated_hosts() -> list[CalibratedHost]:
+    return [load_host(p) for p in sorted(HOSTS_DIR.glob("*.json"))]
 
 
 VERL_SOURCE = "github.com/volcengine/verl docs/advance/fully_async.md"
@@ -229,11 +274,30 @@ def published_cases(quick: bool = False) -> tuple[list[dict], dict]:
 
 
 def validate(quick: bool = False) -> dict:
-    """This session's validation pairs from the calibration HOST_I (goal 15%), the pairs
-    of other sessions from the same costs (no goal: their foreign load was not recorded),
-    and the published cases from verl's and AReaL's stated parameters (goal 25%)."""
-    cases, parts = host_cases(HOST_I_CASES, 0.15, quick)
-    others, other_parts = host_cases(OTHER_SESSIONS, None, quick)
+    """Each calibrated host's validation pairs from its own calibration (goal 15%): HOST_I
+    and every file in HOSTS_DIR; the pairs of other sessions from HOST_I's costs (no goal:
+    their foreign load was not recorded); and the published cases from verl's and
+    AReaL's stated parameters (goal 25%)."""
+    cases, parts = host_cases(HOST_I, HOST_I_JOBS, HOST_I_CASES, 0.15, quick)
+    by_host = {"HOST_I": max(c["error"] for c in cases)}
+    calibrations = {
+        "HOST_I": {
+            **dataclasses.asdict(HOST_I),
+            "jobs": {k: dataclasses.asdict(j) for k, (_, j) in HOST_I_JOBS.items()},
+            "sources": HOST_I_SOURCES,
+            "session": HOST_I_SESSION,
+        }
+    }  # fmt: skip
+    for h in calibrated_hosts():
+        hc, hp = host_cases(h.host, h.jobs, h.cases, 0.15, quick)
+        for c in hc:
+            c["host"] = h.name
+        cases += hc
+        parts |= {f"{h.name}: {k}": v for k, v in hp.items()}
+        calibrations[h.name] = h.calibration
+        if hc:
+            by_host[h.name] = max(c["error"] for c in hc)
+    others, other_parts = host_cases(HOST_I, HOST_I_JOBS, OTHER_SESSIONS, None, quick)
     published, published_parts = published_cases(quick)
     cases += published
     host = [c["error"] for c in cases if c["goal"] == 0.15]
@@ -244,15 +308,11 @@ def validate(quick: bool = False) -> dict:
     }
     v = published_parts[VERL.name]
     return {
-        "calibration": {
-            "host": "HOST_I",
-            **dataclasses.asdict(HOST_I),
-            "jobs": {k: dataclasses.asdict(j) for k, (_, j) in HOST_I_JOBS.items()},
-            "sources": HOST_I_SOURCES,
-            "session": HOST_I_SESSION,
-        },  # fmt: skip
+        "calibration": {"host": "HOST_I", **calibrations["HOST_I"]},
+        "calibrations": calibrations,
         "cases": cases,
         "max_error_host": max(host),
+        "max_error_by_host": by_host,
         "max_error_published": max(c["error"] for c in published),
         "published_headline_errors": headline,
         "published_within_goal": f"{sum(c['error'] <= 0.25 for c in published)} of {len(published)}",
