@@ -43,7 +43,7 @@ from benchmarks.simulate_host import (  # noqa: E402
     hf_step_from,
     train_token_from,
 )
-from benchmarks.vs_sync import JOBS, step_wall_times  # noqa: E402
+from benchmarks.vs_sync import JOBS, prebuild_model, step_wall_times  # noqa: E402
 
 # run name -> (side, job, steps, sync threads; 0: every core)
 RUNS: dict[str, tuple[str, str, int, int]] = {
@@ -84,7 +84,10 @@ def command(name: str, out: Path) -> list[str]:
 
 
 def run_all(out: Path) -> None:
-    """Each calibration run in turn, timed spawn to exit (``wall.json``)."""
+    """Each job's model built first (a start-up must not time a one-off build), then each
+    calibration run in turn, timed spawn to exit (``wall.json``)."""
+    for job in sorted({job for _, job, _, _ in RUNS.values()}):
+        print(f"simulate_calibrate: {job} job's model {prebuild_model(JOBS[job]['overrides'])}")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for name in RUNS:
         d = out / name
@@ -147,6 +150,9 @@ def asyncrl_costs(d: Path, first: int) -> dict[str, Any]:
     own = sum(cpu.values())
     engine = cpu.get(ENGINE, 0.0)
     seconds_per_step = (t1 - t0) / steps
+    # the share of a core the learner got while it trained: its CPU a step over its
+    # training's wall seconds a step (perf/train_seconds)
+    learner_share = cpu.get(LEARNER, 0.0) / steps / split[0]
     return {
         "steps": steps,
         "all_steps": len(times),
@@ -154,7 +160,8 @@ def asyncrl_costs(d: Path, first: int) -> dict[str, Any]:
         "seconds_per_step": seconds_per_step,
         "cpu": cpu,
         "engine_token_s": engine / (steps * tokens_per_step),
-        "engine_cpu": (engine + cpu.get(ACTOR, 0.0)) / engine,
+        "engine_and_actor_over_engine": (engine + cpu.get(ACTOR, 0.0)) / engine,
+        "learner_share": learner_share,
         "learner_token_s": cpu.get(LEARNER, 0.0) / (steps * batch_tokens),
         "background_cpu": (own - engine - cpu.get(ACTOR, 0.0) - cpu.get(LEARNER, 0.0)) / span,
         "foreign_cpu": max(busy - own, 0.0) / span,
@@ -186,13 +193,25 @@ def sync_costs(d: Path) -> dict[str, Any]:
     }
 
 
+def engine_cpu(cores: float, a: dict[str, Any]) -> float:
+    """The cores a decoding engine keeps runnable, read from what the learner got beside
+    it: AsyncSim shares ``cores - foreign_cpu`` among background_cpu, the learner's one
+    core and the engine's demand, so the learner's measured share while it trained gives
+    that demand. (The engine core's and its actor's CPU over the engine core's,
+    ``engine_and_actor_over_engine``, counts both as runnable all the time they decode;
+    they take turns for part of it.)"""
+    demand = (cores - a["foreign_cpu"]) / min(a["learner_share"], 1.0) - 1.0 - a["background_cpu"]
+    return max(demand, 0.0)
+
+
 def costs(out: Path) -> dict[str, Any]:
     """HostCosts and each job's JobCosts from the runs in ``out``, with their sources."""
     a, d = (asyncrl_costs(out / k, STEADY_FROM[k]) for k in ("A", "D"))
     sync = {k: sync_costs(out / k) for k in ("B", "C", "E", "E1")}
+    cores = float(os.cpu_count() or 2)
     hc = HostCosts(
-        cores=float(os.cpu_count() or 2), foreign_cpu=a["foreign_cpu"], engine_cap=64,
-        engine_token_s=a["engine_token_s"], engine_cpu=a["engine_cpu"],
+        cores=cores, foreign_cpu=a["foreign_cpu"], engine_cap=64,
+        engine_token_s=a["engine_token_s"], engine_cpu=engine_cpu(cores, a),
         background_cpu=a["background_cpu"], learner_token_s=a["learner_token_s"],
         step_overhead_s=a["step_overhead_s"], publish_s=a["publish_s"], pause_s=a["pause_s"],
         handoff_s=HANDOFF_S,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -37,7 +38,8 @@ T0 = 1_000_000.0
 STEP_S = 0.25  # every step of the made-up runs
 TOKENS = 400  # generated a step
 BATCH = 1000  # trained a step
-ENGINE_RATE, ACTOR_RATE, LEARNER_RATE, OTHER_RATE = 0.8, 0.4, 0.5, 0.1  # cores each
+ENGINE_RATE, ACTOR_RATE, LEARNER_RATE, OTHER_RATE = 0.8, 0.4, 0.3, 0.1  # cores each
+TRAIN_S = 0.1  # perf/train_seconds: the learner trains at LEARNER_RATE * STEP_S / TRAIN_S
 FOREIGN = 0.2  # cores other processes took
 
 
@@ -53,7 +55,7 @@ def write_asyncrl_run(d: Path, steps: int, startup: float, calls: float | None) 
     for s in range(1, steps + 1):
         t = start + (s - 1) * STEP_S
         for tag, v in (("reward/mean", 0.5), ("learner/batch_tokens", BATCH),
-                       ("perf/train_seconds", 0.1), ("perf/wait_seconds", 0.08),
+                       ("perf/train_seconds", TRAIN_S), ("perf/wait_seconds", 0.08),
                        ("perf/publish_seconds", 0.03), ("broker/pause_seconds_max", 0.04)):  # fmt: skip
             w.add_scalar(tag, v, s, walltime=t)
         if calls is not None:
@@ -105,12 +107,17 @@ def test_costs_are_cpu_per_token_and_per_second_over_the_steady_steps(runs):
     h = HostCosts(**c["host"])
     # the engine core's CPU per generated token, its actor's beside it
     assert h.engine_token_s == pytest.approx(ENGINE_RATE * STEP_S / TOKENS, rel=0.05)
-    assert h.engine_cpu == pytest.approx((ENGINE_RATE + ACTOR_RATE) / ENGINE_RATE, rel=0.05)
+    # the engine's demand that leaves the learner the share of a core it got
+    share = LEARNER_RATE * STEP_S / TRAIN_S
+    assert h.engine_cpu == pytest.approx((os.cpu_count() - FOREIGN) / share - 1 - OTHER_RATE, rel=0.05)
+    assert c["runs"]["A"]["engine_and_actor_over_engine"] == pytest.approx(
+        (ENGINE_RATE + ACTOR_RATE) / ENGINE_RATE, rel=0.05
+    )
     assert h.learner_token_s == pytest.approx(LEARNER_RATE * STEP_S / BATCH, rel=0.05)
     assert h.background_cpu == pytest.approx(OTHER_RATE, rel=0.05)
     assert h.foreign_cpu == pytest.approx(FOREIGN, rel=0.05)
     # a step's interval less its train, wait and publish seconds
-    assert h.step_overhead_s == pytest.approx(STEP_S - 0.1 - 0.08 - 0.03, abs=1e-6)
+    assert h.step_overhead_s == pytest.approx(STEP_S - TRAIN_S - 0.08 - 0.03, abs=1e-6)
     assert (h.publish_s, h.pause_s) == pytest.approx((0.03, 0.04))
     a = c["runs"]["A"]
     assert a["steps"] == RUNS["A"][2] - STEADY_FROM["A"]
