@@ -1,6 +1,8 @@
-"""benchmarks/simulate.py on this machine: host I (Intel Xeon 2.80GHz, 2 vCPUs), its
-calibration from component measurements and calibration runs, and ``--validate``'s
-predicted-against-measured cases.
+"""benchmarks/simulate.py on the 2-core hosts: each host's calibration from component
+measurements and calibration runs, and ``--validate``'s predicted-against-measured cases.
+Host I (Intel Xeon 2.80GHz, 2 vCPUs) is written out below (HOST_I, its calibration read
+by hand); every later host is a file in ``benchmarks/hosts/`` written by
+benchmarks/simulate_calibrate.py, with the pairs measured after it (``load_host``).
 
     calibration runs (one session, one after the other; not the runs predicted)
         asyncrl.train, default job, seed 1, 100 steps, under benchmarks/cpu_by_process.py:
@@ -10,9 +12,9 @@ predicted-against-measured cases.
         the sync loop alone (vs_sync --sync-worker), seed 1: HF generate's and training's
             seconds; asyncrl.train on the tool job, seed 1, 6 steps: its start-up
         ▼
-    HOST_I (HostCosts) + per job JobCosts ─▶ AsyncSim on cpu_cores shared, sync_figures
+    HostCosts + per job JobCosts ─▶ AsyncSim on cpu_cores shared, sync_figures
         ▼
-    predicted vs_sync figures ◀─▶ the validation pairs measured right after
+    predicted vs_sync figures ◀─▶ the validation pairs measured after the costs
 """
 
 from __future__ import annotations
