@@ -109,7 +109,9 @@ def test_costs_are_cpu_per_token_and_per_second_over_the_steady_steps(runs):
     assert h.engine_token_s == pytest.approx(ENGINE_RATE * STEP_S / TOKENS, rel=0.05)
     # the engine's demand that leaves the learner the share of a core it got
     share = LEARNER_RATE * STEP_S / TRAIN_S
-    assert h.engine_cpu == pytest.approx((os.cpu_count() - FOREIGN) / share - 1 - OTHER_RATE, rel=0.05)
+    assert h.engine_cpu == pytest.approx(
+        (os.cpu_count() - FOREIGN) / share - 1 - OTHER_RATE, rel=0.05
+    )
     assert c["runs"]["A"]["engine_and_actor_over_engine"] == pytest.approx(
         (ENGINE_RATE + ACTOR_RATE) / ENGINE_RATE, rel=0.05
     )
