@@ -39,6 +39,7 @@ from asyncrl.tasks.base import Prompt, Task, TaskSampler
 from asyncrl.tasks.sampler import SamplerSettings, with_sampler
 from asyncrl.transport.reshard import check_family
 from asyncrl.utils.affinity import keep_off, restore
+from asyncrl.utils.cpu import slow_bf16_warning
 from asyncrl.utils.runlog import LogSettings, Scalars
 
 if TYPE_CHECKING:  # these import torch, which prepare() imports only once it builds them
@@ -243,6 +244,30 @@ def check_engine_backend(actor: ActorSettings, broker: BrokerSettings) -> None:
         )
 
 
+def cpu_bf16_keys(cfg: DictConfig) -> list[str]:
+    """The settings that compute in bf16 on a CPU: the tiny model's warm start (built in
+    this process), and the learner's autocast and the engine's dtype on ranks and actors
+    given no GPU."""
+    keys = []
+    model = cfg.get("model") or {}
+    if not model.get("path") and (model.get("tiny") or {}).get("warm_start_bf16"):
+        keys.append("model.tiny.warm_start_bf16")
+    if cfg.learner.get("autocast") == "bfloat16" and not cfg.learner.get("num_gpus"):
+        keys.append("learner.autocast")
+    engine = cfg.actor.get("engine") or {}
+    if engine.get("dtype") == "bfloat16" and not cfg.actor.get("num_gpus"):
+        keys.append("actor.engine.dtype")
+    return keys
+
+
+def model_for(cfg: DictConfig, task: Any) -> str:
+    """The run's model directory (built if need be), after one line where the run would
+    compute in bf16 on a CPU that has no native bf16 (the warm start is built here)."""
+    if warning := slow_bf16_warning(cpu_bf16_keys(cfg)):
+        log.warning(warning)
+    return resolve_model(cfg, task)
+
+
 def prepare(cfg: DictConfig) -> Setup:
     """Check every component's settings and build the cheap parts, in the driver before
     Ray starts: every config error surfaces here as one ConfigError naming its key.
@@ -269,7 +294,7 @@ def prepare(cfg: DictConfig) -> Setup:
         from asyncrl.learner.resume import check_resume
 
         check_resume(run.resume)
-    model_path = resolve_model(cfg, task)
+    model_path = model_for(cfg, task)
     env.check_template(model_path)  # a message-level env: its chat template, append-only
     actor = actor.recording(learner.moe.routing_replay)  # actor.record_experts: null follows
     _check_splits(model_path, learner, actor, broker)
