@@ -1,6 +1,7 @@
 """Calibrate benchmarks/simulate.py's 2-core host model on this machine: run the
 calibration runs one after the other, read each part's cost from them, and write the
-host's costs as one JSON file that ``simulate --validate --host FILE`` predicts from.
+host's costs as one JSON file; put in ``benchmarks/hosts/`` with the pairs measured
+after it (simulate_host.load_host), ``simulate --validate`` predicts from it.
 
     A  asyncrl.train, default job, 100 steps        ─┐ under benchmarks/cpu_by_process.py:
     D  asyncrl.train, vs_sync's tool job, 6 steps    ─┘ CPU seconds by process, host busy
