@@ -342,13 +342,14 @@ def start_parts(
     from asyncrl.broker import spawn_broker
     from asyncrl.learner.group import start_learner
     from asyncrl.replay.queue import remote_queue
-    from asyncrl.rewards.pool import RewardClient, start_workers
+    from asyncrl.rewards.pool import RewardClient, launch_workers
 
     queue = remote_queue(**setup.replay.buffer_kwargs(setup.learner.batch_groups))
     n = setup.actor.num_actors if num_actors is None else num_actors
     seeds = {f"actor{i}": setup.run.seed + 1000 * i for i in range(n)}
     actors = {name: _new_actor(setup, queue, name, seed) for name, seed in seeds.items()}
-    reward_workers = start_workers(setup.reward)  # none on the fast path (task reward only)
+    # none on the fast path (task reward only); built while the engines start
+    reward_workers, rewards_built = launch_workers(setup.reward)
     rewards = RewardClient(setup.reward, reward_workers)
     # set before start (the runner is built with it); waited for: an async actor may
     # run its calls out of order
@@ -367,7 +368,7 @@ def start_parts(
     )
     startup_mark("learner_started")
     start_broker = spawn_broker(setup.broker, actors, learner)  # its process loads meanwhile
-    ray.get(started)  # engines up
+    ray.get(rewards_built + started)  # reward workers built, engines up
     startup_mark("engines_up")
     stats = ray.get([a.get_stats.remote() for a in actors.values()])
     moved = keep_off_engines([s["placement"] for s in stats])

@@ -51,17 +51,27 @@ class RewardWorker:
         await self.combiner.close()
 
 
-def start_workers(settings: RewardSettings) -> list[Any]:
-    """``reward.workers`` RewardWorker actors (none on the fast path). They reserve no
-    CPU: they mostly wait (on a judge, a reward model, a sandbox), and a CPU reserved
-    here is one a vLLM actor cannot have."""
+def launch_workers(settings: RewardSettings) -> tuple[list[Any], list[Any]]:
+    """``reward.workers`` RewardWorker actors (none on the fast path), being built, and
+    one ref per worker that resolves once it is built (a bad component raises there):
+    a run builds its judge's engine and its reward model while its own engines start.
+    They reserve no CPU: they mostly wait (on a judge, a reward model, a sandbox), and
+    a CPU reserved here is one a vLLM actor cannot have."""
     import ray
 
     if settings.inline:
-        return []
+        return [], []
     cls = ray.remote(RewardWorker).options(num_cpus=0, max_concurrency=1000)
     workers = [cls.remote(settings) for _ in range(settings.workers)]
-    ray.get([w.timeout_s.remote() for w in workers])  # built: a bad component fails here
+    return workers, [w.timeout_s.remote() for w in workers]
+
+
+def start_workers(settings: RewardSettings) -> list[Any]:
+    """:func:`launch_workers`, returned once every worker is built."""
+    import ray
+
+    workers, built = launch_workers(settings)
+    ray.get(built)
     return workers
 
 
