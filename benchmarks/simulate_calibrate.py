@@ -63,7 +63,6 @@ STEADY_FROM = {"A": 6, "D": 2}
 ENGINE = "VLLM::EngineCore"[:15]
 ACTOR = "ray::RolloutActor"[:15]
 LEARNER = "ray::LearnerRank"[:15]
-HANDOFF_S = 0.05  # half of actor.handoff_linger_ms (100 ms): a finished group's mean wait
 
 
 def command(name: str, out: Path) -> list[str]:
@@ -205,6 +204,19 @@ def engine_cpu(cores: float, a: dict[str, Any]) -> float:
     return max(demand, 0.0)
 
 
+def handoff_s() -> float:
+    """A finished group's mean wait before it travels: half of ``actor.handoff_linger_ms``
+    (the runs keep conf/'s)."""
+    from asyncrl.actor.settings import ActorSettings
+
+    return ActorSettings.defaults().handoff_linger_s / 2
+
+
+def missing_runs(out: Path) -> list[str]:
+    """The calibration runs of ``RUNS`` without a finished run in ``out``."""
+    return [k for k in RUNS if not (out / k / "wall.json").is_file()]
+
+
 def costs(out: Path) -> dict[str, Any]:
     """HostCosts and each job's JobCosts from the runs in ``out``, with their sources."""
     a, d = (asyncrl_costs(out / k, STEADY_FROM[k]) for k in ("A", "D"))
@@ -215,7 +227,7 @@ def costs(out: Path) -> dict[str, Any]:
         engine_token_s=a["engine_token_s"], engine_cpu=engine_cpu(cores, a),
         background_cpu=a["background_cpu"], learner_token_s=a["learner_token_s"],
         step_overhead_s=a["step_overhead_s"], publish_s=a["publish_s"], pause_s=a["pause_s"],
-        handoff_s=HANDOFF_S,
+        handoff_s=handoff_s(),
     )  # fmt: skip
 
     def job(w, s, r) -> JobCosts:
@@ -245,9 +257,14 @@ def main() -> None:
     p = parser("simulate_calibrate", __doc__)
     p.add_argument("--read", action="store_true", help="read the runs already in --out")
     args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     if not args.read:
+        args.out.mkdir(parents=True, exist_ok=True)
         run_all(args.out)
+    elif missing := missing_runs(args.out):
+        raise SystemExit(
+            f"simulate_calibrate: --read: no finished run {', '.join(missing)} in {args.out} "
+            "(run without --read first)"
+        )
     c = costs(args.out)
     (args.out / "calibration.json").write_text(json.dumps(c, indent=1))
     emit_json({"host": c["host"], "jobs": c["jobs"], "file": str(args.out / "calibration.json")})

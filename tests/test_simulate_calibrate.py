@@ -151,3 +151,20 @@ def test_every_committed_host_file_loads_with_its_cases():
     for h in hosts:
         assert h.host.cores > 0 and h.host.engine_token_s > 0
         assert all(job in h.jobs for job, *_ in h.cases.values())
+
+
+def test_read_without_the_runs_is_one_line_naming_them(tmp_path):
+    import subprocess
+
+    (tmp_path / "A").mkdir()
+    (tmp_path / "A" / "wall.json").write_text("{}")
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.simulate_calibrate", "--out", str(tmp_path), "--read"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        f"simulate_calibrate: --read: no finished run B, C, D, E, E1 in {tmp_path} "
+        "(run without --read first)"
+    ]
+    assert not (tmp_path / "calibration.json").exists()
