@@ -117,6 +117,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_sessionstart(session):
+    """The controller (a serial run's one process) notes what /dev/shm holds
+    (tests/shm_leftovers.py)."""
+    if not hasattr(session.config, "workerinput"):
+        from shm_leftovers import entries
+
+        session.config.stash[SHM_BEFORE] = entries()
+
+
+def pytest_sessionfinish(session):
+    """The controller removes the shared memory that the session's killed processes left
+    (after the workers ended)."""
+    before = session.config.stash.get(SHM_BEFORE, None)
+    if before is not None:
+        from shm_leftovers import remove_leftovers
+
+        remove_leftovers(before)
+
+
+SHM_BEFORE = pytest.StashKey[set]()  # /dev/shm's entries when the session began
 LAST_ENGINE_USERS = pytest.StashKey[dict]()  # fixture name -> its last test
 ENGINE_CLOSERS = pytest.StashKey[dict]()  # fixture name -> what shuts its engine down
 
