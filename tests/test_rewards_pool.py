@@ -6,12 +6,14 @@ reward.on_error, never an exception in the actor."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
 
 from asyncrl.rewards.base import RewardInput
-from asyncrl.rewards.pool import RewardClient, start_workers, stop_workers
+from asyncrl.rewards.delayed import DelayedTaskReward
+from asyncrl.rewards.pool import RewardClient, launch_workers, start_workers, stop_workers
 from asyncrl.rewards.settings import RewardSettings
 from asyncrl.trajectory import Trajectory
 
@@ -76,3 +78,35 @@ def test_a_timeout_and_a_dead_worker_are_recorded_not_raised(ray_local):
 
 def test_the_task_reward_alone_starts_no_worker(ray_local):
     assert start_workers(RewardSettings.defaults()) == []
+
+
+class SlowBuild(DelayedTaskReward):
+    """A component that takes ``build_s`` to build, as a judge's engine does."""
+
+    def __init__(self, build_s: float = 0.0, **kw):
+        time.sleep(build_s)
+        super().__init__(**kw)
+
+
+def test_launched_workers_build_in_the_background_and_a_bad_one_raises_on_its_ref(ray_local):
+    """launch_workers returns before the workers are built (the run starts its engines
+    meanwhile); the refs resolve once they are, and a bad component raises there."""
+    import ray
+
+    slow = {"_target_": "tests.test_rewards_pool.SlowBuild", "weight": 1.0, "build_s": 4.0}
+    s = RewardSettings.defaults(workers=1, components=[slow])
+    t0 = time.monotonic()
+    workers, built = launch_workers(s)
+    try:
+        assert time.monotonic() - t0 < 2.0 and len(workers) == len(built) == 1
+        assert ray.wait(built, timeout=0.5)[0] == []  # still building
+        assert ray.get(built, timeout=120) == [30.0]  # the component's timeout_s
+    finally:
+        stop_workers(workers)
+    bad = RewardSettings.defaults(workers=1, components=[{**slow, "build_s": 0.0, "delay_s": -1}])
+    workers, built = launch_workers(bad)
+    try:
+        with pytest.raises(Exception, match=r"delay_s=-1"):
+            ray.get(built, timeout=120)
+    finally:
+        stop_workers(workers)
