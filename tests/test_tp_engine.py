@@ -234,3 +234,16 @@ def test_a_resharded_sync_leaves_the_workers_as_a_full_tensor_sync_does(ray_loca
           f"bytes per engine rank {per_rank[0]:.0f} vs {per_rank[1]:.0f}, sync "
           f"{resharded['broker/sync_seconds']:.3f} s vs {full['broker/sync_seconds']:.3f} s")  # fmt: skip
     assert 0.4 < per_rank[0] / per_rank[1] < 0.6
+
+
+@pytest.mark.slow
+def test_the_actor_reports_the_shared_memory_its_workers_map(ray_local, tp_actor):
+    """``RolloutActor.pids()``: a TP-2 engine's workers talk through vLLM's shared-memory
+    queues (``psm_*`` in /dev/shm); the actor lists them, for the supervisor to remove
+    if the engine is killed (asyncrl/utils/shm.py)."""
+    from asyncrl.utils.shm import SHM
+
+    pids = ray_local.get(tp_actor["actor"].pids.remote())
+    assert len(pids["children"]) >= TP  # the engine core and its workers
+    assert any(n.startswith("psm_") for n in pids["shm"]), pids
+    assert all((SHM / n).exists() for n in pids["shm"])

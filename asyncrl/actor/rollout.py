@@ -220,8 +220,12 @@ class RolloutActor:
 
     def pids(self) -> dict[str, Any]:
         """This process and its descendants (the vLLM engine core, its workers): pid ->
-        command name; the supervisor kills what outlives the actor, tests kill them."""
+        command name, and the /dev/shm files they map (their queues: asyncrl/utils/shm.py);
+        the supervisor kills what outlives the actor and removes those files, tests kill
+        them."""
         import psutil
+
+        from asyncrl.utils.shm import mapped
 
         me = psutil.Process()
         procs = {}
@@ -230,7 +234,8 @@ class RolloutActor:
                 procs[p.pid] = p.name()
             except psutil.Error:  # exited meanwhile
                 continue
-        return {"pid": me.pid, "host": os.uname().nodename, "children": procs}
+        shm = sorted(mapped([me.pid, *procs]))
+        return {"pid": me.pid, "host": os.uname().nodename, "children": procs, "shm": shm}
 
     def ping(self) -> str:
         return self.name

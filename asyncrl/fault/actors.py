@@ -4,7 +4,8 @@ its lost work counted. It lives in the driver; nothing here blocks for an engine
 
     driver loop, each step and each BATCH_POLL_S of wait_batch: poll()
       up ──(get_stats: ActorDiedError, engine_dead, fatal)──▶ lost:
-           broker.remove_actor · ray.kill + its leftover engine processes killed ·
+           broker.remove_actor · ray.kill + its leftover engine processes killed (and
+           the /dev/shm files they had mapped removed once unmapped: utils/shm.py) ·
            queue.actor_lost (granted slots freed, counted in groups_lost; the actor's
            name gets no slot until its replacement's first weight sync)
       lost ──(restarts < fault.actor_restarts)──▶ starting: new_actor(same name, fresh
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.fault.settings import FaultSettings
+from asyncrl.utils import shm
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class ActorSupervisor:
         self.spawn = spawn
         self.actors = {n: Incarnation(n, seeds[n], h) for n, h in parts.actors.items()}
         self.groups_lost = 0
+        self.shm = shm.Leftovers()  # what killed incarnations' processes had mapped
         parts.broker.supervise()  # no actor left is the supervisor's call, not the broker's
         for inc in self.actors.values():
             inc.pids = self._pids(inc.handle)
@@ -104,6 +107,8 @@ class ActorSupervisor:
         if any(i.state != "dead" and i.event and "first_group_at" not in i.event
                for i in self.actors.values()):  # fmt: skip
             self._first_groups()
+        for name in self.shm.clean():
+            log.info("removed /dev/shm/%s, left by a killed actor's engine", name)
 
     @property
     def restarting(self) -> bool:
@@ -152,6 +157,7 @@ class ActorSupervisor:
             if inc.state == "starting":
                 self._kill(inc)
                 inc.state = "dead"
+        self.shm.clean()
 
     # ---- one death -----------------------------------------------------------------------
     def _lost(self, inc: Incarnation, why: str) -> None:
@@ -260,7 +266,17 @@ class ActorSupervisor:
                 ray.kill(inc.handle, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+        self.shm.note(shm_of(inc.pids))
         kill_leftovers(inc.pids)
+
+
+def shm_of(pids: dict[str, Any]) -> set[str]:
+    """The /dev/shm names an incarnation's processes had mapped (``RolloutActor.pids()``'s
+    ``shm``, read after its start) and those its recorded children map now; none for an
+    actor on another host."""
+    if not pids or pids.get("host") != os.uname().nodename:
+        return set()
+    return set(pids.get("shm", ())) | shm.mapped(int(p) for p in pids.get("children", {}))
 
 
 def kill_leftovers(pids: dict[str, Any]) -> list[int]:

@@ -6,7 +6,9 @@
        ▼
     driver exits (any way) ──pidfd readable──▶ watchdog sweeps /proc: SIGKILL every
                                                process whose environment holds the mark,
-                                               and every descendant it last saw
+                                               and every descendant it last saw; then
+                                               unlinks the /dev/shm files they had mapped
+                                               that no live process maps (utils/shm.py)
 
 The tree is also watched (``TREE_POLL_S``): a process may clobber its own environment
 block, as Ray's agents' process titles can (setproctitle reuses argv and environ
@@ -91,13 +93,17 @@ def descendants(pid: int) -> dict[int, str]:
 
 def sweep(run_id: str, seen: dict[int, str] | None = None) -> int:
     """SIGKILL every marked process, and every process of ``seen`` (pid -> start time,
-    still the same process), until none is left; returns how many were killed."""
-    killed, quiet = 0, 0
+    still the same process), until none is left, then remove the shared memory they
+    had mapped; returns how many were killed."""
+    from asyncrl.utils.shm import mapped, remove_unmapped
+
+    killed, quiet, names = 0, 0, set()
     for _ in range(SWEEP_ROUNDS):
         pids = marked(run_id) + [p for p, t in (seen or {}).items() if _started(p) == t]
         quiet = quiet + 1 if not pids else 0
         if quiet >= 2:
             break
+        names |= mapped(pids)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -105,6 +111,7 @@ def sweep(run_id: str, seen: dict[int, str] | None = None) -> int:
             except OSError:
                 pass
         time.sleep(SWEEP_PAUSE_S)
+    remove_unmapped(names)
     return killed
 
 
