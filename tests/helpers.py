@@ -159,7 +159,7 @@ SHORT_RUN_REWARD = (
     "reward=judge",
     "reward.components=[{_target_: asyncrl.rewards.task.TaskReward, weight: 1.0}, "
     "{_target_: asyncrl.rewards.rm.RewardModel, weight: 0.5, model: tiny}, "
-    "{_target_: asyncrl.rewards.judge.Judge, weight: 0.25, model: tiny, timeout_s: 600}]",
+    "{_target_: asyncrl.rewards.judge.Judge, weight: 0.25, model: tiny, retries: 0, timeout_s: 600}]",
 )
 # the default job with the strict answer verifier scored at weight 0 (every hacking rule
 # live, the training reward the task's alone): conftest.default_run

@@ -362,11 +362,11 @@ def test_cli_run_trains_through_the_agent(tmp_path, tiny_model):
     r = run_cli(
         out, "env=agent", f"env.program={AGENT}",
         f"env.chat_template={AGENTS / 'tiny_chat.jinja'}",
-        "max_steps=3", "learner.batch_groups=2", "actor.sampling.n=4",
+        "max_steps=2", "learner.batch_groups=1", "actor.sampling.n=4",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     s = json.loads((out / "summary.json").read_text())
-    assert s["steps"] == 3 and s["trajectories_trained"] > 0
+    assert s["steps"] == 2 and s["trajectories_trained"] > 0
     assert s["trajectories_produced"] == (
         s["trajectories_trained"] + s["trajectories_dropped_stale"] + s["trajectories_in_flight"]
     )

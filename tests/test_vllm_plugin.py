@@ -91,22 +91,33 @@ def _run(*naps: str) -> list[tuple[float, list[float], float, float]]:
                 p.kill()
 
 
+ATTEMPTS = 3  # of the side-by-side comparison, for a spinning reader that got a core
+
+
 @pytest.mark.slow
 def test_reader_naps_and_misses_nothing():
     """The napping reader and vLLM's spinning one side by side, through the same idle
-    second under the same load."""
-    (nap, delays, idle_cpu, last), (spin, _, spin_cpu, _) = _run("0.0002", "")
-    assert nap == 0.0002 and spin == 0.0
-    # a nap of 0.2 ms adds no latency of its own: the typical delay stays under 50 ms;
-    # the worst one and the message after the idle window are bounded looser, since a
-    # loaded machine can leave the reader unscheduled for a tenth of a second
-    assert len(delays) == N_MESSAGES and 0 <= min(delays)
-    assert sorted(delays)[N_MESSAGES // 2] < 0.05 and max(delays) < 0.5, delays
-    assert 0 <= last < 0.5, last
-    # vLLM's own spin burns the whole second on a free core (1.0 s measured); the nap
-    # loop ~0.12 s
-    assert idle_cpu < 0.3, idle_cpu
-    assert spin_cpu > idle_cpu, (spin_cpu, idle_cpu)
+    second under the same load. Every attempt's napping reader must meet its bounds; the
+    spinning one is compared in the first attempt where it spun at all: on a machine
+    whose cores are busy with other processes, a reader that yields can be left
+    unscheduled through its whole busy window and use almost no CPU."""
+    compared = []
+    for _ in range(ATTEMPTS):
+        (nap, delays, idle_cpu, last), (spin, _, spin_cpu, _) = _run("0.0002", "")
+        assert nap == 0.0002 and spin == 0.0
+        # a nap of 0.2 ms adds no latency of its own: the typical delay stays under 50
+        # ms; the worst one and the message after the idle window are bounded looser,
+        # since a loaded machine can leave the reader unscheduled for a tenth of a second
+        assert len(delays) == N_MESSAGES and 0 <= min(delays)
+        assert sorted(delays)[N_MESSAGES // 2] < 0.05 and max(delays) < 0.5, delays
+        assert 0 <= last < 0.5, last
+        # vLLM's own spin burns the whole second on a free core (1.0 s measured); the
+        # nap loop ~0.12 s
+        assert idle_cpu < 0.3, idle_cpu
+        compared.append((spin_cpu, idle_cpu))
+        if spin_cpu > idle_cpu:
+            break
+    assert any(spin_cpu > idle_cpu for spin_cpu, idle_cpu in compared), compared
 
 
 def test_the_eager_rank_count_is_vllms_count_and_the_cpu_sampler_uses_it():
