@@ -26,7 +26,7 @@ LEAKER = textwrap.dedent("""
     s = shared_memory.SharedMemory(create=True, size=4096)
     resource_tracker.unregister(s._name, "shared_memory")
     print(s.name, flush=True)
-    time.sleep(60)
+    time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 60)
 """)
 
 
@@ -53,10 +53,11 @@ def test_a_killed_processs_segment_goes_and_live_or_older_ones_stay():
             s.unlink()
 
 
-def leaker(env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """A child holding a segment it made (:data:`LEAKER`), and the segment's name."""
-    p = subprocess.Popen([sys.executable, "-c", LEAKER], stdout=subprocess.PIPE, text=True,
-                         env=env)  # fmt: skip
+def leaker(env: dict[str, str] | None = None, hold_s: float = 60) -> tuple[subprocess.Popen, str]:
+    """A child holding a segment it made (:data:`LEAKER`) for ``hold_s`` seconds, then
+    exiting without unlinking it, and the segment's name."""
+    p = subprocess.Popen([sys.executable, "-c", LEAKER, str(hold_s)], stdout=subprocess.PIPE,
+                         text=True, env=env)  # fmt: skip
     name = p.stdout.readline().strip()
     assert name.startswith("psm_") and (SHM / name).exists()
     return p, name
@@ -146,3 +147,22 @@ def test_the_watchdogs_sweep_kills_the_marked_and_removes_their_segments():
         for name in (leaked, kept):
             with contextlib.suppress(FileNotFoundError):
                 (SHM / name).unlink()
+
+
+def test_the_last_clean_up_waits_for_a_holder_to_exit():
+    """``Leftovers.clean(wait_s)`` (the supervisor's ``close``): a noted segment still
+    mapped by a process that is about to exit is removed once it has, within the wait;
+    without the wait it stays noted."""
+    from asyncrl.utils.shm import Leftovers
+
+    p, leaked = leaker(hold_s=1.0)
+    try:
+        left = Leftovers()
+        left.note([leaked])
+        assert left.clean() == [] and set(left.pending) == {leaked}  # still mapped
+        assert left.clean(wait_s=30) == [leaked] and not (SHM / leaked).exists()
+        assert left.pending == {} and p.wait(timeout=30) == 0
+    finally:
+        reap(p)
+        with contextlib.suppress(FileNotFoundError):
+            (SHM / leaked).unlink()

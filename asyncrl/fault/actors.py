@@ -47,6 +47,9 @@ CALL_TIMEOUT_S = 10.0
 # one: Ray raises it while it is still finding out).
 DEAD_ERRORS = ("ActorDiedError", "RayActorError")
 MAX_WHY = 160  # characters of an error kept in a log line and in summary.json
+# How long the run's last clean-up waits for killed engine processes to exit and unmap
+# their /dev/shm files (asyncrl/utils/shm.py); only while some are still mapped.
+SHM_CLOSE_WAIT_S = 5.0
 
 
 @dataclass
@@ -152,12 +155,13 @@ class ActorSupervisor:
 
     def close(self) -> None:
         """Kill the actors still starting (the others are in ``parts.actors``: the
-        caller stops them)."""
+        caller stops them), and remove the /dev/shm files of the killed incarnations,
+        waiting up to :data:`SHM_CLOSE_WAIT_S` for their processes to exit."""
         for inc in self.actors.values():
             if inc.state == "starting":
                 self._kill(inc)
                 inc.state = "dead"
-        self.shm.clean()
+        self.shm.clean(wait_s=SHM_CLOSE_WAIT_S)
 
     # ---- one death -----------------------------------------------------------------------
     def _lost(self, inc: Incarnation, why: str) -> None:

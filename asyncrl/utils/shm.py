@@ -23,6 +23,7 @@ from pathlib import Path
 SHM = Path("/dev/shm")
 PATTERNS = ("psm_*", "sem.mp-*")
 GIVE_UP_S = 60.0  # a name still mapped this long after its owner's death is left alone
+RETRY_S = 0.2  # between looks of a waiting clean-up
 
 
 def ours(name: str) -> bool:
@@ -85,13 +86,19 @@ class Leftovers:
             if ours(name):
                 self.pending.setdefault(name, now)
 
-    def clean(self) -> list[str]:
-        """Remove the noted names no live process maps; returns them."""
-        if not self.pending:
-            return []
-        gone = remove_unmapped(self.pending, self.shm)
-        now = time.monotonic()
-        for name, noted in list(self.pending.items()):
-            if name in gone or not (self.shm / name).exists() or now - noted > self.give_up_s:
-                del self.pending[name]
+    def clean(self, wait_s: float = 0.0) -> list[str]:
+        """Remove the noted names no live process maps; returns them. ``wait_s``: look
+        again every :data:`RETRY_S` for that long while some are still mapped (the last
+        clean-up of a run, whose killed processes may not have exited yet)."""
+        deadline = time.monotonic() + wait_s
+        gone: list[str] = []
+        while self.pending:
+            gone += remove_unmapped(self.pending, self.shm)
+            now = time.monotonic()
+            for name, noted in list(self.pending.items()):
+                if name in gone or not (self.shm / name).exists() or now - noted > self.give_up_s:
+                    del self.pending[name]
+            if not self.pending or now >= deadline:
+                break
+            time.sleep(RETRY_S)
         return gone
